@@ -1,0 +1,124 @@
+//! The engine boundary the HTTP layer sees: submit a tokenized request to a lane, receive a
+//! stream of events, drop the stream to cancel. Nothing here knows about actors' internals,
+//! backends or HTTP.
+
+use std::sync::Arc;
+
+use crate::sampling::SamplingParams;
+use crate::tokenizer::TokenizerBundle;
+
+/// A generation request after the API layer validated and tokenized it.
+#[derive(Clone, Debug)]
+pub struct GenerationRequest {
+    /// Lane name (`voice`, `agent`, …): decides priority and queue.
+    pub lane: String,
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// Upper bound on generated tokens (already capped by the lane maximum and the context).
+    pub max_tokens: usize,
+    /// OpenAI `stop` strings, matched on the detokenized text across token boundaries.
+    pub stop_strings: Vec<String>,
+    /// Extra ids that end generation, in addition to the model's end-of-generation ids.
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating through end-of-generation ids (benchmarks).
+    pub ignore_eos: bool,
+    /// Drop special tokens from the text (OpenAI default).
+    pub skip_special_tokens: bool,
+}
+
+/// One generated token as the client may see it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenInfo {
+    pub id: u32,
+    /// Log-probability of `id` (present when the request asked for logprobs).
+    pub logprob: Option<f32>,
+    /// Top alternatives `(id, logprob)`, best first.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// EOS, a stop token or a stop string.
+    Stop,
+    /// `max_tokens` or the context limit.
+    Length,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum StreamEvent {
+    /// New text (may be empty while a stop string or a multi-byte character is pending) and the
+    /// tokens that produced it.
+    Delta { text: String, tokens: Vec<TokenInfo> },
+    /// The last event of a successful request.
+    Finished { reason: FinishReason, usage: Usage },
+    /// The request failed; the last event.
+    Error(EngineError),
+}
+
+/// Why a request could not be admitted or did not finish. `kind()` is a stable label for
+/// metrics and for mapping to HTTP status codes in exactly one place (the API layer).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum EngineError {
+    #[error("unknown lane `{0}`")]
+    UnknownLane(String),
+    #[error("lane `{lane}` queue is full ({capacity} waiting requests); retry later")]
+    QueueFull { lane: String, capacity: usize },
+    #[error("the engine is not ready: {0}")]
+    NotReady(String),
+    #[error("{needed} tokens (prompt {prompt} + max_tokens {max_tokens}) exceed the {limit}-token limit")]
+    TooLong { needed: usize, prompt: usize, max_tokens: usize, limit: usize },
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("executor failed: {0}")]
+    Executor(String),
+    #[error("the engine is shutting down")]
+    ShuttingDown,
+}
+
+impl EngineError {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            EngineError::UnknownLane(_) => "unknown_lane",
+            EngineError::QueueFull { .. } => "queue_full",
+            EngineError::NotReady(_) => "not_ready",
+            EngineError::TooLong { .. } => "context_length_exceeded",
+            EngineError::Invalid(_) => "invalid_request",
+            EngineError::Executor(_) => "executor_failed",
+            EngineError::ShuttingDown => "shutting_down",
+        }
+    }
+}
+
+/// Receives a request's events; dropping it cancels the request (its pages are freed at the
+/// next step boundary).
+pub type EventStream = tokio::sync::mpsc::Receiver<StreamEvent>;
+
+/// Static facts about the served model, for `/v1/models` and request validation.
+#[derive(Clone)]
+pub struct ModelInfo {
+    /// The id clients use in `model` (plus `default` as an alias).
+    pub id: String,
+    pub max_context: usize,
+    pub vocab_size: usize,
+    pub tokenizer: Option<Arc<TokenizerBundle>>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// What the HTTP layer needs from the engine.
+pub trait InferenceEngine: Send + Sync + 'static {
+    fn model(&self) -> &ModelInfo;
+    /// True once the model is loaded and the executors are up.
+    fn is_ready(&self) -> bool;
+    /// Queue a request. Errors that are known before queueing (unknown lane, full queue, too
+    /// long, not ready) are returned here; later failures arrive as `StreamEvent::Error`.
+    fn submit(&self, req: GenerationRequest) -> Result<EventStream, EngineError>;
+}

@@ -1,0 +1,647 @@
+//! `POST /v1/chat/completions`: validates the conversation, merges the lane's reasoning
+//! defaults into `chat_template_kwargs`, renders the chat template and tokenizes (blocking pool),
+//! submits one engine request per choice, and answers with a `chat.completion` or a stream of
+//! `chat.completion.chunk` events.
+//!
+//! Message normalisation: `developer` is sent to the template as `system`; a content list of
+//! `{"type":"text"}` parts becomes one string joined with `\n` (as vLLM does for templates that
+//! expect string content); a tool call's `arguments` JSON string is parsed into an object, which
+//! is what HF templates (`arguments | tojson`) expect. Tool calls in the *output* are returned as
+//! plain text: parsing them is the engine's job (its request actor owns the tool parsers).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use bytes::{Bytes, BytesMut};
+use serde_json::{Map, Value};
+
+use super::errors::ApiError;
+use super::params::{self, json_kind, Plan};
+use super::sse::{self, Choices, SseSource};
+use super::tokens::{finite_logprob, TokenPieces};
+use super::types::{
+    ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, ChatDelta, ChatLogprobs, ChatMessageOut, ChatParams,
+    ChatTokenLogprob, ChatTopLogprob, CommonParams, UsageBody,
+};
+use super::{blocking, metrics, read_body, response_id, unix_now, LaneState, TemplateState};
+use crate::actors::handle::{FinishReason, GenerationRequest, StreamEvent, TokenInfo, Usage};
+use crate::config::engine::LaneConfig;
+use crate::sampling::MAX_LOGPROBS;
+use crate::tokenizer::chat::ChatRender;
+use crate::tokenizer::TokenizerError;
+
+/// Names the template receives separately; a kwarg may not shadow them.
+const RESERVED_KWARGS: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
+
+/// A validated, tokenized chat request.
+struct Prepared {
+    requests: Vec<GenerationRequest>,
+    plan: Plan,
+    prompt_len: usize,
+    /// `Some` when the client asked for logprobs.
+    pieces: Option<Arc<TokenPieces>>,
+}
+
+pub(crate) async fn handle(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<LaneState>,
+) -> Result<HttpResponse, ApiError> {
+    let start = Instant::now();
+    let body = read_body(&req, payload, state.shared.opts.max_body_bytes).await?;
+    state.ensure_ready()?;
+    let st = state.clone().into_inner();
+    let prepared = blocking(move || prepare(&st, &body)).await?;
+    tracing::debug!(
+        lane = %state.lane.name,
+        prompt_tokens = prepared.prompt_len,
+        n = prepared.plan.n,
+        stream = prepared.plan.stream,
+        "chat completion admitted"
+    );
+    let receivers = state.submit(prepared.requests, "messages")?;
+    let choices = Choices::new(receivers, &state.lane.name, start);
+    let reply = Reply {
+        id: response_id("chatcmpl"),
+        created: unix_now(),
+        model: state.served_name().to_owned(),
+        lane: state.lane.name.clone(),
+        prompt_len: prepared.prompt_len,
+        pieces: prepared.pieces,
+    };
+    if prepared.plan.stream {
+        let n = prepared.plan.n;
+        let include_usage = prepared.plan.include_usage;
+        return Ok(sse::sse_response(ChatStream::new(choices, reply, n, include_usage)));
+    }
+    reply.collect(choices, prepared.plan.n).await
+}
+
+fn prepare(state: &LaneState, body: &[u8]) -> Result<Prepared, ApiError> {
+    let v = params::parse_body(body)?;
+    let common: CommonParams = params::fields(&v)?;
+    let chat: ChatParams = params::fields(&v)?;
+    let model = state.shared.engine.model();
+    params::check_model(common.model.as_deref(), state.served_name(), model)?;
+    let logprobs = match (chat.logprobs.unwrap_or(false), chat.top_logprobs) {
+        (_, Some(k)) if k > MAX_LOGPROBS as u64 => {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                format!("`top_logprobs` = {k} must be in 0..={MAX_LOGPROBS}"),
+            ))
+        }
+        (false, Some(k)) if k > 0 => {
+            return Err(ApiError::invalid("top_logprobs", "`top_logprobs` requires `logprobs: true`"))
+        }
+        (true, k) => Some(k.unwrap_or(0) as usize),
+        (false, _) => None,
+    };
+    // OpenAI renamed `max_tokens` to `max_completion_tokens`; the new name wins when both come.
+    let max_tokens = chat
+        .max_completion_tokens
+        .map(|m| (m, "max_completion_tokens"))
+        .or(common.max_tokens.map(|m| (m, "max_tokens")));
+    let plan = params::plan(&common, max_tokens, logprobs, &state.lane, model)?;
+    check_response_format(chat.response_format.as_ref())?;
+    let pass_tools = check_tool_choice(chat.tool_choice.as_ref())?;
+    let tools = match chat.tools {
+        Some(tools) => {
+            if let Some((i, t)) = tools.iter().enumerate().find(|(_, t)| !t.is_object()) {
+                return Err(ApiError::invalid(
+                    format!("tools[{i}]"),
+                    format!("`tools[{i}]` must be a tool object, not {}", json_kind(t)),
+                ));
+            }
+            pass_tools.then_some(Value::Array(tools))
+        }
+        None => None,
+    };
+    let messages = Value::Array(normalize_messages(chat.messages)?);
+    let kwargs = template_kwargs(chat.chat_template_kwargs, chat.reasoning_effort, &state.lane)?;
+
+    let assets = state.shared.assets();
+    let Some(tokenizer) = assets.tokenizer.as_ref() else {
+        return Err(ApiError::unsupported(
+            "messages",
+            "this model has no tokenizer, so chat is unavailable; use /v1/completions with a prompt of token ids",
+        ));
+    };
+    let template = match &assets.template {
+        TemplateState::Ready(t) => t,
+        TemplateState::Missing => {
+            return Err(ApiError::unsupported(
+                "messages",
+                "this model has no chat template; use /v1/completions with a plain prompt",
+            ))
+        }
+        TemplateState::Broken(e) => {
+            return Err(ApiError::Internal(format!("the model's chat template is unusable: {e}")))
+        }
+    };
+    let render = ChatRender {
+        messages: &messages,
+        tools: tools.as_ref(),
+        add_generation_prompt: chat.add_generation_prompt.unwrap_or(true),
+        kwargs: &kwargs,
+    };
+    let text = template.render(&render).map_err(|e| match e {
+        // Template errors are usually `raise_exception` calls about the conversation
+        // ("roles must alternate"): the client's to fix.
+        TokenizerError::Template(m) => {
+            ApiError::invalid("messages", format!("the chat template rejected the conversation: {m}"))
+        }
+        TokenizerError::Tokenizer(m) => ApiError::Internal(m),
+    })?;
+    // The rendered template already holds its special tokens (BOS included), as in HF.
+    let ids = tokenizer.encode(&text, false).map_err(|e| ApiError::Internal(e.to_string()))?;
+    if ids.is_empty() {
+        return Err(ApiError::invalid("messages", "the conversation renders to an empty prompt"));
+    }
+    let max_tokens = params::resolve_max_tokens(&plan, ids.len(), &state.lane, model, "messages")?;
+    let prompt_len = ids.len();
+    let requests = params::requests(&plan, ids, max_tokens, &state.lane.name);
+    let pieces = if logprobs.is_some() { assets.pieces.clone() } else { None };
+    Ok(Prepared { requests, plan, prompt_len, pieces })
+}
+
+fn check_response_format(v: Option<&Value>) -> Result<(), ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::Object(o)) => match o.get("type").and_then(Value::as_str) {
+            Some("text") => Ok(()),
+            Some(t @ ("json_object" | "json_schema")) => Err(ApiError::unsupported(
+                "response_format",
+                format!("`response_format` type `{t}` is not supported yet (it needs constrained decoding)"),
+            )),
+            _ => Err(ApiError::invalid(
+                "response_format.type",
+                "`response_format.type` must be `text`, `json_object` or `json_schema`",
+            )),
+        },
+        Some(other) => Err(ApiError::invalid(
+            "response_format",
+            format!("`response_format` must be an object, not {}", json_kind(other)),
+        )),
+    }
+}
+
+/// Whether tools reach the template. Forcing a call (`required`, a named function) needs
+/// constrained decoding, which this server does not have yet: refused rather than ignored.
+fn check_tool_choice(v: Option<&Value>) -> Result<bool, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(true),
+        Some(Value::String(s)) if s == "auto" => Ok(true),
+        Some(Value::String(s)) if s == "none" => Ok(false),
+        Some(Value::String(s)) if s == "required" => {
+            Err(ApiError::unsupported("tool_choice", "`tool_choice: \"required\"` is not supported yet; use `auto`"))
+        }
+        Some(Value::Object(_)) => {
+            Err(ApiError::unsupported("tool_choice", "forcing a named tool is not supported yet; use `auto`"))
+        }
+        Some(other) => Err(ApiError::invalid(
+            "tool_choice",
+            format!("`tool_choice` must be `auto`, `none`, `required` or an object, not {other}"),
+        )),
+    }
+}
+
+/// Check each message and rewrite it into what templates expect (see the module doc).
+fn normalize_messages(messages: Option<Vec<Value>>) -> Result<Vec<Value>, ApiError> {
+    let messages = messages.ok_or_else(|| ApiError::invalid("messages", "`messages` is required"))?;
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages", "`messages` must contain at least one message"));
+    }
+    messages.into_iter().enumerate().map(|(i, m)| normalize_message(i, m)).collect()
+}
+
+fn normalize_message(i: usize, m: Value) -> Result<Value, ApiError> {
+    let Value::Object(mut obj) = m else {
+        return Err(ApiError::invalid(
+            format!("messages[{i}]"),
+            format!("`messages[{i}]` must be an object, not {}", json_kind(&m)),
+        ));
+    };
+    let role_param = format!("messages[{i}].role");
+    let role = match obj.get("role") {
+        Some(Value::String(r)) => match r.as_str() {
+            "system" | "developer" => "system",
+            "user" => "user",
+            "assistant" => "assistant",
+            "tool" => "tool",
+            other => {
+                return Err(ApiError::invalid(
+                    role_param,
+                    format!(
+                    "unknown role `{other}` in `messages[{i}]`; expected system, developer, user, assistant or tool"
+                ),
+                ))
+            }
+        },
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid(role_param, format!("`messages[{i}].role` is required")))
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                role_param,
+                format!("`messages[{i}].role` must be a string, not {}", json_kind(other)),
+            ))
+        }
+    };
+    obj.insert("role".into(), Value::from(role));
+    let content_param = format!("messages[{i}].content");
+    match obj.get("content") {
+        None | Some(Value::Null) if role == "assistant" => {}
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid(
+                content_param,
+                format!("`messages[{i}].content` is required for role `{role}`"),
+            ))
+        }
+        Some(Value::String(_)) => {}
+        Some(Value::Array(parts)) => {
+            let text = join_text_parts(i, parts)?;
+            obj.insert("content".into(), Value::String(text));
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                content_param,
+                format!(
+                    "`messages[{i}].content` must be a string or a list of content parts, not {}",
+                    json_kind(other)
+                ),
+            ))
+        }
+    }
+    if let Some(Value::Array(calls)) = obj.get_mut("tool_calls") {
+        for call in calls.iter_mut() {
+            if let Some(args) = call.get_mut("function").and_then(|f| f.get_mut("arguments")) {
+                if let Some(parsed) = args.as_str().and_then(|s| serde_json::from_str::<Value>(s).ok()) {
+                    if parsed.is_object() {
+                        *args = parsed;
+                    }
+                }
+            }
+        }
+    }
+    Ok(Value::Object(obj))
+}
+
+fn join_text_parts(i: usize, parts: &[Value]) -> Result<String, ApiError> {
+    let mut texts = Vec::with_capacity(parts.len());
+    for (j, part) in parts.iter().enumerate() {
+        let param = format!("messages[{i}].content[{j}]");
+        let Some(obj) = part.as_object() else {
+            return Err(ApiError::invalid(
+                param.clone(),
+                format!("`{param}` must be a content part object, not {}", json_kind(part)),
+            ));
+        };
+        match obj.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some(other) => {
+                return Err(ApiError::unsupported(
+                    format!("{param}.type"),
+                    format!("content part type `{other}` in `{param}` is not supported; only `text` parts are"),
+                ))
+            }
+            None => return Err(ApiError::invalid(format!("{param}.type"), format!("`{param}.type` must be a string"))),
+        }
+        match obj.get("text") {
+            Some(Value::String(t)) => texts.push(t.as_str()),
+            _ => return Err(ApiError::invalid(format!("{param}.text"), format!("`{param}.text` must be a string"))),
+        }
+    }
+    Ok(texts.join("\n"))
+}
+
+/// The kwargs the template sees: the request's `chat_template_kwargs`, then the top-level
+/// `reasoning_effort`, then the lane defaults, each only where nothing earlier set the key.
+/// `thinking` and `enable_thinking` are two spellings of one switch (templates read one or the
+/// other): a boolean the request sets for either is mirrored to the other, and the lane default
+/// fills both only when the request set neither.
+pub(crate) fn template_kwargs(
+    requested: Option<Map<String, Value>>,
+    reasoning_effort: Option<String>,
+    lane: &LaneConfig,
+) -> Result<Map<String, Value>, ApiError> {
+    let mut kw = requested.unwrap_or_default();
+    if let Some(k) = RESERVED_KWARGS.iter().find(|k| kw.contains_key(**k)) {
+        return Err(ApiError::invalid(
+            "chat_template_kwargs",
+            format!("`chat_template_kwargs` may not set `{k}`: it is passed to the template separately"),
+        ));
+    }
+    if !kw.contains_key("reasoning_effort") {
+        if let Some(effort) = reasoning_effort.or_else(|| lane.reasoning_effort.clone()) {
+            kw.insert("reasoning_effort".into(), Value::String(effort));
+        }
+    }
+    match (kw.get("enable_thinking").cloned(), kw.get("thinking").cloned()) {
+        (None, None) => {
+            if let Some(t) = lane.thinking {
+                kw.insert("enable_thinking".into(), Value::Bool(t));
+                kw.insert("thinking".into(), Value::Bool(t));
+            }
+        }
+        (Some(v @ Value::Bool(_)), None) => {
+            kw.insert("thinking".into(), v);
+        }
+        (None, Some(v @ Value::Bool(_))) => {
+            kw.insert("enable_thinking".into(), v);
+        }
+        _ => {}
+    }
+    Ok(kw)
+}
+
+/// Response fields shared by the streaming and non-streaming paths.
+struct Reply {
+    id: String,
+    created: u64,
+    model: String,
+    lane: String,
+    prompt_len: usize,
+    pieces: Option<Arc<TokenPieces>>,
+}
+
+impl Reply {
+    fn logprobs(&self, tokens: &[TokenInfo]) -> Option<ChatLogprobs> {
+        let pieces = self.pieces.as_ref()?;
+        Some(ChatLogprobs { content: tokens.iter().map(|t| token_logprob(pieces, t)).collect() })
+    }
+
+    fn usage(&self, completion_tokens: usize, cached: usize) -> UsageBody {
+        UsageBody::new(self.prompt_len, completion_tokens, cached)
+    }
+
+    async fn collect(self, mut choices: Choices, n: usize) -> Result<HttpResponse, ApiError> {
+        let mut acc: Vec<Acc> = (0..n).map(|_| Acc::default()).collect();
+        while let Some((i, event)) = choices.next().await {
+            match event {
+                StreamEvent::Delta { text, tokens } => {
+                    acc[i].text.push_str(&text);
+                    acc[i].tokens.extend(tokens);
+                }
+                StreamEvent::Finished { reason, usage } => acc[i].finish = Some((reason, usage)),
+                StreamEvent::Error(e) => {
+                    choices.cancel_all();
+                    metrics::request_error(&self.lane, e.kind());
+                    return Err(ApiError::engine(e, Some("messages")));
+                }
+            }
+        }
+        let completion_tokens = acc.iter().map(Acc::completion_tokens).sum();
+        let cached = acc.first().and_then(|a| a.finish).map_or(0, |(_, u)| u.cached_tokens);
+        let choices = acc
+            .into_iter()
+            .enumerate()
+            .map(|(index, a)| ChatChoice {
+                index,
+                logprobs: self.logprobs(&a.tokens),
+                message: ChatMessageOut { role: "assistant", content: a.text },
+                finish_reason: a.finish.map(|(r, _)| r),
+            })
+            .collect();
+        let body = ChatCompletion {
+            id: &self.id,
+            object: "chat.completion",
+            created: self.created,
+            model: &self.model,
+            choices,
+            usage: self.usage(completion_tokens, cached),
+        };
+        Ok(HttpResponse::Ok().json(body))
+    }
+}
+
+#[derive(Default)]
+struct Acc {
+    text: String,
+    tokens: Vec<TokenInfo>,
+    finish: Option<(FinishReason, Usage)>,
+}
+
+impl Acc {
+    fn completion_tokens(&self) -> usize {
+        self.finish.map_or(self.tokens.len(), |(_, u)| u.completion_tokens)
+    }
+}
+
+fn token_logprob(pieces: &TokenPieces, t: &TokenInfo) -> ChatTokenLogprob {
+    let (token, bytes) = pieces.piece(t.id);
+    ChatTokenLogprob {
+        token,
+        logprob: finite_logprob(t.logprob.unwrap_or(f32::NEG_INFINITY)),
+        bytes,
+        top_logprobs: t
+            .top_logprobs
+            .iter()
+            .map(|&(id, lp)| {
+                let (token, bytes) = pieces.piece(id);
+                ChatTopLogprob { token, logprob: finite_logprob(lp), bytes }
+            })
+            .collect(),
+    }
+}
+
+/// The SSE body: role chunks, content chunks as the engine produces them (interleaved across
+/// choices, each tagged with its `index`), a `finish_reason` chunk per choice, the optional usage
+/// chunk, then `[DONE]`. An engine error ends the stream with an error event and `[DONE]`.
+struct ChatStream {
+    choices: Choices,
+    reply: Reply,
+    n: usize,
+    include_usage: bool,
+    completion_tokens: usize,
+    cached: Option<usize>,
+    started: bool,
+    done: bool,
+}
+
+impl ChatStream {
+    fn new(choices: Choices, reply: Reply, n: usize, include_usage: bool) -> Self {
+        Self { choices, reply, n, include_usage, completion_tokens: 0, cached: None, started: false, done: false }
+    }
+
+    fn chunk(&self, choices: Vec<ChatChunkChoice>, usage: Option<UsageBody>) -> Bytes {
+        sse::event(&ChatChunk {
+            id: &self.reply.id,
+            object: "chat.completion.chunk",
+            created: self.reply.created,
+            model: &self.reply.model,
+            choices,
+            usage,
+        })
+    }
+
+    fn one(
+        &self,
+        index: usize,
+        delta: ChatDelta,
+        logprobs: Option<ChatLogprobs>,
+        finish: Option<FinishReason>,
+    ) -> Bytes {
+        self.chunk(vec![ChatChunkChoice { index, delta, logprobs, finish_reason: finish }], None)
+    }
+}
+
+impl SseSource for ChatStream {
+    async fn next_chunk(&mut self) -> Option<Bytes> {
+        if self.done {
+            return None;
+        }
+        if !self.started {
+            self.started = true;
+            let mut out = BytesMut::new();
+            for i in 0..self.n {
+                let delta = ChatDelta { role: Some("assistant"), content: Some(String::new()) };
+                out.extend_from_slice(&self.one(i, delta, None, None));
+            }
+            return Some(out.freeze());
+        }
+        loop {
+            match self.choices.next().await {
+                Some((i, StreamEvent::Delta { text, tokens })) => {
+                    let logprobs = if tokens.is_empty() { None } else { self.reply.logprobs(&tokens) };
+                    if text.is_empty() && logprobs.is_none() {
+                        continue;
+                    }
+                    return Some(self.one(i, ChatDelta { role: None, content: Some(text) }, logprobs, None));
+                }
+                Some((i, StreamEvent::Finished { reason, usage })) => {
+                    self.completion_tokens += usage.completion_tokens;
+                    if i == 0 {
+                        self.cached = Some(usage.cached_tokens);
+                    }
+                    return Some(self.one(i, ChatDelta::default(), None, Some(reason)));
+                }
+                Some((_, StreamEvent::Error(e))) => {
+                    self.choices.cancel_all();
+                    self.done = true;
+                    metrics::request_error(&self.reply.lane, e.kind());
+                    let mut out = BytesMut::from(&sse::error_event(&ApiError::engine(e, Some("messages")))[..]);
+                    out.extend_from_slice(&sse::done_event());
+                    return Some(out.freeze());
+                }
+                None => {
+                    self.done = true;
+                    let mut out = BytesMut::new();
+                    if self.include_usage {
+                        let usage = self.reply.usage(self.completion_tokens, self.cached.unwrap_or(0));
+                        out.extend_from_slice(&self.chunk(Vec::new(), Some(usage)));
+                    }
+                    out.extend_from_slice(&sse::done_event());
+                    return Some(out.freeze());
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn lane(effort: Option<&str>, thinking: Option<bool>) -> LaneConfig {
+        LaneConfig {
+            name: "agent".into(),
+            port: 0,
+            priority: 0,
+            reasoning_effort: effort.map(str::to_owned),
+            thinking,
+            default_max_tokens: 16,
+            max_tokens_limit: 64,
+            max_queue: 4,
+        }
+    }
+
+    fn kw(requested: Value, effort: Option<&str>, l: &LaneConfig) -> Value {
+        let requested = requested.as_object().cloned();
+        Value::Object(template_kwargs(requested, effort.map(str::to_owned), l).unwrap())
+    }
+
+    #[test]
+    fn lane_defaults_fill_only_what_the_request_left_unset() {
+        let l = lane(Some("high"), Some(true));
+        assert_eq!(
+            kw(json!(null), None, &l),
+            json!({"reasoning_effort": "high", "enable_thinking": true, "thinking": true})
+        );
+        // Top-level reasoning_effort counts as the request setting it.
+        assert_eq!(kw(json!(null), Some("low"), &l)["reasoning_effort"], "low");
+        // chat_template_kwargs is the most specific and wins over the top-level field.
+        assert_eq!(kw(json!({"reasoning_effort": "medium"}), Some("low"), &l)["reasoning_effort"], "medium");
+        // Setting one spelling of the switch sets both; the lane default does not sneak back in.
+        let k = kw(json!({"enable_thinking": false}), None, &l);
+        assert_eq!((k["enable_thinking"].clone(), k["thinking"].clone()), (json!(false), json!(false)));
+        let k = kw(json!({"thinking": false}), None, &l);
+        assert_eq!((k["enable_thinking"].clone(), k["thinking"].clone()), (json!(false), json!(false)));
+        // Other kwargs pass through untouched.
+        assert_eq!(kw(json!({"custom": [1]}), None, &l)["custom"], json!([1]));
+        // A lane without defaults adds nothing: never a silent "max".
+        assert_eq!(kw(json!(null), None, &lane(None, None)), json!({}));
+    }
+
+    #[test]
+    fn reserved_kwargs_are_refused() {
+        let e = template_kwargs(json!({"messages": []}).as_object().cloned(), None, &lane(None, None)).unwrap_err();
+        assert_eq!(e.body().param, Some("chat_template_kwargs"));
+    }
+
+    #[test]
+    fn messages_are_normalised() {
+        let out = normalize_messages(Some(vec![
+            json!({"role": "developer", "content": "be brief"}),
+            json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "x"}),
+            json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                   "function": {"name": "f", "arguments": "{\"x\": 1}"}}]}),
+            json!({"role": "tool", "tool_call_id": "c1", "content": "42"}),
+        ]))
+        .unwrap();
+        assert_eq!(out[0], json!({"role": "system", "content": "be brief"}));
+        assert_eq!(out[1], json!({"role": "user", "content": "a\nb", "name": "x"}));
+        assert_eq!(out[2]["tool_calls"][0]["function"]["arguments"], json!({"x": 1}));
+        assert_eq!(out[3]["tool_call_id"], "c1");
+    }
+
+    #[test]
+    fn bad_messages_name_the_field() {
+        let cases = [
+            (json!({"role": "wizard", "content": "x"}), "messages[0].role"),
+            (json!({"content": "x"}), "messages[0].role"),
+            (json!({"role": 3, "content": "x"}), "messages[0].role"),
+            (json!({"role": "user"}), "messages[0].content"),
+            (json!({"role": "user", "content": 5}), "messages[0].content"),
+            (
+                json!({"role": "user", "content": [{"type": "image_url", "image_url": {}}]}),
+                "messages[0].content[0].type",
+            ),
+            (json!({"role": "user", "content": [{"type": "text", "text": 1}]}), "messages[0].content[0].text"),
+            (json!({"role": "user", "content": ["x"]}), "messages[0].content[0]"),
+            (json!("hello"), "messages[0]"),
+        ];
+        for (m, param) in cases {
+            let e = normalize_messages(Some(vec![m.clone()])).unwrap_err();
+            assert_eq!(e.body().param, Some(param), "{m}");
+            assert_eq!(e.status().as_u16(), 400);
+        }
+        assert_eq!(normalize_messages(Some(vec![])).unwrap_err().body().param, Some("messages"));
+        assert_eq!(normalize_messages(None).unwrap_err().body().param, Some("messages"));
+    }
+
+    #[test]
+    fn tool_choice_and_response_format() {
+        assert!(check_tool_choice(None).unwrap());
+        assert!(check_tool_choice(Some(&json!("auto"))).unwrap());
+        assert!(!check_tool_choice(Some(&json!("none"))).unwrap());
+        assert_eq!(check_tool_choice(Some(&json!("required"))).unwrap_err().body().param, Some("tool_choice"));
+        assert_eq!(check_tool_choice(Some(&json!("sometimes"))).unwrap_err().body().param, Some("tool_choice"));
+        assert!(check_response_format(Some(&json!({"type": "text"}))).is_ok());
+        assert_eq!(
+            check_response_format(Some(&json!({"type": "json_object"}))).unwrap_err().body().param,
+            Some("response_format")
+        );
+    }
+}

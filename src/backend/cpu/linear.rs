@@ -1,0 +1,151 @@
+//! Dense projections on the CPU: weights kept in their stored block format (quantized GGML
+//! blocks stay quantized; 16-bit floats are widened to f32 at load) and multiplied with rayon.
+//! Every output element is one `dot_*` call over one weight row and one activation row, so the
+//! result for a row never depends on the other rows in the batch (exactness rule 3).
+
+use rayon::prelude::*;
+
+use crate::backend::BackendError;
+use crate::model::quant::{dot_f32, dot_q, quantize_row_q8, BlockQ8, QK};
+use crate::model::{DType, ModelError, TensorView, WeightSource};
+
+/// Weight rows in one of the supported storage formats.
+pub enum WeightRows {
+    F32(Vec<f32>),
+    Quant { dtype: DType, data: Vec<u8> },
+}
+
+pub struct CpuLinear {
+    pub rows: usize,
+    pub cols: usize,
+    pub weight: WeightRows,
+    pub bias: Option<Vec<f32>>,
+}
+
+fn to_rows(view: &TensorView<'_>) -> WeightRows {
+    match view.dtype {
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => WeightRows::Quant { dtype: view.dtype, data: view.data.to_vec() },
+        _ => WeightRows::F32(crate::model::tensor::to_f32(view)),
+    }
+}
+
+/// Load a vector (norm weight, bias) as f32, checking its length.
+pub fn load_vector(w: &dyn WeightSource, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+    let t = w.expect(name, &[len])?;
+    Ok(crate::model::tensor::to_f32(&t))
+}
+
+impl CpuLinear {
+    /// Load `name.weight` (`[out, inp]`) and, when `bias`, `name.bias`.
+    pub fn load(w: &dyn WeightSource, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self, ModelError> {
+        let view = w.expect(&format!("{name}.weight"), &[out, inp])?;
+        if view.dtype.is_quantized() && inp % QK != 0 {
+            return Err(ModelError::Format {
+                file: w.file_of(name),
+                msg: format!("quantized tensor `{name}.weight` has {inp} columns, not a multiple of {QK}"),
+            });
+        }
+        let bias = if bias { Some(load_vector(w, &format!("{name}.bias"), out)?) } else { None };
+        Ok(CpuLinear { rows: out, cols: inp, weight: to_rows(&view), bias })
+    }
+
+    /// Stack several projections with the same input into one (`[Σout, inp]`) so one parallel
+    /// pass computes them all. Falls back to `None` when their storage formats differ.
+    pub fn concat(parts: Vec<CpuLinear>) -> Result<CpuLinear, Vec<CpuLinear>> {
+        let same_format = parts.windows(2).all(|p| match (&p[0].weight, &p[1].weight) {
+            (WeightRows::F32(_), WeightRows::F32(_)) => true,
+            (WeightRows::Quant { dtype: a, .. }, WeightRows::Quant { dtype: b, .. }) => a == b,
+            _ => false,
+        }) && parts.windows(2).all(|p| p[0].cols == p[1].cols && p[0].bias.is_some() == p[1].bias.is_some());
+        if !same_format || parts.is_empty() {
+            return Err(parts);
+        }
+        let cols = parts[0].cols;
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let bias = parts[0].bias.is_some().then(|| parts.iter().flat_map(|p| p.bias.clone().unwrap_or_default()).collect());
+        let weight = match &parts[0].weight {
+            WeightRows::F32(_) => WeightRows::F32(
+                parts.iter().flat_map(|p| if let WeightRows::F32(v) = &p.weight { v.clone() } else { Vec::new() }).collect(),
+            ),
+            WeightRows::Quant { dtype, .. } => WeightRows::Quant {
+                dtype: *dtype,
+                data: parts
+                    .iter()
+                    .flat_map(|p| if let WeightRows::Quant { data, .. } = &p.weight { data.clone() } else { Vec::new() })
+                    .collect(),
+            },
+        };
+        Ok(CpuLinear { rows, cols, weight, bias })
+    }
+
+    /// The f32 values of row `r` (used for embedding lookups).
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        match &self.weight {
+            WeightRows::F32(v) => out.copy_from_slice(&v[r * self.cols..(r + 1) * self.cols]),
+            WeightRows::Quant { dtype, data } => {
+                let rb = dtype.storage_bytes(self.cols).unwrap_or(0);
+                crate::model::quant::dequantize_into(*dtype, &data[r * rb..(r + 1) * rb], out);
+            }
+        }
+    }
+
+    /// `y[m, rows] = x[m, cols] · Wᵀ (+ bias)`.
+    pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32], simd: bool) -> Result<(), BackendError> {
+        if x.len() != m * self.cols || y.len() != m * self.rows {
+            return Err(BackendError::InvalidStep(format!(
+                "linear {}x{}: input {} / output {} elements for {m} rows",
+                self.rows,
+                self.cols,
+                x.len(),
+                y.len()
+            )));
+        }
+        if m == 0 {
+            return Ok(());
+        }
+        // Work is split over weight rows so each weight row is read once for all m inputs;
+        // results land transposed (one contiguous run of m values per weight row).
+        let chunk = (self.rows / (rayon::current_num_threads() * 8)).clamp(8, 256);
+        let mut yt = vec![0f32; m * self.rows];
+        match &self.weight {
+            WeightRows::F32(w) => {
+                yt.par_chunks_mut(chunk * m).enumerate().for_each(|(ci, out)| {
+                    for (j, o) in out.chunks_exact_mut(m).enumerate() {
+                        let r = ci * chunk + j;
+                        let wr = &w[r * self.cols..(r + 1) * self.cols];
+                        for (i, v) in o.iter_mut().enumerate() {
+                            *v = dot_f32(wr, &x[i * self.cols..(i + 1) * self.cols], simd);
+                        }
+                    }
+                });
+            }
+            WeightRows::Quant { dtype, data } => {
+                let nb = self.cols / QK;
+                let mut xq = vec![BlockQ8::default(); m * nb];
+                xq.par_chunks_mut(nb).zip(x.par_chunks(self.cols)).for_each(|(q, xr)| quantize_row_q8(xr, q));
+                let rb = nb * dtype.block_bytes();
+                yt.par_chunks_mut(chunk * m).enumerate().for_each(|(ci, out)| {
+                    for (j, o) in out.chunks_exact_mut(m).enumerate() {
+                        let r = ci * chunk + j;
+                        let wr = &data[r * rb..(r + 1) * rb];
+                        for (i, v) in o.iter_mut().enumerate() {
+                            *v = dot_q(*dtype, wr, &xq[i * nb..(i + 1) * nb], simd);
+                        }
+                    }
+                });
+            }
+        }
+        for i in 0..m {
+            let yr = &mut y[i * self.rows..(i + 1) * self.rows];
+            for (r, v) in yr.iter_mut().enumerate() {
+                *v = yt[r * m + i];
+            }
+            if let Some(b) = &self.bias {
+                for (v, bb) in yr.iter_mut().zip(b) {
+                    *v += bb;
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,415 @@
+//! The CPU reference backend: llama-family forward passes over ragged batches with a paged KV
+//! store, multi-threaded with a rayon pool the backend owns. It is the numerical reference the
+//! CUDA backend is validated against, and what CI runs. It makes no scheduling decisions.
+
+mod attention;
+pub mod linear;
+
+use rayon::prelude::*;
+
+pub use self::attention::KvPrecision;
+use self::attention::{paged_attention, AttnShape, PagedKv, TokenRef};
+use self::linear::{load_vector, CpuLinear};
+use super::{validate_batch, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
+use crate::config::LlamaConfig;
+use crate::model::llama::{LinearSpec, LlamaSpec};
+use crate::model::quant::simd_available;
+use crate::model::{ModelError, WeightSource};
+
+#[derive(Clone, Copy, Debug)]
+pub struct CpuOptions {
+    /// Worker threads; 0 = one per available core.
+    pub threads: usize,
+    pub kv: KvGeometry,
+    /// `None` = f16 when the weights are block-quantized (llama.cpp's default), else f32.
+    pub kv_precision: Option<KvPrecision>,
+}
+
+/// Several projections sharing one input, computed as one stacked matmul when their formats
+/// allow (q/k/v, gate/up), else one after another.
+enum Proj {
+    Fused(CpuLinear),
+    Split(Vec<CpuLinear>),
+}
+
+impl Proj {
+    fn load(w: &dyn WeightSource, specs: &[&LinearSpec]) -> Result<Self, ModelError> {
+        let parts = specs
+            .iter()
+            .map(|s| CpuLinear::load(w, &s.name, s.out, s.inp, s.bias))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(match CpuLinear::concat(parts) {
+            Ok(f) => Proj::Fused(f),
+            Err(parts) => Proj::Split(parts),
+        })
+    }
+
+    fn rows(&self) -> usize {
+        match self {
+            Proj::Fused(l) => l.rows,
+            Proj::Split(p) => p.iter().map(|l| l.rows).sum(),
+        }
+    }
+
+    /// `y[m, Σrows]` with the parts side by side in each row.
+    fn forward(&self, x: &[f32], m: usize, simd: bool) -> Result<Vec<f32>, BackendError> {
+        let total = self.rows();
+        let mut y = vec![0f32; m * total];
+        match self {
+            Proj::Fused(l) => l.forward(x, m, &mut y, simd)?,
+            Proj::Split(parts) => {
+                let mut col = 0;
+                for p in parts {
+                    let mut part = vec![0f32; m * p.rows];
+                    p.forward(x, m, &mut part, simd)?;
+                    for i in 0..m {
+                        y[i * total + col..i * total + col + p.rows].copy_from_slice(&part[i * p.rows..(i + 1) * p.rows]);
+                    }
+                    col += p.rows;
+                }
+            }
+        }
+        Ok(y)
+    }
+}
+
+struct Layer {
+    input_norm: Vec<f32>,
+    qkv: Proj,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    o: CpuLinear,
+    post_norm: Vec<f32>,
+    gate_up: Proj,
+    down: CpuLinear,
+}
+
+pub struct CpuBackend {
+    cfg: LlamaConfig,
+    embed: CpuLinear,
+    layers: Vec<Layer>,
+    final_norm: Vec<f32>,
+    /// `None` when tied: the embedding matrix doubles as the output projection.
+    lm_head: Option<CpuLinear>,
+    inv_freq: Vec<f32>,
+    kv: PagedKv,
+    pool: std::sync::Arc<rayon::ThreadPool>,
+    simd: bool,
+    weight_bytes: usize,
+}
+
+/// RMSNorm of each `dim`-sized row of `x` in place: `x · w / sqrt(mean(x²) + eps)`.
+fn rms_norm_rows(x: &mut [f32], w: &[f32], eps: f32) {
+    let dim = w.len();
+    let norm = |row: &mut [f32]| {
+        let ss: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let r = 1.0 / ((ss / dim as f64) as f32 + eps).sqrt();
+        for (v, &g) in row.iter_mut().zip(w) {
+            *v = g * (*v * r);
+        }
+    };
+    if x.len() / dim >= 4 {
+        x.par_chunks_mut(dim).for_each(norm);
+    } else {
+        x.chunks_mut(dim).for_each(norm);
+    }
+}
+
+/// Rotate-half RoPE of one head vector at angle table (`cos`, `sin`) of length `head_dim / 2`.
+#[inline]
+fn rope(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = cos.len();
+    for i in 0..half {
+        let (a, b) = (x[i], x[i + half]);
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i] + a * sin[i];
+    }
+}
+
+fn weight_bytes(l: &CpuLinear) -> usize {
+    match &l.weight {
+        linear::WeightRows::F32(v) => v.len() * 4,
+        linear::WeightRows::Quant { data, .. } => data.len(),
+    }
+}
+
+fn proj_bytes(p: &Proj) -> usize {
+    match p {
+        Proj::Fused(l) => weight_bytes(l),
+        Proj::Split(v) => v.iter().map(weight_bytes).sum(),
+    }
+}
+
+impl CpuBackend {
+    pub fn new(cfg: &LlamaConfig, w: &dyn WeightSource, opts: CpuOptions) -> Result<Self, ModelError> {
+        let spec = LlamaSpec::new(cfg);
+        let h = cfg.hidden_size;
+        let embed = CpuLinear::load(w, &spec.embed.replace(".weight", ""), cfg.vocab_size, h, false)?;
+        let mut layers = Vec::with_capacity(spec.layers.len());
+        for l in &spec.layers {
+            layers.push(Layer {
+                input_norm: load_vector(w, &l.input_norm, h)?,
+                qkv: Proj::load(w, &[&l.q, &l.k, &l.v])?,
+                q_norm: l.q_norm.as_ref().map(|n| load_vector(w, n, cfg.head_dim)).transpose()?,
+                k_norm: l.k_norm.as_ref().map(|n| load_vector(w, n, cfg.head_dim)).transpose()?,
+                o: CpuLinear::load(w, &l.o.name, l.o.out, l.o.inp, l.o.bias)?,
+                post_norm: load_vector(w, &l.post_attention_norm, h)?,
+                gate_up: Proj::load(w, &[&l.gate, &l.up])?,
+                down: CpuLinear::load(w, &l.down.name, l.down.out, l.down.inp, l.down.bias)?,
+            });
+        }
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(CpuLinear::load(w, &spec.lm_head.name, cfg.vocab_size, h, false)?)
+        };
+        let threads = if opts.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { opts.threads };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("shelfserve-cpu-{i}"))
+            .build()
+            .map_err(|e| ModelError::Format { file: w.origin().to_path_buf(), msg: format!("thread pool: {e}") })?;
+        let weight_bytes = weight_bytes(&embed)
+            + lm_head.as_ref().map_or(0, weight_bytes)
+            + layers
+                .iter()
+                .map(|l| proj_bytes(&l.qkv) + weight_bytes(&l.o) + proj_bytes(&l.gate_up) + weight_bytes(&l.down))
+                .sum::<usize>();
+        let pool = std::sync::Arc::new(pool);
+        let quantized = matches!(embed.weight, linear::WeightRows::Quant { .. });
+        let kv_precision = opts.kv_precision.unwrap_or(if quantized { KvPrecision::F16 } else { KvPrecision::F32 });
+        Ok(CpuBackend {
+            cfg: cfg.clone(),
+            embed,
+            layers,
+            final_norm: load_vector(w, &spec.final_norm, h)?,
+            lm_head,
+            inv_freq: cfg.rope_inv_freq(),
+            kv: PagedKv::new(opts.kv, cfg.num_hidden_layers, cfg.kv_dim(), kv_precision),
+            pool,
+            simd: simd_available(),
+            weight_bytes,
+        })
+    }
+
+    /// Bytes of weights held in memory.
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// Bytes of the KV store.
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.bytes()
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+
+    fn forward_inner(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {
+        let c = &self.cfg;
+        let (h, hd, nh, nkv) = (c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads);
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let simd = self.simd;
+        let tokens: Vec<TokenRef<'_>> = batch
+            .iter()
+            .flat_map(|s| (0..s.tokens.len()).map(move |i| TokenRef { pos: s.start_pos + i, table: s.block_table }))
+            .collect();
+        let ids: Vec<u32> = batch.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let t = ids.len();
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= c.vocab_size) {
+            return Err(BackendError::InvalidStep(format!("token id {bad} is outside the vocabulary ({})", c.vocab_size)));
+        }
+
+        let mut x = vec![0f32; t * h];
+        for (row, &id) in x.chunks_exact_mut(h).zip(&ids) {
+            self.embed.row_f32(id as usize, row);
+        }
+        // cos/sin per token, shared by all heads and layers.
+        let half = hd / 2;
+        let mut cos = vec![0f32; t * half];
+        let mut sin = vec![0f32; t * half];
+        for (i, tok) in tokens.iter().enumerate() {
+            for (j, &f) in self.inv_freq.iter().enumerate() {
+                let a = tok.pos as f32 * f;
+                cos[i * half + j] = a.cos();
+                sin[i * half + j] = a.sin();
+            }
+        }
+        let shape = AttnShape { n_heads: nh, n_kv_heads: nkv, head_dim: hd, sliding_window: c.sliding_window };
+        let qkv_w = qd + 2 * kvd;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let mut xn = x.clone();
+            rms_norm_rows(&mut xn, &layer.input_norm, c.rms_norm_eps);
+            let mut qkv = layer.qkv.forward(&xn, t, simd)?;
+            let mut q = vec![0f32; t * qd];
+            qkv.par_chunks_mut(qkv_w).zip(q.par_chunks_mut(qd)).enumerate().for_each(|(i, (row, qrow))| {
+                let (cs, sn) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
+                let (qpart, rest) = row.split_at_mut(qd);
+                for head in qpart.chunks_exact_mut(hd) {
+                    if let Some(w) = &layer.q_norm {
+                        rms_norm_rows(head, w, c.rms_norm_eps);
+                    }
+                    rope(head, cs, sn);
+                }
+                for head in rest[..kvd].chunks_exact_mut(hd) {
+                    if let Some(w) = &layer.k_norm {
+                        rms_norm_rows(head, w, c.rms_norm_eps);
+                    }
+                    rope(head, cs, sn);
+                }
+                qrow.copy_from_slice(qpart);
+            });
+            for (i, tok) in tokens.iter().enumerate() {
+                let row = &qkv[i * qkv_w..(i + 1) * qkv_w];
+                self.kv.write(li, tok.table, tok.pos, &row[qd..qd + kvd], &row[qd + kvd..]);
+            }
+            let mut attn = vec![0f32; t * qd];
+            paged_attention(&self.kv, li, &shape, &tokens, &q, &mut attn, simd);
+            let mut o = vec![0f32; t * h];
+            layer.o.forward(&attn, t, &mut o, simd)?;
+            for (a, b) in x.iter_mut().zip(&o) {
+                *a += b;
+            }
+            let mut xn = x.clone();
+            rms_norm_rows(&mut xn, &layer.post_norm, c.rms_norm_eps);
+            let gu = layer.gate_up.forward(&xn, t, simd)?;
+            let inter = c.intermediate_size;
+            let mut act = vec![0f32; t * inter];
+            act.par_chunks_mut(inter).zip(gu.par_chunks(2 * inter)).for_each(|(a, g)| {
+                let (gate, up) = g.split_at(inter);
+                for ((o, &gv), &uv) in a.iter_mut().zip(gate).zip(up) {
+                    *o = gv / (1.0 + (-gv).exp()) * uv;
+                }
+            });
+            let mut d = vec![0f32; t * h];
+            layer.down.forward(&act, t, &mut d, simd)?;
+            for (a, b) in x.iter_mut().zip(&d) {
+                *a += b;
+            }
+        }
+
+        // Only the rows that asked for logits go through the final norm and the vocabulary.
+        let mut offsets = Vec::with_capacity(batch.len() + 1);
+        let mut rows = Vec::new();
+        let mut start = 0;
+        offsets.push(0);
+        for s in batch {
+            let end = start + s.tokens.len();
+            rows.extend(end - s.logits_rows..end);
+            offsets.push(rows.len());
+            start = end;
+        }
+        let m = rows.len();
+        let mut xs = Vec::with_capacity(m * h);
+        for &r in &rows {
+            xs.extend_from_slice(&x[r * h..(r + 1) * h]);
+        }
+        rms_norm_rows(&mut xs, &self.final_norm, c.rms_norm_eps);
+        let mut data = vec![0f32; m * c.vocab_size];
+        self.lm_head.as_ref().unwrap_or(&self.embed).forward(&xs, m, &mut data, simd)?;
+        Ok(StepLogits { vocab: c.vocab_size, data, offsets })
+    }
+}
+
+impl Backend for CpuBackend {
+    fn device_name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn kv_geometry(&self) -> KvGeometry {
+        self.kv.geom
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {
+        validate_batch(batch, self.kv.geom)?;
+        let pool = std::sync::Arc::clone(&self.pool);
+        pool.install(|| self.forward_inner(batch))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::synthetic::{tiny_llama_config, SyntheticWeights};
+    use crate::model::DType;
+
+    fn backend(cfg: &LlamaConfig, dtype: DType, blocks: usize) -> CpuBackend {
+        let w = SyntheticWeights::new(cfg, dtype, 11);
+        CpuBackend::new(cfg, &w, CpuOptions { threads: 2, kv: KvGeometry { block_size: 4, num_blocks: blocks }, kv_precision: None })
+            .unwrap()
+    }
+
+    fn seq_ids(n: usize, salt: u32) -> Vec<u32> {
+        (0..n as u32).map(|i| (i * 37 + salt * 101 + 5) % 256).collect()
+    }
+
+    /// Score `ids` alone in one chunk, using blocks `table`.
+    fn alone(b: &mut CpuBackend, ids: &[u32], table: &[u32]) -> Vec<f32> {
+        b.forward(&[SeqStep { tokens: ids, start_pos: 0, block_table: table, logits_rows: ids.len() }]).unwrap().data
+    }
+
+    #[test]
+    fn logits_do_not_depend_on_batch_company_or_chunking() {
+        let mut cfgs = vec![tiny_llama_config()];
+        let mut qwen3 = tiny_llama_config();
+        qwen3.qk_norm = true;
+        qwen3.attention_qkv_bias = true;
+        qwen3.sliding_window = Some(5);
+        cfgs.push(qwen3);
+        for cfg in &cfgs {
+            for dtype in [DType::F32, DType::Q8_0, DType::Q4_1, DType::Q4_0] {
+                let mut b = backend(cfg, dtype, 32);
+                let a_ids = seq_ids(11, 1);
+                let b_ids = seq_ids(7, 2);
+                let (ta, tb): (Vec<u32>, Vec<u32>) = ((0..4).collect(), (10..14).rev().collect());
+                let solo = alone(&mut b, &a_ids, &ta);
+                // Same sequence, different blocks, prefilled in chunks of 3 while another sequence
+                // decodes token by token in the same steps.
+                let ta2: Vec<u32> = (20..24).collect();
+                let mut mixed = Vec::new();
+                let mut other_pos = 0;
+                for (ci, chunk) in a_ids.chunks(3).enumerate() {
+                    let other = &b_ids[other_pos..other_pos + 1];
+                    let out = b
+                        .forward(&[
+                            SeqStep { tokens: other, start_pos: other_pos, block_table: &tb, logits_rows: 1 },
+                            SeqStep { tokens: chunk, start_pos: ci * 3, block_table: &ta2, logits_rows: chunk.len() },
+                        ])
+                        .unwrap();
+                    other_pos += 1;
+                    for r in out.rows(1) {
+                        mixed.extend_from_slice(r);
+                    }
+                }
+                assert_eq!(solo.len(), mixed.len());
+                let same = solo.iter().zip(&mixed).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "{} {dtype}: batched/chunked logits differ from solo", cfg.model_type);
+                // Decoding the last token alone after a prefill of the rest matches too.
+                let ta3: Vec<u32> = (24..28).collect();
+                alone(&mut b, &a_ids[..10], &ta3);
+                let last = b
+                    .forward(&[SeqStep { tokens: &a_ids[10..], start_pos: 10, block_table: &ta3, logits_rows: 1 }])
+                    .unwrap();
+                let v = cfg.vocab_size;
+                assert!(last.data.iter().zip(&solo[10 * v..]).all(|(x, y)| x.to_bits() == y.to_bits()));
+            }
+        }
+    }
+
+    #[test]
+    fn bad_steps_are_rejected_with_reasons() {
+        let cfg = tiny_llama_config();
+        let mut b = backend(&cfg, DType::F32, 2);
+        let e = b.forward(&[SeqStep { tokens: &[1; 9], start_pos: 0, block_table: &[0, 1], logits_rows: 1 }]);
+        assert!(e.unwrap_err().to_string().contains("need 3"));
+        let e = b.forward(&[SeqStep { tokens: &[300], start_pos: 0, block_table: &[0], logits_rows: 1 }]);
+        assert!(e.unwrap_err().to_string().contains("outside the vocabulary"));
+        let e = b.forward(&[SeqStep { tokens: &[1], start_pos: 0, block_table: &[7], logits_rows: 1 }]);
+        assert!(e.unwrap_err().to_string().contains("block 7"));
+    }
+}

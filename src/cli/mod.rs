@@ -1,0 +1,278 @@
+//! Command-line interface: argument definitions (every flag also an environment variable) and
+//! the one-shot commands (`generate`, `score`, `kld`, `fetch-default`). Owns argument parsing and
+//! terminal output only; all work is delegated to the library modules.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::backend::KvGeometry;
+use crate::fidelity::{compare, LogitsFile};
+use crate::generate::{cpu_backend, single_sequence_geometry, GenerateOptions, Runner, DEFAULT_PREFILL_CHUNK};
+use crate::model::default_model::{fetch_default, CacheDir};
+use crate::model::ModelBundle;
+use crate::sampling::SamplingParams;
+use crate::tokenizer::chat::{ChatRender, ChatTemplate};
+use crate::tokenizer::detok::IncrementalDetokenizer;
+
+#[derive(Parser, Debug)]
+#[command(name = "shelfserve", version, about = "LLM serving engine with an OpenAI-compatible API")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Generate a completion and stream it to stdout.
+    Generate(GenerateArgs),
+    /// Teacher-forced logits for every position, written to a safetensors file.
+    Score(ScoreArgs),
+    /// Compare our logits with a reference file (KL divergence, max |Δlogit|, top-1 agreement).
+    Kld(KldArgs),
+    /// Download and verify the embedded default model into the cache.
+    FetchDefault,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Model: `default` (SmolLM2-135M-Instruct), an HF model directory, or a `.gguf` file.
+    #[arg(long, env = "SHELFSERVE_MODEL", default_value = "default")]
+    pub model: String,
+    /// Compute device: cpu, cuda or auto.
+    #[arg(long, env = "SHELFSERVE_DEVICE", default_value = "auto")]
+    pub device: String,
+    /// CPU worker threads (0 = one per core).
+    #[arg(long, env = "SHELFSERVE_THREADS", default_value_t = 0)]
+    pub threads: usize,
+    /// Tokens per KV block.
+    #[arg(long, env = "SHELFSERVE_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: usize,
+    /// Prefill chunk size in tokens.
+    #[arg(long, env = "SHELFSERVE_PREFILL_CHUNK", default_value_t = DEFAULT_PREFILL_CHUNK)]
+    pub prefill_chunk: usize,
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Plain-text prompt (BOS added as the model says).
+    #[arg(long, env = "SHELFSERVE_PROMPT", conflicts_with_all = ["chat", "input_ids"])]
+    pub prompt: Option<String>,
+    /// A user message, rendered with the model's chat template.
+    #[arg(long, env = "SHELFSERVE_CHAT", conflicts_with = "input_ids")]
+    pub chat: Option<String>,
+    /// Prompt token ids, comma-separated (works without a tokenizer).
+    #[arg(long, env = "SHELFSERVE_INPUT_IDS", value_delimiter = ',')]
+    pub input_ids: Option<Vec<u32>>,
+    #[arg(long, env = "SHELFSERVE_MAX_TOKENS", default_value_t = 256)]
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, env = "SHELFSERVE_TEMPERATURE", default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, env = "SHELFSERVE_TOP_P", default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, env = "SHELFSERVE_TOP_K", default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, env = "SHELFSERVE_MIN_P", default_value_t = 0.0)]
+    pub min_p: f32,
+    #[arg(long, env = "SHELFSERVE_REPETITION_PENALTY", default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    #[arg(long, env = "SHELFSERVE_SEED", default_value_t = 0)]
+    pub seed: u64,
+    /// Print the generated token ids (comma-separated) instead of text.
+    #[arg(long, env = "SHELFSERVE_PRINT_IDS")]
+    pub print_ids: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ScoreArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Token ids to score, comma-separated.
+    #[arg(long, env = "SHELFSERVE_INPUT_IDS", value_delimiter = ',', required = true)]
+    pub input_ids: Vec<u32>,
+    /// Output safetensors file (tensors `input_ids` and `logits`).
+    #[arg(long, env = "SHELFSERVE_OUTPUT")]
+    pub output: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct KldArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Reference safetensors file with `input_ids` and `logits` (as `score` writes).
+    #[arg(long, env = "SHELFSERVE_REFERENCE")]
+    pub reference: PathBuf,
+}
+
+/// Errors of the one-shot commands, mapped to messages at the binary edge.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error(transparent)]
+    Model(#[from] crate::model::ModelError),
+    #[error(transparent)]
+    Generate(#[from] crate::generate::GenerateError),
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    #[error(transparent)]
+    LogitsFile(#[from] crate::fidelity::LogitsFileError),
+    #[error(transparent)]
+    Sampling(#[from] crate::sampling::SamplingError),
+    #[error("{0}")]
+    Usage(String),
+    #[error("writing output: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl ModelArgs {
+    pub fn open(&self) -> Result<ModelBundle, CliError> {
+        match self.device.as_str() {
+            "cpu" | "auto" => {}
+            "cuda" => return Err(CliError::Usage("--device cuda: this build has no CUDA backend yet; use --device cpu".into())),
+            other => return Err(CliError::Usage(format!("--device must be cpu, cuda or auto, not `{other}`"))),
+        }
+        if self.block_size == 0 {
+            return Err(CliError::Usage("--block-size must be positive".into()));
+        }
+        let bundle = crate::model::open(&self.model, &CacheDir::from_env())?;
+        tracing::info!(model = %bundle.name, arch = %bundle.config.model_type, layers = bundle.config.num_hidden_layers, "model opened");
+        Ok(bundle)
+    }
+
+    fn runner(&self, bundle: &ModelBundle, tokens: usize) -> Result<Runner<crate::backend::cpu::CpuBackend>, CliError> {
+        let geom: KvGeometry = single_sequence_geometry(tokens, self.block_size);
+        Ok(Runner::new(cpu_backend(bundle, self.threads, geom)?))
+    }
+}
+
+pub fn run_generate(args: &GenerateArgs) -> Result<(), CliError> {
+    let bundle = args.model.open()?;
+    let tok = bundle.tokenizer.clone().map(Arc::new);
+    let prompt: Vec<u32> = match (&args.prompt, &args.chat, &args.input_ids) {
+        (_, _, Some(ids)) => ids.clone(),
+        (Some(p), _, _) => {
+            let t = tok.as_ref().ok_or_else(|| no_tokenizer(&bundle, "--prompt"))?;
+            t.encode(p, true)?
+        }
+        (None, Some(c), _) => {
+            let t = tok.as_ref().ok_or_else(|| no_tokenizer(&bundle, "--chat"))?;
+            let src = t.chat_template.as_deref().ok_or_else(|| {
+                CliError::Usage(format!("model `{}` has no chat template; use --prompt instead of --chat", bundle.name))
+            })?;
+            let tmpl = ChatTemplate::new(src, t.bos_token.as_deref(), t.eos_token.as_deref())?;
+            let messages = serde_json::json!([{"role": "user", "content": c}]);
+            let text = tmpl.render(&ChatRender {
+                messages: &messages,
+                tools: None,
+                add_generation_prompt: true,
+                kwargs: &serde_json::Map::new(),
+            })?;
+            t.encode(&text, false)?
+        }
+        (None, None, None) => return Err(CliError::Usage("give one of --prompt, --chat or --input-ids".into())),
+    };
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+        ..SamplingParams::default()
+    };
+    sampling.validate()?;
+    let opts = GenerateOptions {
+        max_tokens: args.max_tokens,
+        sampling,
+        eos_token_ids: bundle.eos_token_ids(),
+        prefill_chunk: args.model.prefill_chunk,
+    };
+    let mut runner = args.model.runner(&bundle, prompt.len() + args.max_tokens)?;
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let print_ids = args.print_ids || tok.is_none();
+    let mut detok = tok.as_ref().map(|t| IncrementalDetokenizer::new(Arc::clone(t), true));
+    let mut io_err = None;
+    let mut first = true;
+    let start = std::time::Instant::now();
+    let result = runner.generate(&prompt, &opts, |s| {
+        let res = if print_ids {
+            let r = write!(out, "{}{}", if first { "" } else { "," }, s.token);
+            first = false;
+            r
+        } else if let Some(d) = detok.as_mut() {
+            match d.push(s.token) {
+                Ok(text) => write!(out, "{text}"),
+                Err(e) => Err(std::io::Error::other(e.to_string())),
+            }
+        } else {
+            Ok(())
+        };
+        let res = res.and_then(|_| out.flush());
+        if let Err(e) = res {
+            io_err = Some(e);
+            return false;
+        }
+        true
+    })?;
+    if let Some(e) = io_err {
+        return Err(e.into());
+    }
+    if !print_ids {
+        if let Some(d) = detok.as_mut() {
+            write!(out, "{}", d.finish()?)?;
+        }
+    }
+    writeln!(out)?;
+    let secs = start.elapsed().as_secs_f64();
+    tracing::info!(
+        prompt_tokens = prompt.len(),
+        generated = result.tokens.len(),
+        finish = ?result.finish,
+        tok_per_s = format!("{:.1}", result.tokens.len() as f64 / secs.max(1e-9)),
+        "done"
+    );
+    Ok(())
+}
+
+fn no_tokenizer(bundle: &ModelBundle, flag: &str) -> CliError {
+    CliError::Usage(format!("model `{}` has no tokenizer, so {flag} cannot be used; pass --input-ids", bundle.name))
+}
+
+pub fn run_score(args: &ScoreArgs) -> Result<(), CliError> {
+    let bundle = args.model.open()?;
+    let mut runner = args.model.runner(&bundle, args.input_ids.len())?;
+    let logits = runner.score(&args.input_ids, args.model.prefill_chunk)?;
+    let file = LogitsFile { input_ids: args.input_ids.clone(), vocab: bundle.config.vocab_size, logits };
+    file.write(&args.output)?;
+    println!("wrote {} positions × {} logits to {}", args.input_ids.len(), bundle.config.vocab_size, args.output.display());
+    Ok(())
+}
+
+pub fn run_kld(args: &KldArgs) -> Result<(), CliError> {
+    let reference = LogitsFile::read(&args.reference)?;
+    let bundle = args.model.open()?;
+    if reference.vocab != bundle.config.vocab_size {
+        return Err(CliError::Usage(format!(
+            "{}: reference vocabulary is {}, model `{}` has {}",
+            args.reference.display(),
+            reference.vocab,
+            bundle.name,
+            bundle.config.vocab_size
+        )));
+    }
+    let mut runner = args.model.runner(&bundle, reference.input_ids.len())?;
+    let ours = runner.score(&reference.input_ids, args.model.prefill_chunk)?;
+    compare(&reference.logits, &ours, reference.vocab).print(std::io::stdout().lock())?;
+    Ok(())
+}
+
+pub fn run_fetch_default() -> Result<(), CliError> {
+    let path = fetch_default(&CacheDir::from_env(), true)?;
+    println!("{}", path.display());
+    Ok(())
+}

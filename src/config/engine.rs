@@ -1,0 +1,143 @@
+//! Serving configuration: lanes (port, priority, reasoning defaults, token limits, queue bound)
+//! and scheduler budgets, from a TOML file (`configs/default.toml`) with flag/env overrides
+//! applied by the CLI. Parsing and validation only.
+
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// A lane: one listen port with its own priority and request defaults.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LaneConfig {
+    pub name: String,
+    pub port: u16,
+    /// Higher is more urgent; a higher-priority request may preempt lower-priority decodes.
+    pub priority: i32,
+    /// Default `reasoning_effort` put into `chat_template_kwargs` unless the request sets it.
+    #[serde(default)]
+    pub reasoning_effort: Option<String>,
+    /// Default `thinking` / `enable_thinking` template switch unless the request sets it.
+    #[serde(default)]
+    pub thinking: Option<bool>,
+    /// `max_tokens` when the request gives none.
+    pub default_max_tokens: usize,
+    /// Largest `max_tokens` a request may ask for (larger is a 400).
+    pub max_tokens_limit: usize,
+    /// Waiting requests beyond this get HTTP 429.
+    pub max_queue: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerConfig {
+    /// Tokens (prefill + decode + draft) one step may carry.
+    pub max_num_batched_tokens: usize,
+    /// Sequences one step may carry.
+    pub max_num_seqs: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV pool size in tokens (0 = derive from the model's context length).
+    pub kv_pool_tokens: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineConfig {
+    /// Listen address for every lane port.
+    pub host: String,
+    pub scheduler: SchedulerConfig,
+    #[serde(rename = "lane")]
+    pub lanes: Vec<LaneConfig>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {msg}")]
+pub struct ConfigError {
+    pub path: String,
+    pub msg: String,
+}
+
+/// The built-in configuration (`configs/default.toml`, compiled in so a bare binary works).
+pub const DEFAULT_CONFIG_TOML: &str = include_str!("../../configs/default.toml");
+
+impl EngineConfig {
+    pub fn from_toml(text: &str, path: &str) -> Result<Self, ConfigError> {
+        let cfg: EngineConfig = toml::from_str(text).map_err(|e| ConfigError { path: path.into(), msg: e.to_string() })?;
+        cfg.validate().map_err(|msg| ConfigError { path: path.into(), msg })?;
+        Ok(cfg)
+    }
+
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError { path: path.display().to_string(), msg: e.to_string() })?;
+        Self::from_toml(&text, &path.display().to_string())
+    }
+
+    pub fn builtin() -> Self {
+        Self::from_toml(DEFAULT_CONFIG_TOML, "configs/default.toml").expect("the built-in config is valid")
+    }
+
+    pub fn lane(&self, name: &str) -> Option<&LaneConfig> {
+        self.lanes.iter().find(|l| l.name == name)
+    }
+
+    /// Check cross-field rules, naming the offending key.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.lanes.is_empty() {
+            return Err("at least one [[lane]] is required".into());
+        }
+        for (i, l) in self.lanes.iter().enumerate() {
+            if self.lanes[..i].iter().any(|o| o.name == l.name) {
+                return Err(format!("lane name `{}` is used twice", l.name));
+            }
+            if l.port != 0 && self.lanes[..i].iter().any(|o| o.port == l.port) {
+                return Err(format!("port {} is used by two lanes", l.port));
+            }
+            if l.default_max_tokens == 0 || l.default_max_tokens > l.max_tokens_limit {
+                return Err(format!(
+                    "lane `{}`: default_max_tokens ({}) must be in 1..=max_tokens_limit ({})",
+                    l.name, l.default_max_tokens, l.max_tokens_limit
+                ));
+            }
+            if l.max_queue == 0 {
+                return Err(format!("lane `{}`: max_queue must be positive", l.name));
+            }
+        }
+        let s = &self.scheduler;
+        if s.max_num_seqs == 0 || s.max_num_batched_tokens == 0 || s.block_size == 0 {
+            return Err("scheduler: max_num_seqs, max_num_batched_tokens and block_size must be positive".into());
+        }
+        if s.max_num_batched_tokens < s.max_num_seqs {
+            return Err(format!(
+                "scheduler: max_num_batched_tokens ({}) must be at least max_num_seqs ({}) so every running sequence can decode each step",
+                s.max_num_batched_tokens, s.max_num_seqs
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_config_has_voice_and_agent_lanes() {
+        let c = EngineConfig::builtin();
+        let voice = c.lane("voice").unwrap();
+        let agent = c.lane("agent").unwrap();
+        assert_eq!((voice.port, agent.port), (8888, 8889));
+        assert!(voice.priority > agent.priority);
+        assert_eq!(voice.reasoning_effort.as_deref(), Some("low"));
+        assert_eq!(agent.thinking, Some(true));
+    }
+
+    #[test]
+    fn invalid_configs_name_the_problem() {
+        let mut c = EngineConfig::builtin();
+        c.lanes[1].port = c.lanes[0].port;
+        assert!(c.validate().unwrap_err().contains("port 8888"));
+        let e = EngineConfig::from_toml("host = 1", "x.toml").unwrap_err().to_string();
+        assert!(e.starts_with("x.toml"), "{e}");
+    }
+}

@@ -1,0 +1,149 @@
+//! Direct, single-sequence use of a backend, without the serving engine: teacher-forced scoring
+//! and a generation loop for the `generate`, `score` and `kld` commands, benches and golden
+//! tests. It lays one sequence out over the whole KV store (blocks in order); the serving path
+//! gets its block tables from the KV pool instead.
+
+use crate::backend::cpu::{CpuBackend, CpuOptions};
+use crate::backend::{Backend, BackendError, KvGeometry, SeqStep};
+use crate::model::{ModelBundle, ModelError};
+use crate::sampling::{sample, PenaltyState, Sampled, SamplingParams};
+
+/// Prefill chunk used when nothing else is said: large enough to amortise weight reads, small
+/// enough to bound scratch memory.
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("{needed} tokens (prompt {prompt} + max_tokens {max_tokens}) exceed the context of {limit} tokens")]
+    TooLong { needed: usize, prompt: usize, max_tokens: usize, limit: usize },
+}
+
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Ids that end generation (not included in the output).
+    pub eos_token_ids: Vec<u32>,
+    pub prefill_chunk: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+    /// The callback asked to stop (e.g. a stop string matched).
+    Callback,
+}
+
+#[derive(Clone, Debug)]
+pub struct GenerateOutput {
+    pub tokens: Vec<Sampled>,
+    pub finish: FinishReason,
+}
+
+impl GenerateOutput {
+    pub fn ids(&self) -> Vec<u32> {
+        self.tokens.iter().map(|s| s.token).collect()
+    }
+}
+
+/// KV geometry for one sequence of up to `max_tokens` positions.
+pub fn single_sequence_geometry(max_tokens: usize, block_size: usize) -> KvGeometry {
+    KvGeometry { block_size, num_blocks: max_tokens.max(1).div_ceil(block_size) }
+}
+
+/// Build the CPU backend for a model.
+pub fn cpu_backend(bundle: &ModelBundle, threads: usize, kv: KvGeometry) -> Result<CpuBackend, ModelError> {
+    CpuBackend::new(&bundle.config, bundle.weights.as_ref(), CpuOptions { threads, kv, kv_precision: None })
+}
+
+/// One sequence at a time over a backend.
+pub struct Runner<B: Backend> {
+    pub backend: B,
+    table: Vec<u32>,
+}
+
+impl<B: Backend> Runner<B> {
+    pub fn new(backend: B) -> Self {
+        let n = backend.kv_geometry().num_blocks as u32;
+        Runner { backend, table: (0..n).collect() }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.backend.kv_geometry().capacity_tokens()
+    }
+
+    /// Teacher-forced logits for every position of `ids`, `[ids.len(), vocab]` row-major,
+    /// computed in prefill chunks of `chunk` tokens.
+    pub fn score(&mut self, ids: &[u32], chunk: usize) -> Result<Vec<f32>, GenerateError> {
+        if ids.is_empty() {
+            return Err(GenerateError::EmptyPrompt);
+        }
+        self.check_fits(ids.len(), 0)?;
+        let mut out = Vec::with_capacity(ids.len() * self.backend.vocab_size());
+        for (ci, c) in ids.chunks(chunk.max(1)).enumerate() {
+            let step = SeqStep { tokens: c, start_pos: ci * chunk.max(1), block_table: &self.table, logits_rows: c.len() };
+            out.extend(self.backend.forward(&[step])?.data);
+        }
+        Ok(out)
+    }
+
+    fn check_fits(&self, prompt: usize, max_tokens: usize) -> Result<(), GenerateError> {
+        let needed = prompt + max_tokens;
+        if needed > self.capacity() {
+            return Err(GenerateError::TooLong { needed, prompt, max_tokens, limit: self.capacity() });
+        }
+        Ok(())
+    }
+
+    /// Prefill `prompt`, then decode until EOS, `max_tokens`, or `on_token` returns false.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        mut on_token: impl FnMut(&Sampled) -> bool,
+    ) -> Result<GenerateOutput, GenerateError> {
+        if prompt.is_empty() {
+            return Err(GenerateError::EmptyPrompt);
+        }
+        self.check_fits(prompt.len(), opts.max_tokens)?;
+        let chunk = opts.prefill_chunk.max(1);
+        let mut logits = Vec::new();
+        for (ci, c) in prompt.chunks(chunk).enumerate() {
+            let last = (ci + 1) * chunk >= prompt.len();
+            let step = SeqStep { tokens: c, start_pos: ci * chunk, block_table: &self.table, logits_rows: usize::from(last) };
+            logits = self.backend.forward(&[step])?.data;
+        }
+        let mut penalties = PenaltyState::new(prompt);
+        let mut out = Vec::new();
+        let mut pos = prompt.len();
+        loop {
+            if out.len() >= opts.max_tokens {
+                return Ok(GenerateOutput { tokens: out, finish: FinishReason::Length });
+            }
+            let s = sample(&logits, &opts.sampling, &penalties, out.len() as u64);
+            if opts.eos_token_ids.contains(&s.token) {
+                return Ok(GenerateOutput { tokens: out, finish: FinishReason::Stop });
+            }
+            penalties.push_output(s.token);
+            let keep_going = on_token(&s);
+            let token = s.token;
+            out.push(s);
+            if !keep_going {
+                return Ok(GenerateOutput { tokens: out, finish: FinishReason::Callback });
+            }
+            if out.len() >= opts.max_tokens {
+                return Ok(GenerateOutput { tokens: out, finish: FinishReason::Length });
+            }
+            let step = SeqStep { tokens: &[token], start_pos: pos, block_table: &self.table, logits_rows: 1 };
+            logits = self.backend.forward(&[step])?.data;
+            pos += 1;
+        }
+    }
+}

@@ -1,0 +1,15 @@
+//! shelfserve: an LLM serving engine. The crate is split by concern; each module's doc says what
+//! it owns and what it must not touch.
+
+pub mod actors;
+pub mod api;
+pub mod backend;
+pub mod cli;
+pub mod config;
+pub mod fidelity;
+pub mod generate;
+pub mod kv;
+pub mod model;
+pub mod sampling;
+pub mod sched;
+pub mod tokenizer;

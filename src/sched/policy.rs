@@ -1,0 +1,783 @@
+//! The scheduling policy: waiting queues per priority, the running set, the per-step token budget,
+//! chunked prefill, draft tokens, and preemption when KV blocks run out. It owns the `BlockPool`
+//! and every sequence's `BlockTable`; the only way a sequence leaves is `remove_seq`, which gives
+//! its blocks back, so a finished, aborted or preempted sequence can never leak blocks.
+//!
+//! # Sequence state
+//! A sequence's `tokens` are its prompt followed by everything generated so far; `num_computed`
+//! counts the leading tokens whose KV is written. A running sequence always has at least one token
+//! not yet computed: it is *decoding* when exactly one is left (the last sampled token, its next
+//! input), and *prefilling* when more are left. A step gives a sequence the tokens
+//! `num_computed..num_computed + n` at positions starting at `num_computed`; when that chunk reaches
+//! the end of the known tokens the executor samples (`wants_logits`). Preemption frees the blocks
+//! and resets `num_computed` to 0 but keeps the generated tokens, so a resumed sequence re-prefills
+//! prompt + generated and continues exactly where it stopped.
+//!
+//! # One step, in order
+//! 1. Every running decoding sequence gets its one token (higher priority first, then admission
+//!    order). `max_num_batched_tokens >= max_num_seqs` is enforced, so this always fits the budget:
+//!    a decode never waits behind a long prefill.
+//! 2. Prefill work, one priority level at a time (highest first): at each level, running sequences
+//!    mid-prefill get their next chunk (admission order), then waiting sequences of that level are
+//!    admitted (FIFO) while the budget and `max_num_seqs` allow. A chunk is whatever budget is left
+//!    when it is bigger than that. Going level by level (rather than all running chunks before any
+//!    admission) is what lets a high-priority request start at the next step while low-priority
+//!    prefills would otherwise take the whole budget. Admission stops at the first waiting
+//!    sequence that cannot be admitted, so nobody overtakes within a level.
+//! 3. Draft tokens (`set_draft`) of planned decodes, from whatever budget and free blocks are left.
+//!    Drafts never preempt anyone and never displace prefill work.
+//!
+//! # Blocks and preemption
+//! A planned chunk holds blocks for `start_pos + tokens.len()` positions. When the pool is short,
+//! the sequence that needs room (the *needy* one) may preempt only sequences *behind* it in the
+//! running order (priority descending, then admission ascending), always taking the last one
+//! first: that is the lowest-priority, most recently admitted running sequence, and it is never of
+//! higher priority than the needy one. Strictly lower-priority sequences are preempted for the full
+//! chunk; sequences of the same priority (admitted later) only when the needy one could not
+//! otherwise get even one token. If the room still is not there the chunk shrinks to what fits; if
+//! not one token fits the needy sequence waits for this step without preempting anybody.
+//! A waiting sequence counts as admitted after every running one, so it can only preempt strictly
+//! lower priorities: a high-priority request takes a slot and blocks from lower-priority work,
+//! while an equal-priority one waits its turn.
+//!
+//! A decode that cannot get a block and has nobody behind it to preempt **waits, keeping its
+//! blocks; it never preempts itself.** Everyone ahead of it may still preempt it when they need
+//! room, and whoever is first in the order can always preempt everybody else, while `add` refuses
+//! sequences that could not fit in the whole pool; so the first sequence always progresses and the
+//! system cannot deadlock. Self-preemption would only free blocks for sequences behind it, which
+//! must not overtake it. A sequence preempted in a step is not re-admitted in that same step.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+
+use crate::kv::{BlockPool, BlockTable};
+
+pub type SeqId = u64;
+
+/// Position in the running order: higher priority first, then earlier admission. Preemption
+/// victims come from the back of this order.
+type RunKey = (Reverse<i32>, u64);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyConfig {
+    /// Tokens one step may carry: decode tokens + prefill chunks + draft tokens.
+    pub max_num_batched_tokens: usize,
+    /// Sequences that may be running (admitted, holding blocks) at once.
+    pub max_num_seqs: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks in the pool.
+    pub num_blocks: usize,
+}
+
+impl PolicyConfig {
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        let invalid = |msg: String| Err(PolicyError::InvalidConfig(msg));
+        if self.block_size == 0 {
+            return invalid("block_size must be at least 1 token".into());
+        }
+        if self.num_blocks == 0 {
+            return invalid("num_blocks must be at least 1".into());
+        }
+        if self.max_num_seqs == 0 {
+            return invalid("max_num_seqs must be at least 1".into());
+        }
+        if self.max_num_batched_tokens < self.max_num_seqs {
+            return invalid(format!(
+                "max_num_batched_tokens ({}) must be at least max_num_seqs ({}): every running \
+                 sequence needs room for its decode token in every step",
+                self.max_num_batched_tokens, self.max_num_seqs
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A request handed to the policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewSeq {
+    pub id: SeqId,
+    /// Higher runs first and may preempt lower.
+    pub priority: i32,
+    pub prompt: Vec<u32>,
+    /// Generated tokens after which the policy ends the sequence itself (see `on_step_done`).
+    pub max_tokens: usize,
+}
+
+/// One sequence's share of a step: everything an executor needs besides weights and sampling.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedSeq {
+    pub id: SeqId,
+    /// Query tokens this step, in position order. The last `num_draft` of them are draft tokens
+    /// to verify.
+    pub tokens: Vec<u32>,
+    /// Position of `tokens[0]`; KV for positions `0..start_pos` is already in the blocks.
+    pub start_pos: usize,
+    /// Blocks covering positions `0..start_pos + tokens.len()`, in position order.
+    pub block_table: Vec<u32>,
+    /// True when this chunk ends the known tokens, so tokens must be sampled: one from the
+    /// position before the drafts, plus one per draft position when drafts are present.
+    pub wants_logits: bool,
+    /// Trailing draft tokens in `tokens` (0 without speculative decoding).
+    pub num_draft: usize,
+}
+
+impl PlannedSeq {
+    /// A one-token step on a sequence whose tokens were all computed but the last (possibly with
+    /// drafts); a prefill chunk otherwise.
+    pub fn is_decode(&self) -> bool {
+        self.wants_logits && self.tokens.len() == self.num_draft + 1
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepPlanOut {
+    pub seqs: Vec<PlannedSeq>,
+    /// Sequences preempted while planning this step (now waiting again, recompute on resume):
+    /// the actor may notify or count them.
+    pub preempted: Vec<SeqId>,
+}
+
+impl StepPlanOut {
+    /// Query tokens in the step (what `max_num_batched_tokens` bounds).
+    pub fn num_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+}
+
+/// A read-only view of one sequence, for callers' bookkeeping and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqView<'a> {
+    pub id: SeqId,
+    pub priority: i32,
+    pub tokens: &'a [u32],
+    pub prompt_len: usize,
+    pub max_tokens: usize,
+    pub num_computed: usize,
+    /// Admitted and holding blocks (otherwise waiting).
+    pub running: bool,
+    pub block_table: &'a [u32],
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    #[error("invalid scheduler configuration: {0}")]
+    InvalidConfig(String),
+    #[error("sequence id {0} is already queued or running")]
+    DuplicateId(SeqId),
+    #[error("sequence {0} has an empty prompt")]
+    EmptyPrompt(SeqId),
+    #[error("sequence {0} asks for max_tokens = 0; at least one token must be generated")]
+    ZeroMaxTokens(SeqId),
+    #[error(
+        "the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs {needed_tokens} \
+         tokens of KV cache, but the whole KV pool holds only {pool_tokens} tokens"
+    )]
+    NeverFits { prompt_tokens: usize, max_tokens: usize, needed_tokens: usize, pool_tokens: usize },
+}
+
+impl PolicyError {
+    /// Stable label for metrics and logs.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            PolicyError::InvalidConfig(_) => "invalid_config",
+            PolicyError::DuplicateId(_) => "duplicate_id",
+            PolicyError::EmptyPrompt(_) => "empty_prompt",
+            PolicyError::ZeroMaxTokens(_) => "zero_max_tokens",
+            PolicyError::NeverFits { .. } => "never_fits",
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Seq {
+    priority: i32,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    max_tokens: usize,
+    num_computed: usize,
+    table: BlockTable,
+    /// Draft tokens for the next step only.
+    draft: Vec<u32>,
+    /// Admission number while running; `None` while waiting.
+    admitted: Option<u64>,
+    /// The step that last preempted it: it is not re-admitted within that step.
+    preempted_at: Option<u64>,
+    /// Part of the step between `plan_step` and `on_step_done`.
+    in_flight: bool,
+}
+
+impl Seq {
+    fn is_decode(&self) -> bool {
+        self.tokens.len() == self.num_computed + 1
+    }
+}
+
+/// A sequence's share of the step being planned (turned into a `PlannedSeq` at the end) and,
+/// after `plan_step`, of the step in flight.
+#[derive(Debug)]
+struct Planned {
+    id: SeqId,
+    start: usize,
+    /// Known tokens in the chunk (drafts excluded).
+    n_base: usize,
+    wants_logits: bool,
+    draft: Vec<u32>,
+}
+
+struct StepBuild {
+    budget: usize,
+    planned: Vec<Planned>,
+    preempted: Vec<SeqId>,
+}
+
+pub struct Policy {
+    cfg: PolicyConfig,
+    pool: BlockPool,
+    seqs: HashMap<SeqId, Seq>,
+    waiting: BTreeMap<Reverse<i32>, VecDeque<SeqId>>,
+    /// Sorted by `RunKey`.
+    running: Vec<(RunKey, SeqId)>,
+    next_admission: u64,
+    /// Counts planned steps; tags preemptions so they are not undone in the same step.
+    step: u64,
+    in_flight: Option<Vec<Planned>>,
+}
+
+impl std::fmt::Debug for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Policy")
+            .field("cfg", &self.cfg)
+            .field("waiting", &self.num_waiting())
+            .field("running", &self.running.len())
+            .field("blocks_used", &self.pool.num_used())
+            .field("in_flight", &self.in_flight.as_ref().map(Vec::len))
+            .finish()
+    }
+}
+
+impl Policy {
+    pub fn new(cfg: PolicyConfig) -> Result<Self, PolicyError> {
+        cfg.validate()?;
+        let pool = BlockPool::new(cfg.num_blocks, cfg.block_size)
+            .map_err(|e| PolicyError::InvalidConfig(e.to_string()))?;
+        Ok(Self {
+            cfg,
+            pool,
+            seqs: HashMap::new(),
+            waiting: BTreeMap::new(),
+            running: Vec::new(),
+            next_admission: 0,
+            step: 0,
+            in_flight: None,
+        })
+    }
+
+    pub fn config(&self) -> &PolicyConfig {
+        &self.cfg
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Queues a sequence at the back of its priority's waiting queue. Refuses sequences that could
+    /// not fit in the whole pool even alone, so an admitted sequence can always finish.
+    pub fn add(&mut self, seq: NewSeq) -> Result<(), PolicyError> {
+        if self.seqs.contains_key(&seq.id) {
+            return Err(PolicyError::DuplicateId(seq.id));
+        }
+        if seq.prompt.is_empty() {
+            return Err(PolicyError::EmptyPrompt(seq.id));
+        }
+        if seq.max_tokens == 0 {
+            return Err(PolicyError::ZeroMaxTokens(seq.id));
+        }
+        let needed_tokens = seq.prompt.len().saturating_add(seq.max_tokens);
+        if self.pool.blocks_for(needed_tokens) > self.pool.num_blocks() {
+            return Err(PolicyError::NeverFits {
+                prompt_tokens: seq.prompt.len(),
+                max_tokens: seq.max_tokens,
+                needed_tokens,
+                pool_tokens: self.pool.capacity_tokens(),
+            });
+        }
+        let prompt_len = seq.prompt.len();
+        self.seqs.insert(
+            seq.id,
+            Seq {
+                priority: seq.priority,
+                tokens: seq.prompt,
+                prompt_len,
+                max_tokens: seq.max_tokens,
+                num_computed: 0,
+                table: BlockTable::new(self.cfg.block_size),
+                draft: Vec::new(),
+                admitted: None,
+                preempted_at: None,
+                in_flight: false,
+            },
+        );
+        self.waiting.entry(Reverse(seq.priority)).or_default().push_back(seq.id);
+        Ok(())
+    }
+
+    /// Cancels a sequence wherever it is and frees its blocks now. If it is part of the step in
+    /// flight, its results are ignored when they arrive (the blocks are not handed out again
+    /// before `on_step_done`, since planning waits for it). Unknown ids return false.
+    pub fn abort(&mut self, id: SeqId) -> bool {
+        self.remove_seq(id)
+    }
+
+    /// Offers draft tokens to verify in the next step for a running, decoding sequence that is
+    /// not in flight. Drafts that would run past `max_tokens` are cut. Returns how many tokens
+    /// were kept (0 when the sequence cannot take a draft now). A draft is for one step only.
+    pub fn set_draft(&mut self, id: SeqId, mut draft: Vec<u32>) -> usize {
+        let Some(seq) = self.seqs.get_mut(&id) else { return 0 };
+        if seq.admitted.is_none() || seq.in_flight || !seq.is_decode() {
+            return 0;
+        }
+        // Accepting every draft plus the bonus token adds draft.len() + 1 tokens.
+        let headroom = (seq.prompt_len + seq.max_tokens).saturating_sub(seq.tokens.len() + 1);
+        draft.truncate(headroom);
+        seq.draft = draft;
+        seq.draft.len()
+    }
+
+    /// Plans the next step (see the module doc for the rules). `None` when there is nothing to do,
+    /// or while a planned step has not been reported with `on_step_done` / `on_step_failed`.
+    pub fn plan_step(&mut self) -> Option<StepPlanOut> {
+        if self.in_flight.is_some() {
+            tracing::warn!("plan_step called while the previous step is still in flight");
+            return None;
+        }
+        if self.seqs.is_empty() {
+            return None;
+        }
+        self.step += 1;
+        let mut b = StepBuild {
+            budget: self.cfg.max_num_batched_tokens,
+            planned: Vec::with_capacity(self.running.len() + 1),
+            preempted: Vec::new(),
+        };
+
+        // 1. Decodes.
+        let decodes: Vec<SeqId> =
+            self.running.iter().map(|&(_, id)| id).filter(|id| self.seqs.get(id).is_some_and(Seq::is_decode)).collect();
+        for id in decodes {
+            if b.budget == 0 {
+                break;
+            }
+            self.plan_running(id, 1, &mut b);
+        }
+
+        // 2. Prefill work, level by level.
+        let mut levels: BTreeSet<Reverse<i32>> = self.waiting.keys().copied().collect();
+        levels.extend(
+            self.running.iter().filter(|(_, id)| self.seqs.get(id).is_some_and(|s| !s.is_decode())).map(|(k, _)| k.0),
+        );
+        let mut admitting = true;
+        'levels: for level in levels {
+            let mids: Vec<SeqId> = self
+                .running
+                .iter()
+                .filter(|((p, _), id)| *p == level && self.seqs.get(id).is_some_and(|s| !s.is_decode()))
+                .map(|&(_, id)| id)
+                .collect();
+            for id in mids {
+                if b.budget == 0 {
+                    break 'levels;
+                }
+                let Some(seq) = self.seqs.get(&id) else { continue };
+                let want = (seq.tokens.len() - seq.num_computed).min(b.budget);
+                self.plan_running(id, want, &mut b);
+            }
+            while admitting {
+                if b.budget == 0 {
+                    break 'levels;
+                }
+                let Some(&id) = self.waiting.get(&level).and_then(VecDeque::front) else { break };
+                let preempted_now = self.seqs.get(&id).is_some_and(|s| s.preempted_at == Some(self.step));
+                if preempted_now || !self.admit(id, &mut b) {
+                    admitting = false;
+                }
+            }
+        }
+
+        // 3. Drafts from what is left.
+        self.plan_drafts(&mut b);
+
+        if b.planned.is_empty() && b.preempted.is_empty() {
+            return None;
+        }
+        let bs = self.cfg.block_size;
+        let mut out = Vec::with_capacity(b.planned.len());
+        for p in &b.planned {
+            let Some(seq) = self.seqs.get_mut(&p.id) else { continue };
+            seq.in_flight = true;
+            let mut tokens = Vec::with_capacity(p.n_base + p.draft.len());
+            tokens.extend_from_slice(&seq.tokens[p.start..p.start + p.n_base]);
+            tokens.extend_from_slice(&p.draft);
+            let nb = (p.start + tokens.len()).div_ceil(bs);
+            out.push(PlannedSeq {
+                id: p.id,
+                tokens,
+                start_pos: p.start,
+                block_table: seq.table.blocks()[..nb].to_vec(),
+                wants_logits: p.wants_logits,
+                num_draft: p.draft.len(),
+            });
+        }
+        self.in_flight = Some(b.planned);
+        self.debug_check();
+        Some(StepPlanOut { seqs: out, preempted: b.preempted })
+    }
+
+    /// Records the results of the step in flight. `sampled` holds, for each sequence that wanted
+    /// logits, the tokens the executor produced: the accepted draft tokens followed by one newly
+    /// sampled token (exactly one token without drafts). Tokens are appended and become the next
+    /// decode input; only leading tokens that agree with the planned drafts count as accepted, and
+    /// anything after the first disagreement is ignored. Chunks that did not want logits just
+    /// advance. A sequence that wanted logits but has no entry keeps its state, so its chunk is
+    /// computed again. `finished` ids are removed wherever they are and their blocks freed.
+    ///
+    /// Returns the sequences the policy itself ended because they reached `max_tokens` (it keeps at
+    /// most `max_tokens` generated tokens); they may overlap with `finished`.
+    pub fn on_step_done(&mut self, sampled: &[(SeqId, Vec<u32>)], finished: &[SeqId]) -> Vec<SeqId> {
+        let planned = self.in_flight.take().unwrap_or_else(|| {
+            if !sampled.is_empty() {
+                tracing::warn!("on_step_done without a step in flight: sampled tokens ignored");
+            }
+            Vec::new()
+        });
+        let samples: HashMap<SeqId, &[u32]> = sampled.iter().map(|(id, t)| (*id, t.as_slice())).collect();
+        let mut length_finished = Vec::new();
+        for p in planned {
+            let Some(seq) = self.seqs.get_mut(&p.id) else { continue };
+            seq.in_flight = false;
+            if !p.wants_logits {
+                if samples.contains_key(&p.id) {
+                    tracing::warn!(seq = p.id, "sampled tokens for a chunk that wanted no logits: ignored");
+                }
+                seq.num_computed = p.start + p.n_base;
+            } else if let Some(toks) = samples.get(&p.id).filter(|t| !t.is_empty()) {
+                let accepted = toks.iter().zip(&p.draft).take_while(|(a, b)| a == b).count().min(toks.len() - 1);
+                if toks.len() > accepted + 1 {
+                    tracing::debug!(seq = p.id, "tokens after the first rejected draft ignored");
+                }
+                let room = (seq.prompt_len + seq.max_tokens).saturating_sub(seq.tokens.len());
+                let take = (accepted + 1).min(room);
+                seq.tokens.extend_from_slice(&toks[..take]);
+                // KV is now written for the chunk's known tokens and the accepted drafts.
+                seq.num_computed = (p.start + p.n_base + accepted).min(seq.tokens.len() - 1);
+                if seq.tokens.len() >= seq.prompt_len + seq.max_tokens {
+                    length_finished.push(p.id);
+                }
+            } else if !finished.contains(&p.id) {
+                tracing::warn!(seq = p.id, "no sampled token for a chunk that wanted logits; it will be recomputed");
+            }
+            seq.table.set_num_filled(seq.num_computed);
+        }
+        for &id in finished.iter().chain(&length_finished) {
+            self.remove_seq(id);
+        }
+        self.debug_check();
+        length_finished
+    }
+
+    /// The step in flight failed: nothing it computed counts; its sequences stay where they were
+    /// and will be planned again. Returns their ids so the caller can fail or retry them.
+    pub fn on_step_failed(&mut self) -> Vec<SeqId> {
+        let planned = self.in_flight.take().unwrap_or_default();
+        let mut ids = Vec::with_capacity(planned.len());
+        for p in planned {
+            if let Some(seq) = self.seqs.get_mut(&p.id) {
+                seq.in_flight = false;
+                ids.push(p.id);
+            }
+        }
+        ids
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.values().map(VecDeque::len).sum()
+    }
+
+    pub fn num_waiting_for(&self, priority: i32) -> usize {
+        self.waiting.get(&Reverse(priority)).map_or(0, VecDeque::len)
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn blocks_used(&self) -> usize {
+        self.pool.num_used()
+    }
+
+    pub fn blocks_free(&self) -> usize {
+        self.pool.num_free()
+    }
+
+    /// No sequence waiting or running.
+    pub fn is_idle(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    pub fn seq(&self, id: SeqId) -> Option<SeqView<'_>> {
+        self.seqs.get(&id).map(|s| SeqView {
+            id,
+            priority: s.priority,
+            tokens: &s.tokens,
+            prompt_len: s.prompt_len,
+            max_tokens: s.max_tokens,
+            num_computed: s.num_computed,
+            running: s.admitted.is_some(),
+            block_table: s.table.blocks(),
+        })
+    }
+
+    /// Panics unless every block is either free or held by exactly one sequence, waiting
+    /// sequences hold nothing, queues and the sequence map agree, and an idle policy holds no
+    /// blocks. O(blocks + sequences); for tests and debugging.
+    pub fn assert_accounting(&self) {
+        self.pool.assert_accounting();
+        let mut held_blocks = HashSet::new();
+        for (id, s) in &self.seqs {
+            for &b in s.table.blocks() {
+                assert!(held_blocks.insert(b), "block {b} is held by two sequences (one is {id})");
+            }
+            assert!(s.num_computed < s.tokens.len(), "seq {id}: every token computed, nothing to feed");
+            match s.admitted {
+                None => {
+                    assert_eq!(s.table.num_blocks(), 0, "waiting seq {id} holds blocks");
+                    assert_eq!(s.num_computed, 0, "waiting seq {id} has computed tokens");
+                }
+                Some(_) => assert!(s.table.capacity_tokens() >= s.num_computed, "seq {id}: KV beyond its blocks"),
+            }
+        }
+        assert_eq!(held_blocks.len(), self.pool.num_used(), "blocks held by sequences != blocks used in the pool");
+        assert!(self.running.len() <= self.cfg.max_num_seqs, "more running sequences than max_num_seqs");
+        assert!(self.running.windows(2).all(|w| w[0] < w[1]), "running order is not sorted");
+        for &((Reverse(p), adm), id) in &self.running {
+            let s = self.seqs.get(&id).expect("running id is a known sequence");
+            assert_eq!((s.priority, s.admitted), (p, Some(adm)), "running entry of {id} is stale");
+        }
+        for (&Reverse(p), q) in &self.waiting {
+            assert!(!q.is_empty(), "empty waiting queue kept for priority {p}");
+            for id in q {
+                let s = self.seqs.get(id).expect("waiting id is a known sequence");
+                assert_eq!((s.priority, s.admitted), (p, None), "waiting entry of {id} is stale");
+            }
+        }
+        assert_eq!(self.running.len() + self.num_waiting(), self.seqs.len(), "a sequence is lost or queued twice");
+        if self.is_idle() {
+            assert_eq!(self.pool.num_used(), 0, "idle policy holds blocks");
+        }
+    }
+
+    /// Cheap per-step invariant for debug builds (the full check is `assert_accounting`).
+    fn debug_check(&self) {
+        if cfg!(debug_assertions) {
+            let held: usize = self.seqs.values().map(|s| s.table.num_blocks()).sum();
+            assert_eq!(held, self.pool.num_used(), "KV block accounting broke: held != used");
+        }
+    }
+
+    /// The one exit of a sequence: drops it from its queue and the step in flight and frees its
+    /// blocks.
+    fn remove_seq(&mut self, id: SeqId) -> bool {
+        let Some(mut seq) = self.seqs.remove(&id) else { return false };
+        match seq.admitted {
+            Some(adm) => match self.running.binary_search(&((Reverse(seq.priority), adm), id)) {
+                Ok(i) => {
+                    self.running.remove(i);
+                }
+                Err(_) => {
+                    tracing::error!(seq = id, "running sequence missing from the running order");
+                    if cfg!(debug_assertions) {
+                        panic!("running sequence {id} missing from the running order");
+                    }
+                }
+            },
+            None => {
+                let key = Reverse(seq.priority);
+                if let Some(q) = self.waiting.get_mut(&key) {
+                    q.retain(|&w| w != id);
+                    if q.is_empty() {
+                        self.waiting.remove(&key);
+                    }
+                }
+            }
+        }
+        seq.table.release(&mut self.pool);
+        if let Some(planned) = &mut self.in_flight {
+            planned.retain(|p| p.id != id);
+        }
+        true
+    }
+
+    /// Plans up to `want` tokens of a running sequence, making room as the module doc describes.
+    fn plan_running(&mut self, id: SeqId, want: usize, b: &mut StepBuild) {
+        let Some(key) = self.seqs.get(&id).and_then(|s| Some((Reverse(s.priority), s.admitted?))) else { return };
+        let n = self.make_room(id, key, want, b);
+        if n == 0 {
+            return;
+        }
+        let Some(seq) = self.seqs.get(&id) else { return };
+        let start = seq.num_computed;
+        b.planned.push(Planned { id, start, n_base: n, wants_logits: start + n == seq.tokens.len(), draft: Vec::new() });
+        b.budget -= n;
+    }
+
+    /// Admits the head of a waiting queue with a first chunk. False when it cannot start now.
+    fn admit(&mut self, id: SeqId, b: &mut StepBuild) -> bool {
+        let Some(prio) = self.seqs.get(&id).map(|s| s.priority) else { return false };
+        // Counts as admitted after everyone running: only strictly lower priorities are behind it.
+        let key = (Reverse(prio), u64::MAX);
+        if self.running.len() >= self.cfg.max_num_seqs {
+            match self.running.last() {
+                // A running sequence holds at least one block, so this also guarantees the chunk
+                // below gets at least one token: the preemption is never in vain.
+                Some(&((Reverse(victim_prio), _), victim)) if victim_prio < prio => self.preempt(victim, b),
+                _ => return false,
+            }
+        }
+        let Some(len) = self.seqs.get(&id).map(|s| s.tokens.len()) else { return false };
+        let n = self.make_room(id, key, len.min(b.budget), b);
+        if n == 0 {
+            return false;
+        }
+        if let Some(q) = self.waiting.get_mut(&Reverse(prio)) {
+            debug_assert_eq!(q.front(), Some(&id), "admitting a sequence that is not at the head of its queue");
+            q.pop_front();
+            if q.is_empty() {
+                self.waiting.remove(&Reverse(prio));
+            }
+        }
+        let adm = self.next_admission;
+        self.next_admission += 1;
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.admitted = Some(adm);
+        }
+        let entry = ((Reverse(prio), adm), id);
+        let pos = self.running.partition_point(|e| *e < entry);
+        self.running.insert(pos, entry);
+        b.planned.push(Planned { id, start: 0, n_base: n, wants_logits: n == len, draft: Vec::new() });
+        b.budget -= n;
+        tracing::trace!(seq = id, priority = prio, first_chunk = n, "admitted");
+        true
+    }
+
+    /// Ensures blocks for up to `want` more tokens of `id` (from its `num_computed`), preempting
+    /// running sequences behind `key` as allowed. Returns the tokens that fit (blocks allocated),
+    /// 0 when not even one does (then nobody was preempted).
+    fn make_room(&mut self, id: SeqId, key: RunKey, want: usize, b: &mut StepBuild) -> usize {
+        let bs = self.cfg.block_size;
+        let Some(seq) = self.seqs.get(&id) else { return 0 };
+        let (prio, start, held) = (seq.priority, seq.num_computed, seq.table.num_blocks());
+        let need_min = (start + 1).div_ceil(bs).saturating_sub(held);
+        let need_want = (start + want).div_ceil(bs).saturating_sub(held);
+        if self.pool.num_free() < need_min {
+            // Preempt only if it will actually let this sequence run.
+            let first_behind = self.running.partition_point(|(k, _)| *k <= key);
+            let reclaimable: usize = self.running[first_behind..]
+                .iter()
+                .map(|(_, v)| self.seqs.get(v).map_or(0, |s| s.table.num_blocks()))
+                .sum();
+            if self.pool.num_free() + reclaimable < need_min {
+                return 0;
+            }
+        }
+        while self.pool.num_free() < need_want {
+            let Some(&(victim_key, victim)) = self.running.last() else { break };
+            if victim_key <= key {
+                break;
+            }
+            let strictly_lower = victim_key.0 .0 < prio;
+            if !strictly_lower && self.pool.num_free() >= need_min {
+                break;
+            }
+            self.preempt(victim, b);
+        }
+        let fit = ((held + self.pool.num_free()) * bs).saturating_sub(start);
+        let n = want.min(fit);
+        if n == 0 {
+            return 0;
+        }
+        let Some(seq) = self.seqs.get_mut(&id) else { return 0 };
+        if !seq.table.ensure_capacity(&mut self.pool, start + n) {
+            // `fit` counted only free blocks, so this is a bookkeeping bug.
+            tracing::error!(seq = id, "blocks counted as free could not be allocated");
+            if cfg!(debug_assertions) {
+                panic!("blocks counted as free could not be allocated for sequence {id}");
+            }
+            return 0;
+        }
+        n
+    }
+
+    /// Sends a running sequence back to the front of its waiting queue, freeing its blocks and
+    /// taking it out of the step being planned.
+    fn preempt(&mut self, id: SeqId, b: &mut StepBuild) {
+        let Some(seq) = self.seqs.get_mut(&id) else { return };
+        let Some(adm) = seq.admitted.take() else { return };
+        if let Ok(i) = self.running.binary_search(&((Reverse(seq.priority), adm), id)) {
+            self.running.remove(i);
+        }
+        seq.table.release(&mut self.pool);
+        seq.num_computed = 0;
+        seq.draft.clear();
+        seq.preempted_at = Some(self.step);
+        let priority = seq.priority;
+        self.waiting.entry(Reverse(priority)).or_default().push_front(id);
+        if let Some(i) = b.planned.iter().position(|p| p.id == id) {
+            let p = b.planned.remove(i);
+            b.budget += p.n_base + p.draft.len();
+        }
+        b.preempted.push(id);
+        tracing::debug!(seq = id, priority, "preempted; will recompute on resume");
+    }
+
+    /// Step 3: attach drafts to planned decodes from leftover budget and free blocks, then drop
+    /// every unused draft (drafts are for one step).
+    fn plan_drafts(&mut self, b: &mut StepBuild) {
+        let bs = self.cfg.block_size;
+        for p in &mut b.planned {
+            if b.budget == 0 {
+                break;
+            }
+            let Some(seq) = self.seqs.get_mut(&p.id) else { continue };
+            if seq.draft.is_empty() || !p.wants_logits || !seq.is_decode() {
+                continue;
+            }
+            let fit = ((seq.table.num_blocks() + self.pool.num_free()) * bs).saturating_sub(p.start + 1);
+            let d = seq.draft.len().min(b.budget).min(fit);
+            if d == 0 || !seq.table.ensure_capacity(&mut self.pool, p.start + 1 + d) {
+                continue;
+            }
+            let mut draft = std::mem::take(&mut seq.draft);
+            draft.truncate(d);
+            p.draft = draft;
+            b.budget -= d;
+        }
+        for (_, id) in &self.running {
+            if let Some(seq) = self.seqs.get_mut(id) {
+                seq.draft.clear();
+            }
+        }
+    }
+}
+
+impl Drop for Policy {
+    fn drop(&mut self) {
+        // Hand every table back so their leak checks stay quiet on an orderly shutdown.
+        for seq in self.seqs.values_mut() {
+            seq.table.release(&mut self.pool);
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "policy_tests.rs"]
+mod tests;
