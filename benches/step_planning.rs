@@ -4,7 +4,7 @@
 //! 1000-token prompts sharing a 2048-token budget.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use shelfserve::sched::{NewSeq, Policy, PolicyConfig, SeqId};
+use shelfserve::sched::{NewSeq, Policy, PolicyConfig, SeqId, StepPlanOut};
 
 struct Workload {
     policy: Policy,
@@ -25,7 +25,39 @@ impl Workload {
         for _ in 0..4 * max_tokens {
             w.step();
         }
+        w.describe();
         w
+    }
+
+    /// Prints what a typical step of this workload carries, so the timing can be read.
+    fn describe(&mut self) {
+        let (mut decodes, mut prefill_tokens, mut steps) = (0, 0, 0);
+        for _ in 0..100 {
+            let Some(plan) = self.policy.plan_step() else { break };
+            decodes += plan.seqs.iter().filter(|s| s.is_decode()).count();
+            prefill_tokens += plan.seqs.iter().filter(|s| !s.is_decode()).map(|s| s.tokens.len()).sum::<usize>();
+            steps += 1;
+            self.complete(&plan);
+        }
+        let steps = steps.max(1);
+        eprintln!(
+            "workload: {} running, {} waiting; per step {} decodes + {} prefill tokens",
+            self.policy.num_running(),
+            self.policy.num_waiting(),
+            decodes / steps,
+            prefill_tokens / steps
+        );
+    }
+
+    fn complete(&mut self, plan: &StepPlanOut) {
+        self.sampled.clear();
+        for s in plan.seqs.iter().filter(|s| s.wants_logits) {
+            self.sampled.push((s.id, vec![(s.start_pos as u32).wrapping_mul(17)]));
+        }
+        let ended = self.policy.on_step_done(&self.sampled, &[]);
+        for _ in &ended {
+            self.add();
+        }
     }
 
     fn add(&mut self) {
@@ -39,14 +71,7 @@ impl Workload {
 
     fn step(&mut self) -> usize {
         let Some(plan) = self.policy.plan_step() else { return 0 };
-        self.sampled.clear();
-        for s in plan.seqs.iter().filter(|s| s.wants_logits) {
-            self.sampled.push((s.id, vec![(s.start_pos as u32).wrapping_mul(17)]));
-        }
-        let ended = self.policy.on_step_done(&self.sampled, &[]);
-        for _ in &ended {
-            self.add();
-        }
+        self.complete(&plan);
         plan.seqs.len()
     }
 }

@@ -2,6 +2,7 @@
 //! Errors become one readable message and a non-zero exit status.
 
 use clap::Parser;
+use shelfserve::cli::serve::run_serve;
 use shelfserve::cli::{run_fetch_default, run_generate, run_kld, run_score, Cli, Command};
 
 fn main() -> anyhow::Result<()> {
@@ -17,11 +18,12 @@ fn main() -> anyhow::Result<()> {
         Some(Command::Score(a)) => run_score(a),
         Some(Command::Kld(a)) => run_kld(a),
         Some(Command::FetchDefault) => run_fetch_default(),
-        None => {
-            use clap::CommandFactory;
-            Cli::command().print_help()?;
-            return Ok(());
-        }
+        Some(Command::Serve(a)) => run_serve(a),
+        // No command: serve the default model with flags taken from the environment.
+        None => match Cli::parse_from(["shelfserve", "serve"]).command {
+            Some(Command::Serve(a)) => run_serve(&a),
+            _ => unreachable!("`serve` parses as the serve command"),
+        },
     };
     result.map_err(anyhow::Error::from)
 }

@@ -72,3 +72,22 @@ fn logits_and_greedy_match_llama_cpp() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+// TEMPORARY (debug harness, to be removed): dump our f32 logits for DUMP_IDS to DUMP_OUT.
+#[test]
+#[ignore]
+fn zz_dump_logits() {
+    let Some(gguf) = common::default_gguf() else { return };
+    let bundle = shelfserve::model::open(gguf.to_str().unwrap(), &CacheDir::from_env()).unwrap();
+    let mut runner = Runner::new(cpu_backend(&bundle, 2, single_sequence_geometry(128, 16)).unwrap());
+    for line in std::env::var("DUMP_IDS").unwrap().lines() {
+        let (name, ids) = line.split_once(' ').unwrap();
+        let ids: Vec<u32> = ids.split(',').map(|v| v.trim().parse().unwrap()).collect();
+        let ours = runner.score(&ids, 512).unwrap();
+        let bytes: Vec<u8> = ours.iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(format!("{}/{name}.f32", std::env::var("DUMP_OUT").unwrap()), bytes).unwrap();
+        let opts = GenerateOptions { max_tokens: 40, sampling: SamplingParams::default(), eos_token_ids: Vec::new(), prefill_chunk: 512 };
+        let got = runner.generate(&ids, &opts, |_| true).unwrap().ids();
+        std::fs::write(format!("{}/{name}.gen", std::env::var("DUMP_OUT").unwrap()), format!("{got:?}")).unwrap();
+    }
+}

@@ -11,13 +11,13 @@
 //! Connections are served with HTTP/1 half-closure disabled: a client that closes its socket
 //! makes actix drop the handler future at once, which is what cancels a non-streaming request.
 
-pub mod chat;
-pub mod completions;
+mod chat;
+mod completions;
 pub mod errors;
 pub mod metrics;
 pub mod params;
-pub mod sse;
-pub mod tokens;
+mod sse;
+mod tokens;
 pub mod types;
 
 use std::net::SocketAddr;

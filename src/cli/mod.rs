@@ -8,6 +8,8 @@ use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand};
 
+pub mod serve;
+
 use crate::backend::KvGeometry;
 use crate::fidelity::{compare, LogitsFile};
 use crate::generate::{cpu_backend, single_sequence_geometry, GenerateOptions, Runner, DEFAULT_PREFILL_CHUNK};
@@ -26,6 +28,8 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
+    /// Serve the OpenAI-compatible API on every lane port (the default command).
+    Serve(serve::ServeArgs),
     /// Generate a completion and stream it to stdout.
     Generate(GenerateArgs),
     /// Teacher-forced logits for every position, written to a safetensors file.

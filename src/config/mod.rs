@@ -46,6 +46,10 @@ pub struct LlamaConfig {
     pub qk_norm: bool,
     /// Mistral-style sliding attention window (keys older than this many positions are masked).
     pub sliding_window: Option<usize>,
+    /// Compute RoPE angles and rotations the way GGML does (f32 angle recurrence, fused
+    /// multiply-adds) rather than HF's `pos · inv_freq`; the two differ in the last bits, which a
+    /// quantized model amplifies. Set by the GGUF reader so GGUF models reproduce llama.cpp.
+    pub rope_ggml_style: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
@@ -169,6 +173,7 @@ impl LlamaConfig {
             mlp_bias: raw.mlp_bias.unwrap_or(false),
             qk_norm: model_type == "qwen3",
             sliding_window,
+            rope_ggml_style: false,
             bos_token_id: token_ids(&raw.bos_token_id).first().copied(),
             eos_token_ids: token_ids(&raw.eos_token_id),
             model_type,

@@ -641,8 +641,9 @@ impl GgufFile {
                 msg: format!("metadata `{key}` has type {}, expected an integer array", a.type_name()),
             });
         };
-        wide.into_iter().map(i32::try_from).collect::<Result<Vec<_>, _>>().map(Some).map_err(|_| {
-            ModelError::Format { file: self.path.clone(), msg: format!("metadata `{key}` has values beyond i32") }
+        wide.into_iter().map(i32::try_from).collect::<Result<Vec<_>, _>>().map(Some).map_err(|_| ModelError::Format {
+            file: self.path.clone(),
+            msg: format!("metadata `{key}` has values beyond i32"),
         })
     }
 
@@ -910,6 +911,8 @@ fn llama_config(g: &GgufFile) -> Result<LlamaConfig, ModelError> {
         mlp_bias: has("blk.0.ffn_gate.bias") || has("blk.0.ffn_up.bias"),
         qk_norm: false,
         sliding_window: None,
+        // llama.cpp is the reference for GGUF files: follow its RoPE arithmetic bit for bit.
+        rope_ggml_style: true,
         bos_token_id: g.get_u32("tokenizer.ggml.bos_token_id")?,
         eos_token_ids: eos.into_iter().collect(),
     };
@@ -938,7 +941,7 @@ pub fn open_file(path: &Path) -> Result<ModelBundle, ModelError> {
         };
         let dtype = g.dtype_of(info)?;
         let unpermute = if info.name.contains(".attn_q.") {
-            None
+            Some(config.num_attention_heads)
         } else if info.name.contains(".attn_k.") {
             Some(config.num_key_value_heads)
         } else {
@@ -1428,6 +1431,7 @@ mod tests {
             mlp_bias: false,
             qk_norm: false,
             sliding_window: None,
+            rope_ggml_style: true,
             bos_token_id: None,
             eos_token_ids: vec![],
         };

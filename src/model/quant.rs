@@ -4,6 +4,12 @@
 //! multiply per block), which is both what makes quantized matmul fast and what keeps our
 //! numbers close to llama.cpp's. Every routine reduces in a fixed order, so a row's result never
 //! depends on how many other rows are computed with it.
+//!
+//! It also owns the float kernels whose exact rounding GGML's x86 CPU backend fixes and which a
+//! quantized model amplifies (every matmul re-quantizes its input to 8 bits, so one flipped
+//! rounding moves logits by ~0.1): GGML's vectorised `expf` ([`expf_ggml`]) and the 8-lane dot
+//! product of llamafile's tinyBLAS ([`dot_lanes8`]). Each has an AVX2 path and a scalar path that
+//! give bit-identical results.
 
 use super::DType;
 use half::{bf16, f16};
@@ -139,6 +145,97 @@ pub fn dot_f32(a: &[f32], b: &[f32], simd: bool) -> f32 {
     }
     let _ = simd;
     scalar::dot_f32(a, b)
+}
+
+/// Horizontal sum of 8 lanes in the order of GGML's AVX2 reductions (llamafile's `hsum`, the
+/// per-group sum of `ggml_vec_soft_max_f32`): `((v0+v4) + (v2+v6)) + ((v1+v5) + (v3+v7))`.
+#[inline]
+pub fn hsum8(v: &[f32; 8]) -> f32 {
+    let s = [v[0] + v[4], v[1] + v[5], v[2] + v[6], v[3] + v[7]];
+    (s[0] + s[2]) + (s[1] + s[3])
+}
+
+/// Dot product as llamafile's tinyBLAS computes it on AVX2 (what llama.cpp uses for f16
+/// attention matmuls of two or more query rows): one 8-lane FMA accumulator over the whole row,
+/// element `i` in lane `i % 8`, then [`hsum8`]. `a.len()` must be a multiple of 8.
+#[inline]
+pub fn dot_lanes8(a: &[f32], b: &[f32], simd: bool) -> f32 {
+    debug_assert!(a.len() == b.len() && a.len() % 8 == 0);
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is only true when AVX2 and FMA were detected at runtime.
+        return unsafe { avx2::dot_lanes8(a, b) };
+    }
+    let _ = simd;
+    let mut acc = [0f32; 8];
+    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] = ca[l].mul_add(cb[l], acc[l]);
+        }
+    }
+    hsum8(&acc)
+}
+
+/// `x[i] = exp(x[i])` exactly as GGML's `ggml_v_expf` (AVX2 build) computes it: a degree-5
+/// polynomial after range reduction, within ~1.5 ulp of the true value, bit-identical on every
+/// path here. llama.cpp uses it for softmax and SiLU, where the last bits matter downstream.
+pub fn expf_ggml(x: &mut [f32], simd: bool) {
+    let n8 = x.len() / 8 * 8;
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        for c in x[..n8].chunks_exact_mut(8) {
+            // SAFETY: `simd` is only true when AVX2 and FMA were detected at runtime; `c` has 8
+            // elements.
+            unsafe { avx2::expf8(c) };
+        }
+        for v in &mut x[n8..] {
+            *v = expf_ggml_scalar(*v);
+        }
+        return;
+    }
+    let _ = (simd, n8);
+    for v in x.iter_mut() {
+        *v = expf_ggml_scalar(*v);
+    }
+}
+
+/// Constants of `ggml_v_expf`, as bit patterns of the hex-float literals in GGML's source.
+mod expc {
+    pub const SHIFTER: u32 = 0x4b40_0000; // 0x1.8p23
+    pub const LOG2E: u32 = 0x3fb8_aa3b; // 0x1.715476p+0
+    pub const LN2_HI: u32 = 0x3f31_7200; // 0x1.62e4p-1
+    pub const LN2_LO: u32 = 0x35bf_be8e; // 0x1.7f7d1cp-20
+    pub const P5: u32 = 0x3c07_2010; // 0x1.0e4020p-7
+    pub const P4: u32 = 0x3d2b_9f17; // 0x1.573e2ep-5
+    pub const P3: u32 = 0x3e2a_af33; // 0x1.555e66p-3
+    pub const P2: u32 = 0x3eff_fedb; // 0x1.fffdb6p-2
+    pub const P1: u32 = 0x3f7f_fff6; // 0x1.ffffecp-1
+}
+
+/// One lane of `ggml_v_expf`; every operation (FMA included) rounds as the vector code does.
+fn expf_ggml_scalar(x: f32) -> f32 {
+    use expc::*;
+    let c = f32::from_bits;
+    let r = c(SHIFTER);
+    let z = x.mul_add(c(LOG2E), r);
+    let n = z - r;
+    let b = (-n).mul_add(c(LN2_LO), (-n).mul_add(c(LN2_HI), x));
+    let e = z.to_bits().wrapping_shl(23);
+    let k = f32::from_bits(e.wrapping_add(1f32.to_bits()));
+    let u = b * b;
+    let j = c(P5).mul_add(b, c(P4)).mul_add(u, c(P3).mul_add(b, c(P2))).mul_add(u, c(P1) * b);
+    if n.abs() <= 126.0 || n.is_nan() {
+        return j.mul_add(k, k);
+    }
+    // Far from 1: the result over- or underflows through two scale factors (or saturates).
+    let g: u32 = if n <= 0.0 { 0x8200_0000 } else { 0 };
+    let s1 = f32::from_bits(g.wrapping_add(0x7f00_0000));
+    let s2 = f32::from_bits(e.wrapping_sub(g));
+    if n.abs() > 192.0 {
+        s1 * s1
+    } else {
+        s2.mul_add(j, s2) * s1
+    }
 }
 
 /// Quantize a float row (length a multiple of 32) to a GGML weight block format, round-to-nearest
@@ -310,6 +407,61 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_lanes8(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 8 <= a.len() {
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), acc);
+            i += 8;
+        }
+        hsum(acc)
+    }
+
+    /// `ggml_v_expf` (AVX2 + FMA variant), instruction for instruction, on 8 values in place.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn expf8(v: &mut [f32]) {
+        use super::expc::*;
+        let c = |b: u32| _mm256_set1_ps(f32::from_bits(b));
+        let x = _mm256_loadu_ps(v.as_ptr());
+        let r = c(SHIFTER);
+        let z = _mm256_fmadd_ps(x, c(LOG2E), r);
+        let n = _mm256_sub_ps(z, r);
+        let b = _mm256_fnmadd_ps(n, c(LN2_LO), _mm256_fnmadd_ps(n, c(LN2_HI), x));
+        let e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
+        let k = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_castps_si256(_mm256_set1_ps(1.0))));
+        let abs_n = _mm256_andnot_ps(_mm256_set1_ps(-0.0), n);
+        let cm = _mm256_castps_si256(_mm256_cmp_ps(abs_n, _mm256_set1_ps(126.0), _CMP_GT_OQ));
+        let u = _mm256_mul_ps(b, b);
+        let j = _mm256_fmadd_ps(
+            _mm256_fmadd_ps(_mm256_fmadd_ps(c(P5), b, c(P4)), u, _mm256_fmadd_ps(c(P3), b, c(P2))),
+            u,
+            _mm256_mul_ps(c(P1), b),
+        );
+        let out = if _mm256_movemask_ps(_mm256_castsi256_ps(cm)) == 0 {
+            _mm256_fmadd_ps(j, k, k)
+        } else {
+            let g = _mm256_and_si256(
+                _mm256_castps_si256(_mm256_cmp_ps(n, _mm256_setzero_ps(), _CMP_LE_OQ)),
+                _mm256_set1_epi32(0x8200_0000u32 as i32),
+            );
+            let s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7f00_0000)));
+            let s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
+            let d = _mm256_castps_si256(_mm256_cmp_ps(abs_n, _mm256_set1_ps(192.0), _CMP_GT_OQ));
+            _mm256_or_ps(
+                _mm256_and_ps(_mm256_castsi256_ps(d), _mm256_mul_ps(s1, s1)),
+                _mm256_andnot_ps(
+                    _mm256_castsi256_ps(d),
+                    _mm256_or_ps(
+                        _mm256_and_ps(_mm256_castsi256_ps(cm), _mm256_mul_ps(_mm256_fmadd_ps(s2, j, s2), s1)),
+                        _mm256_andnot_ps(_mm256_castsi256_ps(cm), _mm256_fmadd_ps(k, j, k)),
+                    ),
+                ),
+            )
+        };
+        _mm256_storeu_ps(v.as_mut_ptr(), out);
+    }
+
+    #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot_q8_0(w: &[u8], x: &[BlockQ8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         for (b, xb) in w.chunks_exact(34).zip(x) {
@@ -343,7 +495,9 @@ mod avx2 {
             let qx = _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i);
             let s = _mm256_cvtepi32_ps(madd_us(qw, qx));
             acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0) * xb.d), s, acc);
-            mins += f16_at(b, 2) * xb.sum;
+            // GGML's compiled kernel fuses this multiply-add (`summs += m * s` under FMA
+            // contraction); an unfused one rounds differently.
+            mins = f16_at(b, 2).mul_add(xb.sum, mins);
         }
         hsum(acc) + mins
     }

@@ -100,6 +100,7 @@ pub fn tiny_llama_config() -> LlamaConfig {
         mlp_bias: false,
         qk_norm: false,
         sliding_window: None,
+        rope_ggml_style: false,
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
     }

@@ -5,7 +5,7 @@
 //! Work is O(vocab) passes over one scratch copy of the logits; nothing sorts the whole vocabulary
 //! unless the distribution is so flat that top-p genuinely needs it.
 
-use super::vector::{self, exp_f32, max_ignoring_nan, sum_f64};
+use super::vector::{self, max_ignoring_nan, sum_f64, weight, weights_in_place};
 use super::{PenaltyState, SamplingParams};
 use std::cmp::Ordering;
 
@@ -127,20 +127,6 @@ fn desc(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
     b.0.partial_cmp(&a.0).unwrap_or(Ordering::Equal).then(a.1.cmp(&b.1))
 }
 
-/// `exp((x - max) / T)` in [0, 1], computed as `exp((x - max) * (1 / T))`. NaN logits weigh 0,
-/// +inf ones are clamped to the (clamped) max and weigh 1; NaN from an unvalidated infinite
-/// temperature meeting an infinite difference also weighs 0.
-#[inline]
-fn weight(x: f32, max: f32, inv_t: f32) -> f32 {
-    // `f32::min` returns the other operand for NaN, so NaN must be screened on `x` itself.
-    let z = (x.min(f32::MAX) - max) * inv_t;
-    if x.is_nan() || z.is_nan() {
-        0.0
-    } else {
-        exp_f32(z)
-    }
-}
-
 fn truncate(mut work: Vec<f32>, params: &SamplingParams, max: f32) -> Support {
     let inv_t = 1.0 / params.temperature;
     let top_k_on = params.top_k > 0 && params.top_k < work.len();
@@ -148,10 +134,13 @@ fn truncate(mut work: Vec<f32>, params: &SamplingParams, max: f32) -> Support {
     let min_p_on = params.min_p > 0.0;
 
     if !top_k_on && !top_p_on {
-        for x in work.iter_mut() {
-            let w = weight(*x, max, inv_t);
-            // The best token (weight exactly 1) always survives, whatever min_p says.
-            *x = if min_p_on && w < params.min_p && w < 1.0 { 0.0 } else { w };
+        weights_in_place(&mut work, max, inv_t);
+        if min_p_on {
+            let min_p = params.min_p;
+            for w in work.iter_mut() {
+                // The best token (weight exactly 1) always survives, whatever min_p says.
+                *w = if *w < min_p && *w < 1.0 { 0.0 } else { *w };
+            }
         }
         return Support::Dense(work);
     }
@@ -164,9 +153,7 @@ fn truncate(mut work: Vec<f32>, params: &SamplingParams, max: f32) -> Support {
         }
         c
     } else {
-        for x in work.iter_mut() {
-            *x = weight(*x, max, inv_t);
-        }
+        weights_in_place(&mut work, max, inv_t);
         nucleus_candidates(&work, params.top_p)
     };
 
@@ -262,25 +249,36 @@ fn nucleus_candidates(weights: &[f32], top_p: f32) -> Vec<(f32, u32)> {
     cands
 }
 
+/// Tokens per block when the dense draw skips ahead by block sums.
+const DRAW_BLOCK: usize = 512;
+
 /// Inverse CDF over ascending ids: the first kept token whose cumulative weight exceeds
 /// `u * total`.
 fn draw(support: &Support, u: f32) -> u32 {
     match support {
         Support::Dense(w) => {
             let target = u as f64 * sum_f64(w);
+            // Skip whole blocks by their (vectorised) sums, then walk the block holding the target.
             let mut cum = 0.0f64;
-            let mut last = 0;
-            for (i, &x) in w.iter().enumerate() {
-                if x > 0.0 {
-                    cum += x as f64;
-                    last = i;
-                    if cum > target {
-                        return i as u32;
+            let mut last = None;
+            for (b, block) in w.chunks(DRAW_BLOCK).enumerate() {
+                let block_sum = sum_f64(block);
+                if cum + block_sum > target {
+                    let mut inner = cum;
+                    for (i, &x) in block.iter().enumerate() {
+                        inner += x as f64;
+                        if x > 0.0 && inner > target {
+                            return (b * DRAW_BLOCK + i) as u32;
+                        }
                     }
                 }
+                if let Some(i) = block.iter().rposition(|&x| x > 0.0) {
+                    last = Some(b * DRAW_BLOCK + i);
+                }
+                cum += block_sum;
             }
             // Only reachable through rounding at u ≈ 1: the last token with weight.
-            last as u32
+            last.map_or(0, |i| i as u32)
         }
         Support::Sparse(kept) => {
             let total: f64 = kept.iter().map(|&(_, x)| x as f64).sum();

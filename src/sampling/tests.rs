@@ -541,28 +541,39 @@ fn frequencies_match_processed_probs_truncated_and_penalised() {
 #[test]
 fn sample_agrees_with_inverse_cdf_of_processed_probs() {
     // The draw is defined as the inverse CDF over ascending ids; rejection sampling will rely on it.
-    let logits: Vec<f32> = (0..300).map(|i| ((i * 31 % 17) as f32) * 0.25).collect();
-    let p = SamplingParams { temperature: 0.7, top_p: 0.8, seed: 5, ..Default::default() };
+    // Sparse support (top-p) and dense support over several draw blocks (temperature only).
     let st = PenaltyState::default();
-    let probs = processed_probs(&logits, &p, &st);
-    for step in 0..2000 {
-        let u = uniform(p.seed, step) as f64;
-        let mut cum = 0.0;
-        let mut want = None;
-        for (i, &q) in probs.iter().enumerate() {
-            cum += q as f64;
-            if q > 0.0 && cum > u {
-                want = Some(i as u32);
-                break;
+    for (vocab, p) in [
+        (300, SamplingParams { temperature: 0.7, top_p: 0.8, seed: 5, ..Default::default() }),
+        (3000, SamplingParams { temperature: 1.5, seed: 6, ..Default::default() }),
+        (3000, SamplingParams { temperature: 1.0, min_p: 0.3, seed: 7, ..Default::default() }),
+    ] {
+        let logits: Vec<f32> = (0..vocab).map(|i| ((i * 31 % 17) as f32) * 0.25).collect();
+        let probs = processed_probs(&logits, &p, &st);
+        let mut seen = std::collections::HashSet::new();
+        for step in 0..2000 {
+            let u = uniform(p.seed, step) as f64;
+            let mut cum = 0.0;
+            let mut want = None;
+            for (i, &q) in probs.iter().enumerate() {
+                cum += q as f64;
+                if q > 0.0 && cum > u {
+                    want = Some(i as u32);
+                    break;
+                }
+            }
+            let got = sample(&logits, &p, &st, step).token;
+            seen.insert(got / 512);
+            // Only a u within rounding of a CDF step may disagree, and then only with a neighbour.
+            if let Some(w) = want {
+                if got != w {
+                    let edge: f64 = probs[..=got.min(w) as usize].iter().map(|&x| x as f64).sum();
+                    assert!((edge - u).abs() < 1e-5, "vocab {vocab} step {step}: got {got}, inverse CDF says {w}");
+                }
             }
         }
-        let got = sample(&logits, &p, &st, step).token;
-        // Only a u within rounding of a CDF step may disagree, and then only with a neighbour.
-        if let Some(w) = want {
-            if got != w {
-                let edge: f64 = probs[..=got.min(w) as usize].iter().map(|&x| x as f64).sum();
-                assert!((edge - u).abs() < 1e-5, "step {step}: got {got}, inverse CDF says {w}");
-            }
+        if vocab > 512 {
+            assert!(seen.len() >= 5, "draws landed in every block: {seen:?}");
         }
     }
 }

@@ -41,22 +41,57 @@ pub(super) fn sum_f64(xs: &[f32]) -> f64 {
 /// (`max` must already be clamped): the log-sum-exp of raw logprobs.
 pub(super) fn sum_exp_shifted(xs: &[f32], max: f32) -> f64 {
     let term = |x: f32| {
-        let e = exp_f32(x.min(f32::MAX) - max);
+        // `f32::min` returns the other operand for NaN, so NaN is screened on `x` itself.
+        let v = exp_f32(x.min(f32::MAX) - max);
         if x.is_nan() {
             0.0
         } else {
-            e
+            v
         }
     };
     let mut acc = [0f64; LANES];
     let chunks = xs.chunks_exact(LANES);
     let rest = chunks.remainder();
     for c in chunks {
+        // Exps into a lane array first, then widen and add: this shape is what vectorises.
+        let mut e = [0f32; LANES];
         for j in 0..LANES {
-            acc[j] += term(c[j]) as f64;
+            e[j] = term(c[j]);
+        }
+        for j in 0..LANES {
+            acc[j] += e[j] as f64;
         }
     }
     acc.iter().sum::<f64>() + rest.iter().map(|&x| term(x) as f64).sum::<f64>()
+}
+
+/// Replaces each logit `x` by its sampling weight `exp((x - max) * inv_t)` in [0, 1]: NaN weighs
+/// 0, +inf is clamped to `f32::MAX` (`max` must be clamped too, so the best tokens weigh exactly
+/// 1), and a NaN exponent (infinite temperature times an infinite gap) weighs 0.
+pub(super) fn weights_in_place(xs: &mut [f32], max: f32, inv_t: f32) {
+    let mut chunks = xs.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        let mut e = [0f32; LANES];
+        for j in 0..LANES {
+            e[j] = weight(c[j], max, inv_t);
+        }
+        c.copy_from_slice(&e);
+    }
+    for x in chunks.into_remainder() {
+        *x = weight(*x, max, inv_t);
+    }
+}
+
+/// One sampling weight; see [`weights_in_place`].
+#[inline]
+pub(super) fn weight(x: f32, max: f32, inv_t: f32) -> f32 {
+    let z = (x.min(f32::MAX) - max) * inv_t;
+    let v = exp_f32(z);
+    if x.is_nan() || z.is_nan() {
+        0.0
+    } else {
+        v
+    }
 }
 
 /// `exp(x)` for x <= ~88 with relative error below 3e-7 (Cephes `expf`: x = n ln2 + r,
@@ -69,11 +104,15 @@ pub(super) fn exp_f32(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
-    // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer without SSE4.1's `roundps`.
+    // Adding 1.5 * 2^23 rounds x * log2(e) to the nearest integer n and leaves n in the low
+    // mantissa bits (no `roundps`, no saturating float → int cast, both of which block
+    // vectorisation on the baseline target).
     const ROUND: f32 = 12_582_912.0;
+    const ROUND_BITS: u32 = 0x4B40_0000;
     let underflow = x < -87.0;
-    let xc = x.clamp(-87.0, 88.0);
-    let n = (xc * LOG2E + ROUND) - ROUND;
+    let xc = x.max(-87.0).min(88.0);
+    let t = xc * LOG2E + ROUND;
+    let n = t - ROUND;
     let r = xc - n * LN2_HI - n * LN2_LO;
     let mut p = 1.987_569_1e-4f32;
     p = p * r + 1.398_199_9e-3;
@@ -82,13 +121,12 @@ pub(super) fn exp_f32(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 5.000_000_1e-1;
     let y = p * r * r + r + 1.0;
-    // n is in [-126, 127], so the biased exponent is a normal one.
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
-    if underflow {
-        0.0
-    } else {
-        y * scale
-    }
+    // 2^n: n + 127 (in [1, 254], a normal exponent) shifted into the exponent field. Wrapping ops
+    // because n sits in the low bits of `t` as a two's-complement offset from ROUND_BITS.
+    let scale = f32::from_bits(t.to_bits().wrapping_sub(ROUND_BITS).wrapping_add(127) << 23);
+    // Zero the result by mask rather than by branch so the select vectorises.
+    let keep = (underflow as u32).wrapping_sub(1);
+    f32::from_bits((y * scale).to_bits() & keep)
 }
 
 #[cfg(test)]

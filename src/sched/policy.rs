@@ -49,10 +49,35 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::kv::{BlockPool, BlockTable};
 
 pub type SeqId = u64;
+
+/// Sequence ids are assigned by the engine, not chosen by clients, so a multiplicative hash is
+/// enough here and several times cheaper than SipHash on the per-step path (the step-planning
+/// bench measures it).
+#[derive(Default, Clone, Copy)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+}
+
+type IdMap<V> = HashMap<SeqId, V, BuildHasherDefault<IdHasher>>;
 
 /// Position in the running order: higher priority first, then earlier admission. Preemption
 /// victims come from the back of this order.
@@ -234,7 +259,9 @@ struct StepBuild {
 pub struct Policy {
     cfg: PolicyConfig,
     pool: BlockPool,
-    seqs: HashMap<SeqId, Seq>,
+    seqs: IdMap<Seq>,
+    /// Sequences given a draft since the last plan (so planning need not scan everyone).
+    with_draft: Vec<SeqId>,
     waiting: BTreeMap<Reverse<i32>, VecDeque<SeqId>>,
     /// Sorted by `RunKey`.
     running: Vec<(RunKey, SeqId)>,
@@ -259,12 +286,13 @@ impl std::fmt::Debug for Policy {
 impl Policy {
     pub fn new(cfg: PolicyConfig) -> Result<Self, PolicyError> {
         cfg.validate()?;
-        let pool = BlockPool::new(cfg.num_blocks, cfg.block_size)
-            .map_err(|e| PolicyError::InvalidConfig(e.to_string()))?;
+        let pool =
+            BlockPool::new(cfg.num_blocks, cfg.block_size).map_err(|e| PolicyError::InvalidConfig(e.to_string()))?;
         Ok(Self {
             cfg,
             pool,
-            seqs: HashMap::new(),
+            seqs: IdMap::default(),
+            with_draft: Vec::new(),
             waiting: BTreeMap::new(),
             running: Vec::new(),
             next_admission: 0,
@@ -341,6 +369,7 @@ impl Policy {
         let headroom = (seq.prompt_len + seq.max_tokens).saturating_sub(seq.tokens.len() + 1);
         draft.truncate(headroom);
         seq.draft = draft;
+        self.with_draft.push(id);
         seq.draft.len()
     }
 
@@ -450,7 +479,7 @@ impl Policy {
             }
             Vec::new()
         });
-        let samples: HashMap<SeqId, &[u32]> = sampled.iter().map(|(id, t)| (*id, t.as_slice())).collect();
+        let samples: IdMap<&[u32]> = sampled.iter().map(|(id, t)| (*id, t.as_slice())).collect();
         let mut length_finished = Vec::new();
         for p in planned {
             let Some(seq) = self.seqs.get_mut(&p.id) else { continue };
@@ -626,7 +655,13 @@ impl Policy {
         }
         let Some(seq) = self.seqs.get(&id) else { return };
         let start = seq.num_computed;
-        b.planned.push(Planned { id, start, n_base: n, wants_logits: start + n == seq.tokens.len(), draft: Vec::new() });
+        b.planned.push(Planned {
+            id,
+            start,
+            n_base: n,
+            wants_logits: start + n == seq.tokens.len(),
+            draft: Vec::new(),
+        });
         b.budget -= n;
     }
 
@@ -742,6 +777,9 @@ impl Policy {
     /// Step 3: attach drafts to planned decodes from leftover budget and free blocks, then drop
     /// every unused draft (drafts are for one step).
     fn plan_drafts(&mut self, b: &mut StepBuild) {
+        if self.with_draft.is_empty() {
+            return;
+        }
         let bs = self.cfg.block_size;
         for p in &mut b.planned {
             if b.budget == 0 {
@@ -761,8 +799,8 @@ impl Policy {
             p.draft = draft;
             b.budget -= d;
         }
-        for (_, id) in &self.running {
-            if let Some(seq) = self.seqs.get_mut(id) {
+        for id in self.with_draft.drain(..) {
+            if let Some(seq) = self.seqs.get_mut(&id) {
                 seq.draft.clear();
             }
         }

@@ -2,7 +2,7 @@
 //! checks accounting, block-table integrity (through a fake KV cache) and exact continuation of
 //! every stream through chunking, preemption and drafts.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -36,7 +36,8 @@ fn add(p: &mut Policy, id: SeqId, priority: i32, prompt_len: usize, max_tokens: 
 
 /// Completes `plan` as a model that produces `truth` would (drafts verified against it).
 fn complete(p: &mut Policy, plan: &StepPlanOut) -> Vec<SeqId> {
-    let sampled: Vec<(SeqId, Vec<u32>)> = plan.seqs.iter().filter(|s| s.wants_logits).map(|s| (s.id, verify(s))).collect();
+    let sampled: Vec<(SeqId, Vec<u32>)> =
+        plan.seqs.iter().filter(|s| s.wants_logits).map(|s| (s.id, verify(s))).collect();
     p.on_step_done(&sampled, &[])
 }
 
@@ -62,7 +63,7 @@ fn step(p: &mut Policy) -> StepPlanOut {
     plan
 }
 
-fn planned<'a>(plan: &'a StepPlanOut, id: SeqId) -> Option<&'a PlannedSeq> {
+fn planned(plan: &StepPlanOut, id: SeqId) -> Option<&PlannedSeq> {
     plan.seqs.iter().find(|s| s.id == id)
 }
 
@@ -88,10 +89,7 @@ fn a_sequence_that_can_never_fit_is_rejected_naming_both_numbers() {
     let mut p = policy(64, 4, 4, 10); // 40 tokens of KV
     p.add(seq(1, 0, 30, 10)).expect("exactly fits");
     let err = p.add(seq(2, 0, 30, 11)).expect_err("41 tokens > 40");
-    assert_eq!(
-        err,
-        PolicyError::NeverFits { prompt_tokens: 30, max_tokens: 11, needed_tokens: 41, pool_tokens: 40 }
-    );
+    assert_eq!(err, PolicyError::NeverFits { prompt_tokens: 30, max_tokens: 11, needed_tokens: 41, pool_tokens: 40 });
     let msg = err.to_string();
     assert!(msg.contains("30 tokens") && msg.contains("(11)") && msg.contains("40 tokens"), "{msg}");
     assert_eq!(err.error_type(), "never_fits");
@@ -491,15 +489,36 @@ fn a_chunk_shrinks_to_the_free_blocks_instead_of_preempting_an_equal() {
     add(&mut p, 1, 0, 26, 2); // 7 blocks; decodes in place
     step(&mut p);
     add(&mut p, 2, 0, 20, 2); // wants 5 blocks, 3 are free
-    let plan = step(&mut p);
+    let plan = p.plan_step().expect("plan");
     assert!(plan.preempted.is_empty());
     assert_eq!(p.blocks_free(), 0);
     let s2 = planned(&plan, 2).expect("admitted with what fits");
     assert_eq!((s2.tokens.len(), s2.wants_logits), (12, false));
-    // Seq 1 reached max_tokens in that step; seq 2 gets its blocks and finishes its prompt.
-    assert!(p.seq(1).is_none());
+    // Seq 1 reaches max_tokens in that step; seq 2 then gets its blocks and finishes its prompt.
+    assert_eq!(complete(&mut p, &plan), vec![1]);
     let plan = step(&mut p);
     assert_eq!(planned(&plan, 2).map(|s| (s.start_pos, s.tokens.len(), s.wants_logits)), Some((12, 8, true)));
+}
+
+#[test]
+fn a_needy_sequence_never_preempts_itself_it_takes_what_fits() {
+    let mut p = policy(13, 4, 4, 6);
+    add(&mut p, 1, 10, 3, 4); // M: ahead of H
+    add(&mut p, 2, 0, 1, 3); // L: one block for its whole life
+    step(&mut p);
+    add(&mut p, 3, 10, 20, 1); // H: 6 blocks in the end
+    let plan = step(&mut p);
+    assert_eq!(planned(&plan, 3).map(|s| s.tokens.len()), Some(11));
+    // H's next chunk wants 2 more blocks; M's decode takes the last free one. Preempting L gives
+    // one block; H is then last in line and must shrink its chunk rather than preempt itself.
+    let plan = step(&mut p);
+    assert_eq!(plan.preempted, vec![2]);
+    let h = planned(&plan, 3).expect("H progresses");
+    assert_eq!((h.start_pos, h.tokens.len(), h.wants_logits), (11, 5, false));
+    assert_eq!(ids(&plan), vec![1, 3]);
+    while !p.is_idle() {
+        step(&mut p);
+    }
 }
 
 #[test]
@@ -701,7 +720,7 @@ struct Client {
     max_tokens: usize,
 }
 
-fn check_plan(p: &Policy, plan: &StepPlanOut, clients: &HashMap<SeqId, Client>) {
+fn check_plan(p: &Policy, plan: &StepPlanOut, clients: &BTreeMap<SeqId, Client>) {
     let c = p.config();
     assert!(plan.num_tokens() <= c.max_num_batched_tokens);
     assert!(plan.seqs.len() <= c.max_num_seqs);
@@ -729,12 +748,12 @@ fn random_run(seed: u64) {
     let (bs, nb) = (4, 40);
     let mut p = Policy::new(cfg(48, 6, bs, nb)).expect("config");
     let mut kv = FakeKv { block_size: bs, slots: vec![None; bs * nb] };
-    let mut clients: HashMap<SeqId, Client> = HashMap::new();
+    let mut clients: BTreeMap<SeqId, Client> = BTreeMap::new();
     let mut next_id: SeqId = 0;
     let mut preemptions = 0;
     let mut accepted_drafts = 0;
 
-    let mut one_step = |p: &mut Policy, rng: &mut ChaCha8Rng, clients: &mut HashMap<SeqId, Client>| {
+    let mut one_step = |p: &mut Policy, rng: &mut ChaCha8Rng, clients: &mut BTreeMap<SeqId, Client>| {
         let Some(plan) = p.plan_step() else {
             assert!(p.is_idle(), "nothing planned while work is queued");
             return;
@@ -796,10 +815,16 @@ fn random_run(seed: u64) {
                 *clients.keys().nth(rng.random_range(0..clients.len())).expect("nonempty")
             };
             assert_eq!(p.abort(id), clients.remove(&id).is_some());
-        } else if r < 0.5 && !clients.is_empty() {
-            let id = *clients.keys().nth(rng.random_range(0..clients.len())).expect("nonempty");
-            let decoding = p.seq(id).filter(|v| v.running && v.num_computed + 1 == v.tokens.len());
-            if let Some((len, limit)) = decoding.map(|v| (v.tokens.len(), v.prompt_len + v.max_tokens)) {
+        } else if r < 0.6 {
+            // Offer drafts to a random subset of the decoding sequences, as a drafter would.
+            let mut decoding: Vec<(SeqId, usize, usize)> = clients
+                .keys()
+                .filter_map(|&id| p.seq(id))
+                .filter(|v| v.running && v.num_computed + 1 == v.tokens.len())
+                .map(|v| (v.id, v.tokens.len(), v.prompt_len + v.max_tokens))
+                .collect();
+            decoding.retain(|_| rng.random_bool(0.5));
+            for (id, len, limit) in decoding {
                 let draft: Vec<u32> = (0..rng.random_range(1..8))
                     .map(|i| if rng.random_bool(0.7) { truth(id, len + i) } else { rng.random_range(0..10) })
                     .collect();
@@ -821,6 +846,7 @@ fn random_run(seed: u64) {
     assert!(clients.is_empty());
     assert_eq!((p.blocks_used(), p.blocks_free()), (0, nb));
     // The run must have exercised the interesting paths.
+    eprintln!("seed {seed}: {preemptions} preemptions, {accepted_drafts} accepted draft tokens");
     assert!(preemptions > 10, "only {preemptions} preemptions");
     assert!(accepted_drafts > 10, "only {accepted_drafts} accepted drafts");
 }

@@ -2,11 +2,18 @@
 //! `block_size` positions per layer; sequences address it through block tables chosen by the KV
 //! pool. Each (query position, head) is computed by one task with a fixed reduction order, which
 //! makes prefill and decode of the same position bitwise identical.
-
+//!
+//! Under [`KvPrecision::F16`] the arithmetic is GGML's non-flash CPU attention as llama.cpp runs
+//! it for a batch of two or more query rows on an AVX2 machine, rounding for rounding: f16 K/V/q,
+//! q·k and weights·V as llamafile tinyBLAS dot products (one 8-lane accumulator, lane = key
+//! position mod 8), and `soft_max_ext` with GGML's vectorised exp, per-8-position partial sums
+//! added in double, and f16 weights. llama.cpp switches to a different kernel (`ggml_vec_dot_f16`)
+//! when a step has a single query row; we cannot follow it there without making a sequence's
+//! numbers depend on how it was batched, which the exactness rules forbid.
 use rayon::prelude::*;
 
 use crate::backend::KvGeometry;
-use crate::model::quant::dot_f32;
+use crate::model::quant::{dot_f32, dot_lanes8, expf_ggml, hsum8};
 
 /// Precision of the KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -15,7 +22,8 @@ pub enum KvPrecision {
     F32,
     /// K and V rounded to f16, and — as GGML's non-flash CPU attention does — the query rounded
     /// to f16 for q·k and the softmax weights rounded to f16 for the V sum. This is llama.cpp's
-    /// default cache type; it keeps quantized GGUF models numerically next to llama.cpp.
+    /// default cache type; with a head size that is a multiple of 8 the whole attention follows
+    /// GGML's rounding (module docs), which keeps quantized GGUF models on llama.cpp's numbers.
     F16,
 }
 
@@ -98,6 +106,8 @@ pub fn paged_attention(
     let scale = 1.0 / (hd as f32).sqrt();
     let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
     let f16 = kv.precision == KvPrecision::F16;
+    // tinyBLAS needs the reduction length to be a multiple of its 8 lanes.
+    let ggml = f16 && hd % 8 == 0;
     out.par_chunks_mut(hd).enumerate().for_each(|(task, o)| {
         let (t, h) = (task / nh, task % nh);
         let tok = tokens[t];
@@ -107,10 +117,15 @@ pub fn paged_attention(
         }
         let koff = (h / group) * hd;
         let lo = shape.sliding_window.map_or(0, |w| (tok.pos + 1).saturating_sub(w));
+        let key = |p: usize| kv.offset(tok.table, p) + koff;
+        if ggml {
+            ggml_head(&qh, kc, vc, &key, lo, tok.pos, scale, simd, o);
+            return;
+        }
         let mut scores = Vec::with_capacity(tok.pos + 1 - lo);
         let mut max = f32::NEG_INFINITY;
         for p in lo..=tok.pos {
-            let base = kv.offset(tok.table, p) + koff;
+            let base = key(p);
             let s = dot_f32(&qh, &kc[base..base + hd], simd) * scale;
             max = max.max(s);
             scores.push(s);
@@ -123,11 +138,94 @@ pub fn paged_attention(
         let inv = 1.0 / sum;
         o.fill(0.0);
         for (i, p) in (lo..=tok.pos).enumerate() {
-            let base = kv.offset(tok.table, p) + koff;
+            let base = key(p);
             let w = if f16 { round_f16(scores[i] * inv) } else { scores[i] * inv };
             for (acc, &vv) in o.iter_mut().zip(&vc[base..base + hd]) {
                 *acc = w.mul_add(vv, *acc);
             }
         }
     });
+}
+
+/// One (query, head) of GGML's attention: `kq = mul_mat(K, q)` (tinyBLAS), `soft_max_ext(kq ·
+/// scale)`, `kqv = mul_mat(Vᵀ, softmax)` (tinyBLAS). llama.cpp lays one sequence's keys out at
+/// cache cells equal to their positions, so "cell" below is the position. `qh` is already
+/// rounded to f16; `key(p)` is the offset of position `p`'s K/V head row.
+#[allow(clippy::too_many_arguments)]
+fn ggml_head(
+    qh: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    key: &dyn Fn(usize) -> usize,
+    lo: usize,
+    pos: usize,
+    scale: f32,
+    simd: bool,
+    o: &mut [f32],
+) {
+    let hd = qh.len();
+    let mut e = Vec::with_capacity(pos + 1 - lo);
+    let mut max = f32::NEG_INFINITY;
+    for p in lo..=pos {
+        let base = key(p);
+        let s = dot_lanes8(qh, &kc[base..base + hd], simd) * scale;
+        max = max.max(s);
+        e.push(s);
+    }
+    // `ggml_vec_soft_max_f32`: exp(x - max) (the subtraction in f32), summed per group of 8
+    // cells with `hsum8` and the group sums added in double; masked cells are exact zeros.
+    e.iter_mut().for_each(|v| *v -= max);
+    expf_ggml(&mut e, simd);
+    let mut sum = 0f64;
+    let mut g = lo / 8 * 8;
+    while g <= pos {
+        let lanes: [f32; 8] = std::array::from_fn(|l| if g + l >= lo && g + l <= pos { e[g + l - lo] } else { 0.0 });
+        sum += hsum8(&lanes) as f64;
+        g += 8;
+    }
+    let inv = (1.0 / sum) as f32;
+    // `kqv`: the f16 weights times V, one FMA accumulator per (lane = cell mod 8, dimension),
+    // lanes combined with `hsum8`.
+    let mut acc = vec![0f32; 8 * hd];
+    for (i, p) in (lo..=pos).enumerate() {
+        let w = round_f16(e[i] * inv);
+        let base = key(p);
+        axpy(&mut acc[(p % 8) * hd..(p % 8 + 1) * hd], w, &vc[base..base + hd], simd);
+    }
+    for (d, out) in o.iter_mut().enumerate() {
+        let lanes: [f32; 8] = std::array::from_fn(|l| acc[l * hd + d]);
+        *out = hsum8(&lanes);
+    }
+}
+
+/// `acc[i] = fma(w, v[i], acc[i])`; `acc.len()` is a multiple of 8.
+#[inline]
+fn axpy(acc: &mut [f32], w: f32, v: &[f32], simd: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is only true when AVX2 and FMA were detected at runtime.
+        unsafe { avx2::axpy(acc, w, v) };
+        return;
+    }
+    let _ = simd;
+    for (a, &x) in acc.iter_mut().zip(v) {
+        *a = w.mul_add(x, *a);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn axpy(acc: &mut [f32], w: f32, v: &[f32]) {
+        debug_assert!(acc.len() == v.len() && acc.len() % 8 == 0);
+        let wv = _mm256_set1_ps(w);
+        let mut i = 0;
+        while i + 8 <= acc.len() {
+            let a = _mm256_loadu_ps(acc.as_ptr().add(i));
+            _mm256_storeu_ps(acc.as_mut_ptr().add(i), _mm256_fmadd_ps(wv, _mm256_loadu_ps(v.as_ptr().add(i)), a));
+            i += 8;
+        }
+    }
 }

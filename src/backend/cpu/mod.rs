@@ -11,9 +11,9 @@ pub use self::attention::KvPrecision;
 use self::attention::{paged_attention, AttnShape, PagedKv, TokenRef};
 use self::linear::{load_vector, CpuLinear};
 use super::{validate_batch, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
-use crate::config::LlamaConfig;
+use crate::config::{LlamaConfig, RopeScaling};
 use crate::model::llama::{LinearSpec, LlamaSpec};
-use crate::model::quant::simd_available;
+use crate::model::quant::{expf_ggml, simd_available};
 use crate::model::{ModelError, WeightSource};
 
 #[derive(Clone, Copy, Debug)]
@@ -91,18 +91,19 @@ pub struct CpuBackend {
     final_norm: Vec<f32>,
     /// `None` when tied: the embedding matrix doubles as the output projection.
     lm_head: Option<CpuLinear>,
-    inv_freq: Vec<f32>,
+    rope: RopeAngles,
     kv: PagedKv,
     pool: std::sync::Arc<rayon::ThreadPool>,
     simd: bool,
     weight_bytes: usize,
 }
 
-/// RMSNorm of each `dim`-sized row of `x` in place: `x · w / sqrt(mean(x²) + eps)`.
+/// RMSNorm of each `dim`-sized row of `x` in place: `x · w / sqrt(mean(x²) + eps)`, with GGML's
+/// rounding (squares in f32, their sum in f64).
 fn rms_norm_rows(x: &mut [f32], w: &[f32], eps: f32) {
     let dim = w.len();
     let norm = |row: &mut [f32]| {
-        let ss: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let ss: f64 = row.iter().map(|&v| (v * v) as f64).sum();
         let r = 1.0 / ((ss / dim as f64) as f32 + eps).sqrt();
         for (v, &g) in row.iter_mut().zip(w) {
             *v = g * (*v * r);
@@ -115,14 +116,93 @@ fn rms_norm_rows(x: &mut [f32], w: &[f32], eps: f32) {
     }
 }
 
+/// How RoPE angles and rotations are computed.
+enum RopeAngles {
+    /// HF's formula: angle `pos · inv_freq[j]` (f32), plain multiplies in the rotation.
+    InvFreq(Vec<f32>),
+    /// GGML's rope cache (`ggml_rope_cache_init`, `rope_yarn` without YaRN): θ₀ = pos and
+    /// θⱼ₊₁ = θⱼ · base^(−2/d), all in f32, divided by a per-pair frequency factor (Llama 3
+    /// scaling, llama.cpp's `rope_freqs`) and multiplied by `freq_scale` (linear scaling); the
+    /// rotation fused as GGML's compiled kernel fuses it. Bit-exact with llama.cpp for unscaled
+    /// RoPE; with scaling the factors are recomputed here, so only close.
+    Ggml { theta_scale: f32, freq_scale: f32, factors: Option<Vec<f32>> },
+}
+
+impl RopeAngles {
+    fn new(cfg: &LlamaConfig) -> Self {
+        if !cfg.rope_ggml_style {
+            return RopeAngles::InvFreq(cfg.rope_inv_freq());
+        }
+        let theta_scale = cfg.rope_theta.powf(-2.0 / cfg.head_dim as f32);
+        match &cfg.rope_scaling {
+            None => RopeAngles::Ggml { theta_scale, freq_scale: 1.0, factors: None },
+            Some(RopeScaling::Linear { factor }) => RopeAngles::Ggml { theta_scale, freq_scale: 1.0 / factor, factors: None },
+            Some(RopeScaling::Llama3 { .. }) => {
+                let plain = LlamaConfig { rope_scaling: None, ..cfg.clone() }.rope_inv_freq();
+                let factors = plain.iter().zip(cfg.rope_inv_freq()).map(|(p, s)| p / s).collect();
+                RopeAngles::Ggml { theta_scale, freq_scale: 1.0, factors: Some(factors) }
+            }
+        }
+    }
+
+    fn ggml(&self) -> bool {
+        matches!(self, RopeAngles::Ggml { .. })
+    }
+
+    /// cos and sin of every pair's angle at `pos`.
+    fn fill(&self, pos: usize, cos: &mut [f32], sin: &mut [f32]) {
+        match self {
+            RopeAngles::InvFreq(inv_freq) => {
+                for ((c, s), &f) in cos.iter_mut().zip(sin.iter_mut()).zip(inv_freq) {
+                    let a = pos as f32 * f;
+                    (*c, *s) = (a.cos(), a.sin());
+                }
+            }
+            RopeAngles::Ggml { theta_scale, freq_scale, factors } => {
+                let mut theta = pos as f32;
+                for (j, (c, s)) in cos.iter_mut().zip(sin.iter_mut()).enumerate() {
+                    let extrap = factors.as_ref().map_or(theta, |f| theta / f[j]);
+                    let a = freq_scale * extrap;
+                    (*c, *s) = (a.cos(), a.sin());
+                    theta *= theta_scale;
+                }
+            }
+        }
+    }
+}
+
 /// Rotate-half RoPE of one head vector at angle table (`cos`, `sin`) of length `head_dim / 2`.
+/// `ggml`: GGML's `rotate_pairs` as compiled (with FMA contraction) — `x0·c − x1·s` as
+/// `fma(x0, c, −(x1·s))` and `x0·s + x1·c` as `fma(x0, s, x1·c)` — on the pair that GGML's
+/// adjacent-pair layout holds at `(2i, 2i+1)` and ours at `(i, i + d/2)`.
 #[inline]
-fn rope(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+fn rope(x: &mut [f32], cos: &[f32], sin: &[f32], ggml: bool) {
     let half = cos.len();
     for i in 0..half {
         let (a, b) = (x[i], x[i + half]);
-        x[i] = a * cos[i] - b * sin[i];
-        x[i + half] = b * cos[i] + a * sin[i];
+        if ggml {
+            x[i] = a.mul_add(cos[i], -(b * sin[i]));
+            x[i + half] = a.mul_add(sin[i], b * cos[i]);
+        } else {
+            x[i] = a * cos[i] - b * sin[i];
+            x[i + half] = b * cos[i] + a * sin[i];
+        }
+    }
+}
+
+/// `out = silu(gate) · up` with GGML's rounding (`ggml_vec_swiglu_f32`): `g / (1 + exp(0 − g))`
+/// with GGML's vectorised exp for whole groups of 8, libm's for the rest.
+fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32], simd: bool) {
+    let n8 = gate.len() / 8 * 8;
+    for (o, &g) in out[..n8].iter_mut().zip(gate) {
+        *o = 0.0 - g;
+    }
+    expf_ggml(&mut out[..n8], simd);
+    for ((o, &g), &u) in out[..n8].iter_mut().zip(gate).zip(up) {
+        *o = g / (1.0 + *o) * u;
+    }
+    for ((o, &g), &u) in out[n8..].iter_mut().zip(&gate[n8..]).zip(&up[n8..]) {
+        *o = g / (1.0 + (-g).exp()) * u;
     }
 }
 
@@ -184,7 +264,7 @@ impl CpuBackend {
             layers,
             final_norm: load_vector(w, &spec.final_norm, h)?,
             lm_head,
-            inv_freq: cfg.rope_inv_freq(),
+            rope: RopeAngles::new(cfg),
             kv: PagedKv::new(opts.kv, cfg.num_hidden_layers, cfg.kv_dim(), kv_precision),
             pool,
             simd: simd_available(),
@@ -230,12 +310,9 @@ impl CpuBackend {
         let mut cos = vec![0f32; t * half];
         let mut sin = vec![0f32; t * half];
         for (i, tok) in tokens.iter().enumerate() {
-            for (j, &f) in self.inv_freq.iter().enumerate() {
-                let a = tok.pos as f32 * f;
-                cos[i * half + j] = a.cos();
-                sin[i * half + j] = a.sin();
-            }
+            self.rope.fill(tok.pos, &mut cos[i * half..(i + 1) * half], &mut sin[i * half..(i + 1) * half]);
         }
+        let ggml_rope = self.rope.ggml();
         let shape = AttnShape { n_heads: nh, n_kv_heads: nkv, head_dim: hd, sliding_window: c.sliding_window };
         let qkv_w = qd + 2 * kvd;
         for (li, layer) in self.layers.iter().enumerate() {
@@ -250,13 +327,13 @@ impl CpuBackend {
                     if let Some(w) = &layer.q_norm {
                         rms_norm_rows(head, w, c.rms_norm_eps);
                     }
-                    rope(head, cs, sn);
+                    rope(head, cs, sn, ggml_rope);
                 }
                 for head in rest[..kvd].chunks_exact_mut(hd) {
                     if let Some(w) = &layer.k_norm {
                         rms_norm_rows(head, w, c.rms_norm_eps);
                     }
-                    rope(head, cs, sn);
+                    rope(head, cs, sn, ggml_rope);
                 }
                 qrow.copy_from_slice(qpart);
             });
@@ -278,9 +355,7 @@ impl CpuBackend {
             let mut act = vec![0f32; t * inter];
             act.par_chunks_mut(inter).zip(gu.par_chunks(2 * inter)).for_each(|(a, g)| {
                 let (gate, up) = g.split_at(inter);
-                for ((o, &gv), &uv) in a.iter_mut().zip(gate).zip(up) {
-                    *o = gv / (1.0 + (-gv).exp()) * uv;
-                }
+                swiglu(gate, up, a, simd);
             });
             let mut d = vec![0f32; t * h];
             layer.down.forward(&act, t, &mut d, simd)?;

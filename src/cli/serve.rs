@@ -1,0 +1,108 @@
+//! `shelfserve serve` (also what a bare `shelfserve` runs): open the model, start the engine
+//! actors, and serve every lane's OpenAI-compatible API until interrupted.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::Args;
+
+use super::{CliError, ModelArgs};
+use crate::actors::{start_engine, EngineOptions, InferenceEngine};
+use crate::api::{bind_all, ApiOptions};
+use crate::config::engine::EngineConfig;
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Serving configuration (lanes, budgets); the built-in `configs/default.toml` when absent.
+    #[arg(long, env = "SHELFSERVE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Listen address for every lane.
+    #[arg(long, env = "SHELFSERVE_HOST")]
+    pub host: Option<String>,
+    /// Lane ports, e.g. `voice=8888,agent=8889` (0 = any free port).
+    #[arg(long, env = "SHELFSERVE_LANE_PORTS", value_delimiter = ',')]
+    pub lane_port: Vec<String>,
+    /// Require `Authorization: Bearer <key>` on /v1 routes.
+    #[arg(long, env = "SHELFSERVE_API_KEY")]
+    pub api_key: Option<String>,
+    /// Model id reported by /v1/models (default: the model's name).
+    #[arg(long, env = "SHELFSERVE_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    #[arg(long, env = "SHELFSERVE_MAX_NUM_SEQS")]
+    pub max_num_seqs: Option<usize>,
+    #[arg(long, env = "SHELFSERVE_MAX_NUM_BATCHED_TOKENS")]
+    pub max_num_batched_tokens: Option<usize>,
+    /// KV pool size in tokens.
+    #[arg(long, env = "SHELFSERVE_KV_POOL_TOKENS")]
+    pub kv_pool_tokens: Option<usize>,
+}
+
+impl ServeArgs {
+    /// The configuration file (or the built-in one) with flag/env overrides applied.
+    pub fn engine_config(&self) -> Result<EngineConfig, CliError> {
+        let mut cfg = match &self.config {
+            Some(p) => EngineConfig::load(p).map_err(|e| CliError::Usage(e.to_string()))?,
+            None => EngineConfig::builtin(),
+        };
+        if let Some(h) = &self.host {
+            cfg.host = h.clone();
+        }
+        for spec in &self.lane_port {
+            let (name, port) = spec
+                .split_once('=')
+                .ok_or_else(|| CliError::Usage(format!("--lane-port `{spec}`: expected NAME=PORT")))?;
+            let port: u16 = port.parse().map_err(|_| CliError::Usage(format!("--lane-port `{spec}`: bad port")))?;
+            let lane = cfg.lanes.iter_mut().find(|l| l.name == name).ok_or_else(|| {
+                CliError::Usage(format!("--lane-port `{spec}`: no lane named `{name}` in the configuration"))
+            })?;
+            lane.port = port;
+        }
+        let s = &mut cfg.scheduler;
+        s.block_size = self.model.block_size;
+        if let Some(v) = self.max_num_seqs {
+            s.max_num_seqs = v;
+        }
+        if let Some(v) = self.max_num_batched_tokens {
+            s.max_num_batched_tokens = v;
+        }
+        if let Some(v) = self.kv_pool_tokens {
+            s.kv_pool_tokens = v;
+        }
+        cfg.validate().map_err(CliError::Usage)?;
+        Ok(cfg)
+    }
+}
+
+pub fn run_serve(args: &ServeArgs) -> Result<(), CliError> {
+    let cfg = args.engine_config()?;
+    let bundle = args.model.open()?;
+    if bundle.tokenizer.is_none() {
+        return Err(CliError::Usage(format!(
+            "model `{}` has no tokenizer (tokenizer.json), so it cannot be served; use `generate --input-ids` or `score` with it",
+            bundle.name
+        )));
+    }
+    let served = args.served_model_name.clone().unwrap_or_else(|| bundle.name.clone());
+    let metrics = crate::api::metrics::install_prometheus().map_err(|e| CliError::Usage(format!("metrics: {e}")))?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let engine = start_engine(
+            bundle,
+            cfg.clone(),
+            EngineOptions { threads: args.model.threads, served_model_name: served.clone() },
+        )
+        .await
+        .map_err(|e| CliError::Usage(e.to_string()))?;
+        let mut opts = ApiOptions::new(served).with_prometheus(metrics);
+        opts.api_key = args.api_key.clone();
+        let dyn_engine: Arc<dyn InferenceEngine> = engine.clone();
+        let servers = bind_all(dyn_engine, &cfg, opts)?;
+        let ports: Vec<String> = servers.iter().map(|s| format!("{}:{}", s.lane, s.port())).collect();
+        tracing::info!(lanes = %ports.join(" "), "listening; /health answers 503 until the model is loaded");
+        futures_util::future::try_join_all(servers.into_iter().map(|s| s.server)).await?;
+        engine.shutdown();
+        Ok(())
+    })
+}
