@@ -14,8 +14,8 @@ fn bench(c: &mut Criterion) {
         None => ensure_default(&CacheDir::from_env(), true).expect("default model"),
     };
     let bundle = shelfserve::model::open(path.to_str().unwrap(), &CacheDir::from_env()).unwrap();
-    let block = 16;
-    let ctx = 128;
+    let block: usize = 16;
+    let ctx: usize = 128;
     let blocks_per_seq = (ctx + 256 + 1).div_ceil(block);
     let mut be = cpu_backend(&bundle, 0, KvGeometry { block_size: block, num_blocks: 8 * blocks_per_seq }).unwrap();
     let tables: Vec<Vec<u32>> =

@@ -79,6 +79,7 @@ pub enum LogitsFileError {
 }
 
 /// Token ids and logits (`[n, vocab]`) as `score` writes them.
+#[derive(Debug)]
 pub struct LogitsFile {
     pub input_ids: Vec<u32>,
     pub vocab: usize,
@@ -107,9 +108,19 @@ impl LogitsFile {
         let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
         let ids_t = st.tensor("input_ids").map_err(|_| bad("no tensor `input_ids`".into()))?;
         let input_ids: Vec<u32> = match ids_t.dtype() {
-            Dtype::I64 => ids_t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap_or_default()) as u32).collect(),
-            Dtype::I32 => ids_t.data().chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap_or_default()) as u32).collect(),
-            Dtype::U32 => ids_t.data().chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap_or_default())).collect(),
+            Dtype::I64 => ids_t
+                .data()
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap_or_default()) as u32)
+                .collect(),
+            Dtype::I32 => ids_t
+                .data()
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap_or_default()) as u32)
+                .collect(),
+            Dtype::U32 => {
+                ids_t.data().chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap_or_default())).collect()
+            }
             d => return Err(bad(format!("`input_ids` has dtype {d:?}, expected an integer type"))),
         };
         let lt = st.tensor("logits").map_err(|_| bad("no tensor `logits`".into()))?;

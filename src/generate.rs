@@ -88,7 +88,8 @@ impl<B: Backend> Runner<B> {
         self.check_fits(ids.len(), 0)?;
         let mut out = Vec::with_capacity(ids.len() * self.backend.vocab_size());
         for (ci, c) in ids.chunks(chunk.max(1)).enumerate() {
-            let step = SeqStep { tokens: c, start_pos: ci * chunk.max(1), block_table: &self.table, logits_rows: c.len() };
+            let step =
+                SeqStep { tokens: c, start_pos: ci * chunk.max(1), block_table: &self.table, logits_rows: c.len() };
             out.extend(self.backend.forward(&[step])?.data);
         }
         Ok(out)
@@ -117,7 +118,8 @@ impl<B: Backend> Runner<B> {
         let mut logits = Vec::new();
         for (ci, c) in prompt.chunks(chunk).enumerate() {
             let last = (ci + 1) * chunk >= prompt.len();
-            let step = SeqStep { tokens: c, start_pos: ci * chunk, block_table: &self.table, logits_rows: usize::from(last) };
+            let step =
+                SeqStep { tokens: c, start_pos: ci * chunk, block_table: &self.table, logits_rows: usize::from(last) };
             logits = self.backend.forward(&[step])?.data;
         }
         let mut penalties = PenaltyState::new(prompt);

@@ -140,14 +140,8 @@ impl Harness {
         for h in &self.servers {
             h.stop(false).await;
         }
+        // Stops the scheduler and the executor (whose thread then frees weights and KV memory).
         self.engine.shutdown();
-        // `Engine::shutdown` stops only the scheduler, and the actors are registered by name,
-        // so the next engine of this process could not start: stop both and wait for them.
-        for name in ["scheduler", "executor-0"] {
-            if let Some(cell) = ractor::registry::where_is(name) {
-                let _ = cell.stop_and_wait(None, Some(PATIENCE)).await;
-            }
-        }
     }
 }
 
@@ -448,7 +442,11 @@ async fn client_disconnect_frees_pages_streaming_and_not() {
     drop(conn);
     let (took, done) = h.wait_idle().await;
     let steps = done.steps - before.steps;
-    eprintln!("non-streaming disconnect: {} blocks freed in {} ({steps} steps after the drop)", before.blocks_used, ms(took));
+    eprintln!(
+        "non-streaming disconnect: {} blocks freed in {} ({steps} steps after the drop)",
+        before.blocks_used,
+        ms(took)
+    );
     assert!(steps <= 4, "a non-streaming request whose client left must be cancelled, took {steps} steps");
 
     // The engine still serves.
@@ -555,7 +553,12 @@ async fn idle_engine_uses_under_one_percent_of_a_core() {
     tokio::time::sleep(Duration::from_secs(5)).await;
     let cpu = cpu_seconds().expect("/proc/self/stat") - cpu0;
     let share = cpu / wall.elapsed().as_secs_f64();
-    eprintln!("idle: {:.0} ms of CPU over {:.2} s = {:.2}% of one core", cpu * 1e3, wall.elapsed().as_secs_f64(), share * 100.0);
+    eprintln!(
+        "idle: {:.0} ms of CPU over {:.2} s = {:.2}% of one core",
+        cpu * 1e3,
+        wall.elapsed().as_secs_f64(),
+        share * 100.0
+    );
     assert!(share < 0.01, "an idle engine must not busy-wait: {:.2}% of a core", share * 100.0);
     let target = h.voice.clone();
     let r = blocking(move || run_stream(&target, &stream_chat("Still awake?", 2))).await;

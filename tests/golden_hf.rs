@@ -32,7 +32,8 @@ fn tiny_checkpoints_match_transformers() {
         let bundle = shelfserve::model::open(dir.to_str().unwrap(), &CacheDir::from_env()).unwrap();
         let bytes = std::fs::read(dir.join("golden.safetensors")).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-        let opts = CpuOptions { threads: 2, kv: single_sequence_geometry(128, 4), kv_precision: Some(KvPrecision::F32) };
+        let opts =
+            CpuOptions { threads: 2, kv: single_sequence_geometry(128, 4), kv_precision: Some(KvPrecision::F32) };
         let mut runner = Runner::new(CpuBackend::new(&bundle.config, bundle.weights.as_ref(), opts).unwrap());
         let vocab = bundle.config.vocab_size;
         for i in 0..3 {

@@ -1,14 +1,31 @@
-//! Our CPU backend against llama.cpp (llama-cpp-python 0.3.36) on the same SmolLM2 Q4_1 GGUF:
-//! per-position logits for every prompt in `tests/fixtures/llamacpp/`, and 40-token greedy
-//! continuations. Fixtures come from `scripts/gen_llamacpp_golden.py`.
+//! Our CPU backend against llama.cpp (llama-cpp-python 0.3.36, AVX2 + FMA + F16C build) on the
+//! same SmolLM2 Q4_1 GGUF: per-position logits for every prompt in `tests/fixtures/llamacpp/`,
+//! and 40-token greedy continuations. Fixtures come from `scripts/gen_llamacpp_golden.py`.
 //!
-//! Tolerance, and why it is not tighter: both engines multiply the same Q4_1/Q8_0 weights with
-//! activations quantized to 8 bits per 32-element block, but llama.cpp keeps the KV cache in f16
-//! (we keep f32), stores its activation block scales in f16 (we keep f32), and sums in a
-//! different order; the fixture itself stores logits as f16 (±0.01 at |logit| ≈ 20). These
-//! differences are far below the model's own quantization error, so we require: mean KL
-//! divergence per prompt < 2e-3 nats, max |Δlogit| < 0.5, and top-1 agreement ≥ 0.95 — and the
-//! greedy continuations must be identical token for token.
+//! Logits: exact. For GGUF models the backend follows GGML's CPU arithmetic rounding for rounding
+//! (Q8 activation blocks and GGML's AVX2 dot products, f16 KV cache, tinyBLAS f16 attention,
+//! GGML's exp in softmax and SiLU, GGML's RoPE angle recurrence), so every prompt position's
+//! logits, rounded to f16 as the fixture stores them, must equal the fixture bit for bit. The
+//! looser summary criteria (mean KL < 2e-3 nats, max |Δlogit| < 0.5, top-1 agreement ≥ 0.95) are
+//! still checked and printed, as a readable scale for any failure.
+//!
+//! Greedy: identical up to a near-tie, and why not all 40 tokens. The fixture's logits come from
+//! llama.cpp's prefill (all prompt rows in one step), its continuations from its decode path (one
+//! row per step). For a one-row step GGML swaps the attention matmuls from tinyBLAS (one 8-lane
+//! accumulator) to `ggml_vec_dot_f16` (four), which rounds differently; on the same tokens the
+//! two paths' logits differ by std ≈ 0.2 (max 1.6), and 8-bit re-quantization in every matmul
+//! keeps such differences alive. Our exactness rules forbid a sequence's numbers from depending
+//! on how it is batched, so we keep the batched arithmetic for every step. Measured on the six
+//! prompts: llama.cpp itself, run with its batched kernel for every step (a second one-token
+//! sequence in each decode step), produces exactly our 40 tokens for all six, but its decode-path
+//! fixture differs from them at token 30 (english), 12 (non_ascii), 14 (numbers) and 9 (chat),
+//! each time where our top two logits are within 0.03 of each other. So we require:
+//! - free-running: our tokens equal the fixture's up to the first difference, and at that
+//!   difference the fixture's token is our runner-up, less than [`NEAR_TIE`] logits below our
+//!   choice — a near-tie, 4× below the noise between llama.cpp's own two kernels;
+//! - teacher-forced on the fixture's 40 tokens (so positions past a divergence are checked too):
+//!   the fixture's token is our argmax at ≥ 90% of positions (measured 232 of 240: 37–40 per
+//!   prompt) and everywhere within [`WITHIN_NOISE`] logits of our max (measured ≤ 0.47).
 
 mod common;
 
@@ -18,15 +35,28 @@ use shelfserve::model::default_model::CacheDir;
 use shelfserve::model::{quant::dequantize_into, DType};
 use shelfserve::sampling::SamplingParams;
 
-fn load_logits(st: &safetensors::SafeTensors<'_>, i: usize) -> (Vec<u32>, Vec<f32>, usize) {
+/// Largest top-2 logit margin at which a free-running greedy divergence is accepted.
+const NEAR_TIE: f32 = 0.05;
+/// Largest amount by which the fixture's teacher-forced token may trail our best logit.
+const WITHIN_NOISE: f32 = 0.5;
+
+fn load_logits(st: &safetensors::SafeTensors<'_>, i: usize) -> (Vec<u32>, Vec<u16>, Vec<f32>, usize) {
     let ids = st.tensor(&format!("ids_{i}")).unwrap();
     let ids: Vec<u32> = ids.data().chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32).collect();
     let l = st.tensor(&format!("logits_{i}")).unwrap();
     assert_eq!(l.dtype(), safetensors::Dtype::F16);
     let vocab = l.shape()[1];
+    let bits: Vec<u16> = l.data().chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
     let mut logits = vec![0f32; l.shape()[0] * vocab];
     dequantize_into(DType::F16, l.data(), &mut logits);
-    (ids, logits, vocab)
+    (ids, bits, logits, vocab)
+}
+
+/// Rank of `token` in `row` (0 = argmax) and how far its logit is below the max.
+fn rank_and_gap(row: &[f32], token: u32) -> (usize, f32) {
+    let v = row[token as usize];
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    (row.iter().filter(|&&x| x > v).count(), max - v)
 }
 
 #[test]
@@ -40,22 +70,31 @@ fn logits_and_greedy_match_llama_cpp() {
     let prompts = greedy["prompts"].as_array().unwrap();
     assert!(prompts.len() >= 5);
     let mut runner = Runner::new(cpu_backend(&bundle, 2, single_sequence_geometry(128, 16)).unwrap());
-    println!("{:<10} {:>4} {:>12} {:>12} {:>10} {:>6}", "prompt", "n", "mean KL", "max KL", "max|Δ|", "top1");
+    println!(
+        "{:<10} {:>3} {:>10} {:>10} {:>8} {:>5} {:>8} | {:>9} {:>8} {:>8} {:>9}",
+        "prompt", "n", "mean KL", "max KL", "max|Δ|", "top1", "f16-eq", "greedy=", "margin", "forced=", "max gap"
+    );
     let mut failures = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
         let name = p["name"].as_str().unwrap();
-        let (ids, reference, vocab) = load_logits(&st, i);
-        let prompt_ids: Vec<u32> = p["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let (ids, ref_bits, reference, vocab) = load_logits(&st, i);
+        let prompt_ids: Vec<u32> =
+            p["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         assert_eq!(ids, prompt_ids, "{name}: fixture files disagree");
+
+        // Logits, exact up to the fixture's f16 storage.
         let ours = runner.score(&ids, 512).unwrap();
         let r = compare(&reference, &ours, vocab);
-        println!(
-            "{:<10} {:>4} {:>12.3e} {:>12.3e} {:>10.4} {:>6.3}",
-            name, r.positions, r.mean_kld, r.max_kld, r.max_abs_logit_diff, r.top1_agreement
-        );
-        if r.mean_kld >= 2e-3 || r.max_abs_logit_diff >= 0.5 || r.top1_agreement < 0.95 {
-            failures.push(format!("{name}: {r:?}"));
+        let exact = ours.iter().zip(&ref_bits).filter(|(o, &b)| half::f16::from_f32(**o).to_bits() == b).count();
+        if r.mean_kld >= 2e-3 || r.max_abs_logit_diff >= 0.5 || r.top1_agreement < 0.95 || exact != ours.len() {
+            failures.push(format!(
+                "{name}: {} of {} logits differ from llama.cpp's after f16 rounding; {r:?}",
+                ours.len() - exact,
+                ours.len()
+            ));
         }
+
+        // Free-running greedy.
         let expected: Vec<u32> =
             p["generated_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         let opts = GenerateOptions {
@@ -65,29 +104,87 @@ fn logits_and_greedy_match_llama_cpp() {
             prefill_chunk: 512,
         };
         let got = runner.generate(&ids, &opts, |_| true).unwrap().ids();
-        if got != expected {
-            let first = got.iter().zip(&expected).position(|(a, b)| a != b);
-            failures.push(format!("{name}: greedy differs at token {first:?}: ours {got:?} llama.cpp {expected:?}"));
+        assert_eq!(got.len(), expected.len(), "{name}: generation stopped early");
+        let first = got.iter().zip(&expected).position(|(a, b)| a != b);
+        let mut margin = None;
+        if let Some(k) = first {
+            let mut prefix = ids.clone();
+            prefix.extend_from_slice(&expected[..k]);
+            let logits = runner.score(&prefix, 512).unwrap();
+            let row = &logits[(prefix.len() - 1) * vocab..];
+            let (rank, gap) = rank_and_gap(row, expected[k]);
+            margin = Some(gap);
+            if rank != 1 || gap >= NEAR_TIE {
+                failures.push(format!(
+                    "{name}: greedy differs at token {k} (ours {}, llama.cpp {}) where llama.cpp's token is our rank {rank}, \
+                     {gap:.4} below our choice (near-tie limit {NEAR_TIE}): ours {got:?} llama.cpp {expected:?}",
+                    got[k], expected[k]
+                ));
+            }
         }
+
+        // Teacher-forced on llama.cpp's continuation.
+        let mut forced = ids.clone();
+        forced.extend_from_slice(&expected[..expected.len() - 1]);
+        let logits = runner.score(&forced, 512).unwrap();
+        let (mut agree, mut worst) = (0, 0f32);
+        for (j, &tok) in expected.iter().enumerate() {
+            let row = &logits[(ids.len() - 1 + j) * vocab..(ids.len() + j) * vocab];
+            let (rank, gap) = rank_and_gap(row, tok);
+            agree += usize::from(rank == 0);
+            worst = worst.max(gap);
+        }
+        if (agree as f64) < 0.9 * expected.len() as f64 || worst >= WITHIN_NOISE {
+            failures.push(format!(
+                "{name}: teacher-forced, llama.cpp's token is our argmax at {agree} of {} positions, at worst {worst:.4} below it",
+                expected.len()
+            ));
+        }
+        println!(
+            "{:<10} {:>3} {:>10.3e} {:>10.3e} {:>8.4} {:>5.3} {:>8.6} | {:>9} {:>8} {:>8} {:>9.4}",
+            name,
+            r.positions,
+            r.mean_kld,
+            r.max_kld,
+            r.max_abs_logit_diff,
+            r.top1_agreement,
+            exact as f64 / ours.len() as f64,
+            format!("{}/{}", first.unwrap_or(expected.len()), expected.len()),
+            margin.map_or("-".to_string(), |m| format!("{m:.4}")),
+            format!("{agree}/{}", expected.len()),
+            worst
+        );
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-// TEMPORARY (debug harness, to be removed): dump our f32 logits for DUMP_IDS to DUMP_OUT.
+// TEMPORARY timing harness (to be removed).
 #[test]
 #[ignore]
-fn zz_dump_logits() {
+fn zz_time_decode() {
+    use shelfserve::backend::cpu::{CpuBackend, CpuOptions, KvPrecision};
+    use shelfserve::backend::{Backend, SeqStep};
     let Some(gguf) = common::default_gguf() else { return };
     let bundle = shelfserve::model::open(gguf.to_str().unwrap(), &CacheDir::from_env()).unwrap();
-    let mut runner = Runner::new(cpu_backend(&bundle, 2, single_sequence_geometry(128, 16)).unwrap());
-    for line in std::env::var("DUMP_IDS").unwrap().lines() {
-        let (name, ids) = line.split_once(' ').unwrap();
-        let ids: Vec<u32> = ids.split(',').map(|v| v.trim().parse().unwrap()).collect();
-        let ours = runner.score(&ids, 512).unwrap();
-        let bytes: Vec<u8> = ours.iter().flat_map(|v| v.to_le_bytes()).collect();
-        std::fs::write(format!("{}/{name}.f32", std::env::var("DUMP_OUT").unwrap()), bytes).unwrap();
-        let opts = GenerateOptions { max_tokens: 40, sampling: SamplingParams::default(), eos_token_ids: Vec::new(), prefill_chunk: 512 };
-        let got = runner.generate(&ids, &opts, |_| true).unwrap().ids();
-        std::fs::write(format!("{}/{name}.gen", std::env::var("DUMP_OUT").unwrap()), format!("{got:?}")).unwrap();
+    for ctx in [16usize, 1000] {
+        for round in 0..3 {
+            for prec in [KvPrecision::F16, KvPrecision::F32] {
+                let opts = CpuOptions { threads: 2, kv: single_sequence_geometry(1200, 16), kv_precision: Some(prec) };
+                let mut be = CpuBackend::new(&bundle.config, bundle.weights.as_ref(), opts).unwrap();
+                let table: Vec<u32> = (0..75).collect();
+                let prompt: Vec<u32> = (0..ctx as u32).map(|i| 100 + i * 7 % 5000).collect();
+                be.forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: &table, logits_rows: 1 }]).unwrap();
+                let n = 32;
+                let t0 = std::time::Instant::now();
+                for i in 0..n {
+                    be.forward(&[SeqStep { tokens: &[42], start_pos: ctx + i, block_table: &table, logits_rows: 1 }])
+                        .unwrap();
+                }
+                println!(
+                    "round {round} ctx {ctx} {prec:?}: {:.2} ms/token",
+                    t0.elapsed().as_secs_f64() * 1000.0 / n as f64
+                );
+            }
+        }
     }
 }

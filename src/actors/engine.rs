@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use ractor::{Actor, ActorRef};
 
-use super::executor::{ExecutorActor, ExecutorArgs};
+use super::executor::{ExecutorActor, ExecutorArgs, ExecutorMsg};
 use super::handle::{EngineError, EventStream, GenerationRequest, InferenceEngine, ModelInfo};
 use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg, SchedulerStats, SharedCounters};
 use crate::backend::{Backend, KvGeometry};
@@ -33,6 +33,7 @@ pub struct Engine {
     config: EngineConfig,
     counters: Arc<SharedCounters>,
     scheduler: ActorRef<SchedulerMsg>,
+    executor: ActorRef<ExecutorMsg>,
 }
 
 /// KV pool size in tokens: the configured size, or room for a few full-context sequences.
@@ -46,7 +47,11 @@ pub fn pool_tokens(cfg: &EngineConfig, context: usize) -> usize {
 
 /// Spawn the actors and start loading the model on the executor thread. Returns at once;
 /// `is_ready()` turns true when the weights are loaded.
-pub async fn start_engine(bundle: ModelBundle, config: EngineConfig, opts: EngineOptions) -> Result<Arc<Engine>, EngineError> {
+pub async fn start_engine(
+    bundle: ModelBundle,
+    config: EngineConfig,
+    opts: EngineOptions,
+) -> Result<Arc<Engine>, EngineError> {
     config.validate().map_err(EngineError::Invalid)?;
     let s = &config.scheduler;
     let model_ctx = bundle.config.max_position_embeddings;
@@ -73,8 +78,9 @@ pub async fn start_engine(bundle: ModelBundle, config: EngineConfig, opts: Engin
         block_size: kv.block_size,
         num_blocks: kv.num_blocks,
     };
+    // Unnamed actors: ractor's registry is process-wide, and tests run several engines.
     let (scheduler, _) = Actor::spawn(
-        Some("scheduler".into()),
+        None,
         SchedulerActor,
         SchedulerArgs {
             lanes: config.lanes.clone(),
@@ -101,15 +107,12 @@ pub async fn start_engine(bundle: ModelBundle, config: EngineConfig, opts: Engin
         );
         Ok(Box::new(b) as Box<dyn Backend>)
     });
-    let (executor, _) = Actor::spawn(
-        Some("executor-0".into()),
-        ExecutorActor,
-        ExecutorArgs { make_backend, scheduler: scheduler.clone(), rank: 0 },
-    )
-    .await
-    .map_err(|e| EngineError::Executor(e.to_string()))?;
-    scheduler.cast(SchedulerMsg::AttachExecutor(executor)).map_err(|e| EngineError::Executor(e.to_string()))?;
-    Ok(Arc::new(Engine { info, config, counters, scheduler }))
+    let (executor, _) =
+        Actor::spawn(None, ExecutorActor, ExecutorArgs { make_backend, scheduler: scheduler.clone(), rank: 0 })
+            .await
+            .map_err(|e| EngineError::Executor(e.to_string()))?;
+    scheduler.cast(SchedulerMsg::AttachExecutor(executor.clone())).map_err(|e| EngineError::Executor(e.to_string()))?;
+    Ok(Arc::new(Engine { info, config, counters, scheduler, executor }))
 }
 
 impl Engine {
@@ -122,9 +125,12 @@ impl Engine {
         ractor::call_t!(self.scheduler, SchedulerMsg::Stats, 5000).ok()
     }
 
-    /// Stop the actors (the executor thread ends after its current step).
+    /// Stop the actors; the executor thread ends after its current step and frees the weights
+    /// and KV memory.
     pub fn shutdown(&self) {
+        self.counters.ready.store(false, Ordering::SeqCst);
         self.scheduler.stop(None);
+        self.executor.stop(None);
     }
 }
 
@@ -138,8 +144,12 @@ impl InferenceEngine for Engine {
     }
 
     fn submit(&self, req: GenerationRequest) -> Result<EventStream, EngineError> {
-        let lane_idx =
-            self.config.lanes.iter().position(|l| l.name == req.lane).ok_or_else(|| EngineError::UnknownLane(req.lane.clone()))?;
+        let lane_idx = self
+            .config
+            .lanes
+            .iter()
+            .position(|l| l.name == req.lane)
+            .ok_or_else(|| EngineError::UnknownLane(req.lane.clone()))?;
         if let Some(e) = self.counters.failed.lock().clone() {
             return Err(EngineError::NotReady(format!("the executor failed ({e}); restart the engine")));
         }

@@ -83,10 +83,17 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan) -> StepResult {
             logits_rows: usize::from(s.sample.is_some()),
         })
         .collect();
-    let prefill_tokens = plan.seqs.iter().filter(|s| s.tokens.len() > 1 || s.sample.is_none()).map(|s| s.tokens.len()).sum();
+    let prefill_tokens =
+        plan.seqs.iter().filter(|s| s.tokens.len() > 1 || s.sample.is_none()).map(|s| s.tokens.len()).sum();
     let decode_tokens = plan.seqs.iter().filter(|s| s.tokens.len() == 1 && s.sample.is_some()).count();
-    let mut result =
-        StepResult { step_id: plan.step_id, sampled: Vec::new(), elapsed: Duration::ZERO, prefill_tokens, decode_tokens, error: None };
+    let mut result = StepResult {
+        step_id: plan.step_id,
+        sampled: Vec::new(),
+        elapsed: Duration::ZERO,
+        prefill_tokens,
+        decode_tokens,
+        error: None,
+    };
     match backend.forward(&steps) {
         Ok(logits) => {
             let empty = PenaltyState::new(&[]);
@@ -108,7 +115,11 @@ impl Actor for ExecutorActor {
     type State = ExecutorState;
     type Arguments = ExecutorArgs;
 
-    async fn pre_start(&self, _myself: ActorRef<Self::Msg>, args: ExecutorArgs) -> Result<ExecutorState, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        args: ExecutorArgs,
+    ) -> Result<ExecutorState, ActorProcessingErr> {
         let (tx, rx) = std::sync::mpsc::channel::<StepPlan>();
         let scheduler = args.scheduler.clone();
         let rank = args.rank;
@@ -136,7 +147,12 @@ impl Actor for ExecutorActor {
         Ok(ExecutorState { jobs: Some(tx), thread: Some(thread) })
     }
 
-    async fn handle(&self, _myself: ActorRef<Self::Msg>, msg: ExecutorMsg, state: &mut ExecutorState) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: ExecutorMsg,
+        state: &mut ExecutorState,
+    ) -> Result<(), ActorProcessingErr> {
         match msg {
             ExecutorMsg::Run(plan) => {
                 let jobs = state.jobs.as_ref().ok_or("executor thread is gone")?;
@@ -146,7 +162,11 @@ impl Actor for ExecutorActor {
         Ok(())
     }
 
-    async fn post_stop(&self, _myself: ActorRef<Self::Msg>, state: &mut ExecutorState) -> Result<(), ActorProcessingErr> {
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        state: &mut ExecutorState,
+    ) -> Result<(), ActorProcessingErr> {
         // Closing the channel ends the thread after its current step.
         state.jobs.take();
         if let Some(t) = state.thread.take() {

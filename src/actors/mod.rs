@@ -11,4 +11,6 @@ pub mod request;
 pub mod scheduler;
 
 pub use engine::{start_engine, Engine, EngineOptions};
-pub use handle::{EngineError, FinishReason, GenerationRequest, InferenceEngine, ModelInfo, StreamEvent, TokenInfo, Usage};
+pub use handle::{
+    EngineError, FinishReason, GenerationRequest, InferenceEngine, ModelInfo, StreamEvent, TokenInfo, Usage,
+};

@@ -19,7 +19,9 @@ pub enum RequestMsg {
     /// Tokens sampled for this request, in order.
     Tokens(Vec<TokenInfo>),
     /// The scheduler ended the request (EOS, max_tokens, context limit).
-    Finished { reason: FinishReason },
+    Finished {
+        reason: FinishReason,
+    },
     Failed(EngineError),
     /// The client's stream was dropped.
     ClientGone,
@@ -80,7 +82,11 @@ impl Actor for RequestActor {
     type State = RequestState;
     type Arguments = RequestArgs;
 
-    async fn pre_start(&self, myself: ActorRef<RequestMsg>, a: RequestArgs) -> Result<RequestState, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        myself: ActorRef<RequestMsg>,
+        a: RequestArgs,
+    ) -> Result<RequestState, ActorProcessingErr> {
         // Watch for the client dropping its stream, so cancellation does not wait for a token.
         let watch = a.events.clone();
         let me = myself.clone();
@@ -98,7 +104,12 @@ impl Actor for RequestActor {
         })
     }
 
-    async fn handle(&self, myself: ActorRef<RequestMsg>, msg: RequestMsg, st: &mut RequestState) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        myself: ActorRef<RequestMsg>,
+        msg: RequestMsg,
+        st: &mut RequestState,
+    ) -> Result<(), ActorProcessingErr> {
         match msg {
             RequestMsg::Tokens(tokens) => {
                 let mut text = String::new();

@@ -22,15 +22,25 @@ use crate::tokenizer::TokenizerBundle;
 
 pub enum SchedulerMsg {
     /// A validated request for lane `lane` (index into the lane list).
-    Submit { req: GenerationRequest, lane: usize, events: Sender<StreamEvent> },
+    Submit {
+        req: GenerationRequest,
+        lane: usize,
+        events: Sender<StreamEvent>,
+    },
     /// Cancel a request (client gone, stop string matched). Its blocks are freed now, or when
     /// the step it is part of returns.
     Cancel(SeqId),
     StepDone(StepResult),
     /// The executor actor for rank 0 (sent once, right after it is spawned).
     AttachExecutor(ActorRef<ExecutorMsg>),
-    ExecutorReady { rank: usize, kv: KvGeometry },
-    ExecutorFailed { rank: usize, error: String },
+    ExecutorReady {
+        rank: usize,
+        kv: KvGeometry,
+    },
+    ExecutorFailed {
+        rank: usize,
+        error: String,
+    },
     /// Counters for tests and health checks.
     Stats(RpcReplyPort<SchedulerStats>),
 }
@@ -236,7 +246,11 @@ impl Actor for SchedulerActor {
     type State = SchedulerState;
     type Arguments = SchedulerArgs;
 
-    async fn pre_start(&self, _myself: ActorRef<SchedulerMsg>, args: SchedulerArgs) -> Result<SchedulerState, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<SchedulerMsg>,
+        args: SchedulerArgs,
+    ) -> Result<SchedulerState, ActorProcessingErr> {
         Ok(SchedulerState {
             args,
             policy: None,
@@ -249,7 +263,12 @@ impl Actor for SchedulerActor {
         })
     }
 
-    async fn handle(&self, myself: ActorRef<SchedulerMsg>, msg: SchedulerMsg, st: &mut SchedulerState) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        myself: ActorRef<SchedulerMsg>,
+        msg: SchedulerMsg,
+        st: &mut SchedulerState,
+    ) -> Result<(), ActorProcessingErr> {
         match msg {
             SchedulerMsg::Submit { req, lane, events } => {
                 st.next_seq += 1;
@@ -291,7 +310,9 @@ impl Actor for SchedulerActor {
                 }
                 let priority = st.args.lanes[lane].priority;
                 let added = match st.policy.as_mut() {
-                    Some(p) => p.add(NewSeq { id, priority, prompt: req.prompt, max_tokens: req.max_tokens }).map_err(|e| e.to_string()),
+                    Some(p) => p
+                        .add(NewSeq { id, priority, prompt: req.prompt, max_tokens: req.max_tokens })
+                        .map_err(|e| e.to_string()),
                     None => Err("the model is still loading".to_string()),
                 };
                 match added {

@@ -136,7 +136,11 @@ impl ModelArgs {
     pub fn open(&self) -> Result<ModelBundle, CliError> {
         match self.device.as_str() {
             "cpu" | "auto" => {}
-            "cuda" => return Err(CliError::Usage("--device cuda: this build has no CUDA backend yet; use --device cpu".into())),
+            "cuda" => {
+                return Err(CliError::Usage(
+                    "--device cuda: this build has no CUDA backend yet; use --device cpu".into(),
+                ))
+            }
             other => return Err(CliError::Usage(format!("--device must be cpu, cuda or auto, not `{other}`"))),
         }
         if self.block_size == 0 {
@@ -253,7 +257,12 @@ pub fn run_score(args: &ScoreArgs) -> Result<(), CliError> {
     let logits = runner.score(&args.input_ids, args.model.prefill_chunk)?;
     let file = LogitsFile { input_ids: args.input_ids.clone(), vocab: bundle.config.vocab_size, logits };
     file.write(&args.output)?;
-    println!("wrote {} positions × {} logits to {}", args.input_ids.len(), bundle.config.vocab_size, args.output.display());
+    println!(
+        "wrote {} positions × {} logits to {}",
+        args.input_ids.len(),
+        bundle.config.vocab_size,
+        args.output.display()
+    );
     Ok(())
 }
 

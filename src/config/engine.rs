@@ -62,7 +62,8 @@ pub const DEFAULT_CONFIG_TOML: &str = include_str!("../../configs/default.toml")
 
 impl EngineConfig {
     pub fn from_toml(text: &str, path: &str) -> Result<Self, ConfigError> {
-        let cfg: EngineConfig = toml::from_str(text).map_err(|e| ConfigError { path: path.into(), msg: e.to_string() })?;
+        let cfg: EngineConfig =
+            toml::from_str(text).map_err(|e| ConfigError { path: path.into(), msg: e.to_string() })?;
         cfg.validate().map_err(|msg| ConfigError { path: path.into(), msg })?;
         Ok(cfg)
     }

@@ -100,7 +100,9 @@ fn parse_rope_scaling(v: &Value, file: &Path) -> Result<Option<RopeScaling>, Mod
     let bad = |msg: String| ModelError::Config { file: file.to_path_buf(), msg };
     match kind {
         "default" => Ok(None),
-        "linear" => Ok(Some(RopeScaling::Linear { factor: num("factor").ok_or_else(|| bad("linear rope scaling without `factor`".into()))? })),
+        "linear" => Ok(Some(RopeScaling::Linear {
+            factor: num("factor").ok_or_else(|| bad("linear rope scaling without `factor`".into()))?,
+        })),
         "llama3" => Ok(Some(RopeScaling::Llama3 {
             factor: num("factor").ok_or_else(|| bad("llama3 rope scaling without `factor`".into()))?,
             low_freq_factor: num("low_freq_factor").unwrap_or(1.0),
@@ -214,13 +216,17 @@ impl LlamaConfig {
     /// Inverse RoPE frequencies, one per pair of dimensions, with any scaling applied.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
         let half = self.head_dim / 2;
-        let base: Vec<f64> = (0..half)
-            .map(|i| 1.0 / (self.rope_theta as f64).powf((2 * i) as f64 / self.head_dim as f64))
-            .collect();
+        let base: Vec<f64> =
+            (0..half).map(|i| 1.0 / (self.rope_theta as f64).powf((2 * i) as f64 / self.head_dim as f64)).collect();
         match &self.rope_scaling {
             None => base.iter().map(|&f| f as f32).collect(),
             Some(RopeScaling::Linear { factor }) => base.iter().map(|&f| (f / *factor as f64) as f32).collect(),
-            Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => {
                 let (factor, lo, hi) = (*factor as f64, *low_freq_factor as f64, *high_freq_factor as f64);
                 let old = *original_max_position_embeddings as f64;
                 let low_wavelen = old / lo;

@@ -88,7 +88,10 @@ impl LlamaSpec {
     /// ignored): the numerator of the memory-bandwidth roofline.
     pub fn decode_weight_elems(&self) -> usize {
         let lin = |l: &LinearSpec| l.out * l.inp;
-        self.layers.iter().map(|l| lin(&l.q) + lin(&l.k) + lin(&l.v) + lin(&l.o) + lin(&l.gate) + lin(&l.up) + lin(&l.down)).sum::<usize>()
+        self.layers
+            .iter()
+            .map(|l| lin(&l.q) + lin(&l.k) + lin(&l.v) + lin(&l.o) + lin(&l.gate) + lin(&l.up) + lin(&l.down))
+            .sum::<usize>()
             + lin(&self.lm_head)
     }
 }

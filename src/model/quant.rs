@@ -284,8 +284,12 @@ pub fn simd_available() -> bool {
     }
 }
 
+/// Portable versions of the AVX2 kernels with the same arithmetic, so results do not depend on
+/// the CPU: a block's 32 products are summed as integers in 8 lanes of 4 consecutive elements,
+/// each lane is multiply-added in f32 into its own accumulator, and the lanes are combined with
+/// [`hsum8`](super::hsum8).
 mod scalar {
-    use super::{f16_at, BlockQ8, QK};
+    use super::{f16_at, hsum8, BlockQ8};
 
     pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         let mut acc = [0f32; 8];
@@ -302,41 +306,49 @@ mod scalar {
         s
     }
 
-    pub fn dot_q8_0(w: &[u8], x: &[BlockQ8]) -> f32 {
-        let mut s = 0f32;
-        for (b, xb) in w.chunks_exact(34).zip(x) {
-            let isum: i32 = b[2..34].iter().zip(&xb.qs).map(|(&q, &a)| (q as i8) as i32 * a as i32).sum();
-            s += f16_at(b, 0) * xb.d * isum as f32;
+    /// `acc[l] += d · Σ w(4l..4l+4)·x(4l..4l+4)`, with `w(i)` the block's i-th weight value.
+    #[inline]
+    fn block(acc: &mut [f32; 8], d: f32, w: impl Fn(usize) -> i32, x: &[i8; 32]) {
+        for (l, a) in acc.iter_mut().enumerate() {
+            let lane: i32 = (4 * l..4 * l + 4).map(|i| w(i) * x[i] as i32).sum();
+            *a = d.mul_add(lane as f32, *a);
         }
-        s
+    }
+
+    /// Element `i` of a 4-bit block: low nibbles hold elements 0..16, high nibbles 16..32.
+    #[inline]
+    fn nibble(qs: &[u8], i: usize) -> i32 {
+        if i < 16 {
+            (qs[i] & 0x0F) as i32
+        } else {
+            (qs[i - 16] >> 4) as i32
+        }
+    }
+
+    pub fn dot_q8_0(w: &[u8], x: &[BlockQ8]) -> f32 {
+        let mut acc = [0f32; 8];
+        for (b, xb) in w.chunks_exact(34).zip(x) {
+            block(&mut acc, f16_at(b, 0) * xb.d, |i| (b[2 + i] as i8) as i32, &xb.qs);
+        }
+        hsum8(&acc)
     }
 
     pub fn dot_q4_0(w: &[u8], x: &[BlockQ8]) -> f32 {
-        let mut s = 0f32;
+        let mut acc = [0f32; 8];
         for (b, xb) in w.chunks_exact(18).zip(x) {
-            let mut isum = 0i32;
-            for j in 0..QK / 2 {
-                let q = b[2 + j];
-                isum += ((q & 0x0F) as i32 - 8) * xb.qs[j] as i32;
-                isum += ((q >> 4) as i32 - 8) * xb.qs[j + 16] as i32;
-            }
-            s += f16_at(b, 0) * xb.d * isum as f32;
+            block(&mut acc, f16_at(b, 0) * xb.d, |i| nibble(&b[2..18], i) - 8, &xb.qs);
         }
-        s
+        hsum8(&acc)
     }
 
     pub fn dot_q4_1(w: &[u8], x: &[BlockQ8]) -> f32 {
-        let mut s = 0f32;
+        let mut acc = [0f32; 8];
+        let mut mins = 0f32;
         for (b, xb) in w.chunks_exact(20).zip(x) {
-            let mut isum = 0i32;
-            for j in 0..QK / 2 {
-                let q = b[4 + j];
-                isum += (q & 0x0F) as i32 * xb.qs[j] as i32;
-                isum += (q >> 4) as i32 * xb.qs[j + 16] as i32;
-            }
-            s += f16_at(b, 0) * xb.d * isum as f32 + f16_at(b, 2) * xb.sum;
+            block(&mut acc, f16_at(b, 0) * xb.d, |i| nibble(&b[4..20], i), &xb.qs);
+            mins = f16_at(b, 2).mul_add(xb.sum, mins);
         }
-        s
+        hsum8(&acc) + mins
     }
 }
 
@@ -534,7 +546,7 @@ mod tests {
             assert!((s as f64 - reference).abs() < 1e-3, "{dtype}: scalar {s} vs {reference}");
             if simd_available() {
                 let v = dot_q(dtype, &wq, &xq, true);
-                assert!((v as f64 - reference).abs() < 1e-3, "{dtype}: simd {v} vs {reference}");
+                assert_eq!(v.to_bits(), s.to_bits(), "{dtype}: simd {v} vs scalar {s}");
             }
         }
     }
@@ -551,6 +563,63 @@ mod tests {
             if simd_available() {
                 assert_eq!(dot_f32(&a, &b, true).to_bits(), s.to_bits(), "n={n}");
             }
+        }
+    }
+
+    #[test]
+    fn ggml_expf_is_accurate_and_identical_on_every_path() {
+        // Dense around softmax/SiLU inputs, plus the overflow/underflow branches and ±inf.
+        let mut xs: Vec<f32> = (-2000..=2000).map(|i| i as f32 * 0.01).collect();
+        xs.extend([
+            -200.0,
+            -150.0,
+            -104.0,
+            -88.0,
+            88.0,
+            89.0,
+            100.0,
+            200.0,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            0.0,
+            -0.0,
+        ]);
+        let mut scalar = xs.clone();
+        expf_ggml(&mut scalar, false);
+        for (&x, &y) in xs.iter().zip(&scalar) {
+            let want = (x as f64).exp();
+            if want > f32::MAX as f64 {
+                assert_eq!(y, f32::INFINITY, "exp({x})");
+            } else if want < 1e-38 {
+                assert!(y.abs() < 1e-37, "exp({x}) = {y}");
+            } else {
+                assert!(((y as f64 - want) / want).abs() < 4e-7, "exp({x}) = {y}, want {want}");
+            }
+        }
+        if simd_available() {
+            let mut v = xs.clone();
+            expf_ggml(&mut v, true);
+            for ((x, a), b) in xs.iter().zip(&v).zip(&scalar) {
+                assert_eq!(a.to_bits(), b.to_bits(), "exp({x})");
+            }
+        }
+    }
+
+    #[test]
+    fn lanes8_dot_is_lane_ordered_and_identical_on_every_path() {
+        let mut seed = 5;
+        let a: Vec<f32> = (0..64).map(|_| lcg(&mut seed)).collect();
+        let b: Vec<f32> = (0..64).map(|_| lcg(&mut seed)).collect();
+        let s = dot_lanes8(&a, &b, false);
+        let mut lanes = [0f32; 8];
+        for i in 0..64 {
+            lanes[i % 8] = a[i].mul_add(b[i], lanes[i % 8]);
+        }
+        assert_eq!(s.to_bits(), hsum8(&lanes).to_bits());
+        let reference: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
+        assert!((s as f64 - reference).abs() < 1e-5);
+        if simd_available() {
+            assert_eq!(dot_lanes8(&a, &b, true).to_bits(), s.to_bits());
         }
     }
 

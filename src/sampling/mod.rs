@@ -45,7 +45,9 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// Always set (the API layer draws one when the client gives none).
     pub seed: u64,
-    /// None => none; Some(n) => chosen token's logprob + top n alternatives.
+    /// None => none (`Sampled::logprob` is NaN: computing it costs a pass of `exp` over the
+    /// vocabulary, as much as greedy decoding itself); Some(n) => chosen token's logprob + top n
+    /// alternatives.
     pub logprobs: Option<usize>,
 }
 
@@ -162,7 +164,7 @@ impl PenaltyState {
 pub struct Sampled {
     pub token: u32,
     /// Log-probability of `token` under the model's raw distribution (log_softmax of the
-    /// unmodified logits, vLLM's default).
+    /// unmodified logits, vLLM's default). NaN when `params.logprobs` is None (not computed).
     pub logprob: f32,
     /// Top alternatives under the raw distribution, by logprob desc then id asc; empty unless
     /// `params.logprobs` is `Some(n)` with n > 0.
@@ -176,8 +178,13 @@ pub struct Sampled {
 /// (everything -inf or NaN) the token is the argmax of the raw logits; an empty row gives token 0.
 pub fn sample(logits: &[f32], params: &SamplingParams, state: &PenaltyState, step: u64) -> Sampled {
     let token = pipeline::choose(logits, params, state, step);
-    let (logprob, top_logprobs) = pipeline::raw_logprobs(logits, token, params.logprobs.unwrap_or(0));
-    Sampled { token, logprob, top_logprobs }
+    match params.logprobs {
+        Some(n) => {
+            let (logprob, top_logprobs) = pipeline::raw_logprobs(logits, token, n);
+            Sampled { token, logprob, top_logprobs }
+        }
+        None => Sampled { token, logprob: f32::NAN, top_logprobs: Vec::new() },
+    }
 }
 
 /// The uniform draw in [0, 1) used for `step`: ChaCha8 keyed by `seed`, with `step` as the stream

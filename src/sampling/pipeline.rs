@@ -40,7 +40,8 @@ pub(super) fn processed_probs(logits: &[f32], params: &SamplingParams, state: &P
             }
         }
         Decision::Distribution(Support::Dense(w)) => {
-            let total: f64 = w.iter().map(|&x| x as f64).sum();
+            // The same summation as `draw`, so probabilities and draws agree to the last bit.
+            let total = sum_f64(&w);
             for (p, &x) in probs.iter_mut().zip(&w) {
                 *p = (x as f64 / total) as f32;
             }
@@ -145,21 +146,22 @@ fn truncate(mut work: Vec<f32>, params: &SamplingParams, max: f32) -> Support {
         return Support::Dense(work);
     }
 
-    // Candidates as (weight, id), sorted by weight desc then id asc.
-    let mut cands: Vec<(f32, u32)> = if top_k_on {
+    // Candidates as (weight, id), sorted by weight desc then id asc, and the mass top-p is
+    // relative to: the top-k set's when top-k is on (HF renormalises over it), else the vocab's.
+    let (mut cands, total): (Vec<(f32, u32)>, f64) = if top_k_on {
         let mut c = top_k_logits(&work, params.top_k);
         for e in c.iter_mut() {
             e.0 = weight(e.0, max, inv_t);
         }
-        c
+        let total = c.iter().map(|e| e.0 as f64).sum();
+        (c, total)
     } else {
         weights_in_place(&mut work, max, inv_t);
-        nucleus_candidates(&work, params.top_p)
+        let total = sum_f64(&work);
+        (nucleus_candidates(&work, total, params.top_p), total)
     };
 
     if top_p_on {
-        // Over the top-k set only when top-k is on (its softmax renormalises over that set, as HF).
-        let total: f64 = if top_k_on { cands.iter().map(|e| e.0 as f64).sum() } else { sum_f64(&work) };
         let limit = params.top_p as f64 * total;
         // HF/vLLM keep a token iff the mass strictly before it (in desc order) is below top_p.
         let mut cum = 0.0f64;
@@ -228,8 +230,7 @@ fn compact_top_k(buf: &mut Vec<(f32, u32)>, k: usize) -> f32 {
 /// the largest tau in a short ladder whose tokens already hold `top_p` of the mass. That set
 /// contains the nucleus because the desc walk reaches the mass limit before leaving it. Peaked LM
 /// distributions stop at the first rung with a few dozen tokens.
-fn nucleus_candidates(weights: &[f32], top_p: f32) -> Vec<(f32, u32)> {
-    let total = sum_f64(weights);
+fn nucleus_candidates(weights: &[f32], total: f64, top_p: f32) -> Vec<(f32, u32)> {
     let limit = top_p as f64 * total;
     let mut cands = Vec::new();
     for tau in [1.0 / 256.0, 1.0 / 65536.0, 1e-12, 0.0f32] {
@@ -295,6 +296,9 @@ fn draw(support: &Support, u: f32) -> u32 {
     }
 }
 
+/// Tokens per block when the top-logprobs scan skips blocks by their max.
+const TOP_BLOCK: usize = 32;
+
 /// Raw (unmodified-logit) log-probability of `token` and the top `n` alternatives, by logprob desc
 /// then id asc. NaN logits have probability 0; an all -inf row gives -inf everywhere.
 pub(super) fn raw_logprobs(logits: &[f32], token: u32, n: usize) -> (f32, Vec<(u32, f32)>) {
@@ -308,19 +312,25 @@ pub(super) fn raw_logprobs(logits: &[f32], token: u32, n: usize) -> (f32, Vec<(u
     let logprob = |x: f32| (clamp(x) as f64 - lse) as f32;
     let chosen = logits.get(token as usize).map_or(f32::NEG_INFINITY, |&x| logprob(x));
 
-    // Small sorted buffer: most entries fail the first comparison, so this is one cheap pass.
+    // Small sorted buffer. Once it is full, a block whose (vectorised) max cannot beat the n-th
+    // entry is skipped whole, so the pass costs about as much as a max.
     let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
     if n > 0 {
-        for (i, &x) in logits.iter().enumerate() {
-            // Clamped, so never NaN: `<=` below is the exact complement of `>`.
-            let x = clamp(x);
-            if top.len() == n && x <= top[n - 1].1 {
+        for (b, block) in logits.chunks(TOP_BLOCK).enumerate() {
+            if top.len() == n && max_ignoring_nan(block).min(f32::MAX) <= top[n - 1].1 {
                 continue;
             }
-            // Equal values stay after existing ones: ids arrive ascending, so ties go to the lower id.
-            let pos = top.partition_point(|e| e.1 >= x);
-            top.insert(pos, (i as u32, x));
-            top.truncate(n);
+            for (j, &x) in block.iter().enumerate() {
+                // Clamped, so never NaN: `<=` below is the exact complement of `>`.
+                let x = clamp(x);
+                if top.len() == n && x <= top[n - 1].1 {
+                    continue;
+                }
+                // Equal values go after existing ones: ids arrive ascending, so ties keep the lower id.
+                let pos = top.partition_point(|e| e.1 >= x);
+                top.insert(pos, ((b * TOP_BLOCK + j) as u32, x));
+                top.truncate(n);
+            }
         }
     }
     for e in top.iter_mut() {

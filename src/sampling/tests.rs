@@ -672,8 +672,12 @@ fn logprobs_are_raw_and_sorted() {
     // n smaller than the vocab; None and Some(0) give no alternatives.
     let two = sample(&logits, &SamplingParams { logprobs: Some(2), ..p.clone() }, &st, 0);
     assert_eq!(two.top_logprobs.iter().map(|e| e.0).collect::<Vec<_>>(), vec![1, 3]);
-    assert!(sample(&logits, &SamplingParams { logprobs: None, ..p.clone() }, &st, 0).top_logprobs.is_empty());
-    assert!(sample(&logits, &SamplingParams { logprobs: Some(0), ..p }, &st, 0).top_logprobs.is_empty());
+    let none = sample(&logits, &SamplingParams { logprobs: None, ..p.clone() }, &st, 0);
+    assert!(none.top_logprobs.is_empty());
+    assert!(none.logprob.is_nan(), "not computed without logprobs");
+    let zero = sample(&logits, &SamplingParams { logprobs: Some(0), ..p }, &st, 0);
+    assert!(zero.top_logprobs.is_empty());
+    assert!((zero.logprob - want(4)).abs() < 1e-6, "Some(0) still reports the chosen token's logprob");
     // n larger than the vocab lists the whole vocab.
     let all = sample(&[0.0, 0.0], &SamplingParams { logprobs: Some(20), ..params(0.0) }, &st, 0);
     assert_eq!(all.top_logprobs.len(), 2);

@@ -110,7 +110,7 @@ pub(super) fn exp_f32(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0;
     const ROUND_BITS: u32 = 0x4B40_0000;
     let underflow = x < -87.0;
-    let xc = x.max(-87.0).min(88.0);
+    let xc = x.clamp(-87.0, 88.0);
     let t = xc * LOG2E + ROUND;
     let n = t - ROUND;
     let r = xc - n * LN2_HI - n * LN2_LO;
@@ -119,7 +119,7 @@ pub(super) fn exp_f32(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let y = p * r * r + r + 1.0;
     // 2^n: n + 127 (in [1, 254], a normal exponent) shifted into the exponent field. Wrapping ops
     // because n sits in the low bits of `t` as a two's-complement offset from ROUND_BITS.

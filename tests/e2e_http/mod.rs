@@ -124,7 +124,10 @@ struct Body {
 enum Framing {
     Length(u64),
     /// Bytes left in the current chunk; `None` before the first chunk header.
-    Chunked { left: u64, finished: bool },
+    Chunked {
+        left: u64,
+        finished: bool,
+    },
     UntilEof,
 }
 
@@ -268,7 +271,8 @@ impl ChatStream {
             if let Some(end) = find(&self.pending, b"\n\n") {
                 let event: Vec<u8> = self.pending.drain(..end + 2).collect();
                 let text = String::from_utf8(event).map_err(|_| bad("SSE event is not UTF-8"))?;
-                let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data:")).map(str::trim_start).collect();
+                let data: Vec<&str> =
+                    text.lines().filter_map(|l| l.strip_prefix("data:")).map(str::trim_start).collect();
                 if data.is_empty() {
                     continue;
                 }
@@ -302,7 +306,8 @@ impl ChatStream {
             self.done = true;
             return Ok(None);
         }
-        let v: Value = serde_json::from_str(&data).map_err(|e| bad(format!("SSE payload is not JSON ({e}): {data}")))?;
+        let v: Value =
+            serde_json::from_str(&data).map_err(|e| bad(format!("SSE payload is not JSON ({e}): {data}")))?;
         if v.get("error").is_some() {
             self.result.error = Some(v["error"].clone());
             return Ok(Some(0));
@@ -325,14 +330,22 @@ impl ChatStream {
                         .as_array()
                         .map(|b| b.iter().filter_map(Value::as_u64).map(|x| x as u8).collect())
                         .unwrap_or_else(|| t["token"].as_str().unwrap_or("").as_bytes().to_vec());
-                    self.result.tokens.push(StreamedToken { bytes, logprob: t["logprob"].as_f64().unwrap_or(f64::NAN), at });
+                    self.result.tokens.push(StreamedToken {
+                        bytes,
+                        logprob: t["logprob"].as_f64().unwrap_or(f64::NAN),
+                        at,
+                    });
                     n += 1;
                 }
             } else if let Some(tokens) = choice["logprobs"]["tokens"].as_array() {
                 let lps = choice["logprobs"]["token_logprobs"].as_array();
                 for (i, t) in tokens.iter().enumerate() {
                     let logprob = lps.and_then(|l| l.get(i)).and_then(Value::as_f64).unwrap_or(f64::NAN);
-                    self.result.tokens.push(StreamedToken { bytes: t.as_str().unwrap_or("").as_bytes().to_vec(), logprob, at });
+                    self.result.tokens.push(StreamedToken {
+                        bytes: t.as_str().unwrap_or("").as_bytes().to_vec(),
+                        logprob,
+                        at,
+                    });
                     n += 1;
                 }
             }

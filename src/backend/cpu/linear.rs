@@ -52,26 +52,33 @@ impl CpuLinear {
     /// Stack several projections with the same input into one (`[Σout, inp]`) so one parallel
     /// pass computes them all. Falls back to `None` when their storage formats differ.
     pub fn concat(parts: Vec<CpuLinear>) -> Result<CpuLinear, Vec<CpuLinear>> {
-        let same_format = parts.windows(2).all(|p| match (&p[0].weight, &p[1].weight) {
-            (WeightRows::F32(_), WeightRows::F32(_)) => true,
-            (WeightRows::Quant { dtype: a, .. }, WeightRows::Quant { dtype: b, .. }) => a == b,
-            _ => false,
-        }) && parts.windows(2).all(|p| p[0].cols == p[1].cols && p[0].bias.is_some() == p[1].bias.is_some());
+        let same_format =
+            parts.windows(2).all(|p| match (&p[0].weight, &p[1].weight) {
+                (WeightRows::F32(_), WeightRows::F32(_)) => true,
+                (WeightRows::Quant { dtype: a, .. }, WeightRows::Quant { dtype: b, .. }) => a == b,
+                _ => false,
+            }) && parts.windows(2).all(|p| p[0].cols == p[1].cols && p[0].bias.is_some() == p[1].bias.is_some());
         if !same_format || parts.is_empty() {
             return Err(parts);
         }
         let cols = parts[0].cols;
         let rows = parts.iter().map(|p| p.rows).sum();
-        let bias = parts[0].bias.is_some().then(|| parts.iter().flat_map(|p| p.bias.clone().unwrap_or_default()).collect());
+        let bias =
+            parts[0].bias.is_some().then(|| parts.iter().flat_map(|p| p.bias.clone().unwrap_or_default()).collect());
         let weight = match &parts[0].weight {
             WeightRows::F32(_) => WeightRows::F32(
-                parts.iter().flat_map(|p| if let WeightRows::F32(v) = &p.weight { v.clone() } else { Vec::new() }).collect(),
+                parts
+                    .iter()
+                    .flat_map(|p| if let WeightRows::F32(v) = &p.weight { v.clone() } else { Vec::new() })
+                    .collect(),
             ),
             WeightRows::Quant { dtype, .. } => WeightRows::Quant {
                 dtype: *dtype,
                 data: parts
                     .iter()
-                    .flat_map(|p| if let WeightRows::Quant { data, .. } = &p.weight { data.clone() } else { Vec::new() })
+                    .flat_map(
+                        |p| if let WeightRows::Quant { data, .. } = &p.weight { data.clone() } else { Vec::new() },
+                    )
                     .collect(),
             },
         };

@@ -34,10 +34,8 @@ enum Proj {
 
 impl Proj {
     fn load(w: &dyn WeightSource, specs: &[&LinearSpec]) -> Result<Self, ModelError> {
-        let parts = specs
-            .iter()
-            .map(|s| CpuLinear::load(w, &s.name, s.out, s.inp, s.bias))
-            .collect::<Result<Vec<_>, _>>()?;
+        let parts =
+            specs.iter().map(|s| CpuLinear::load(w, &s.name, s.out, s.inp, s.bias)).collect::<Result<Vec<_>, _>>()?;
         Ok(match CpuLinear::concat(parts) {
             Ok(f) => Proj::Fused(f),
             Err(parts) => Proj::Split(parts),
@@ -63,7 +61,8 @@ impl Proj {
                     let mut part = vec![0f32; m * p.rows];
                     p.forward(x, m, &mut part, simd)?;
                     for i in 0..m {
-                        y[i * total + col..i * total + col + p.rows].copy_from_slice(&part[i * p.rows..(i + 1) * p.rows]);
+                        y[i * total + col..i * total + col + p.rows]
+                            .copy_from_slice(&part[i * p.rows..(i + 1) * p.rows]);
                     }
                     col += p.rows;
                 }
@@ -136,7 +135,9 @@ impl RopeAngles {
         let theta_scale = cfg.rope_theta.powf(-2.0 / cfg.head_dim as f32);
         match &cfg.rope_scaling {
             None => RopeAngles::Ggml { theta_scale, freq_scale: 1.0, factors: None },
-            Some(RopeScaling::Linear { factor }) => RopeAngles::Ggml { theta_scale, freq_scale: 1.0 / factor, factors: None },
+            Some(RopeScaling::Linear { factor }) => {
+                RopeAngles::Ggml { theta_scale, freq_scale: 1.0 / factor, factors: None }
+            }
             Some(RopeScaling::Llama3 { .. }) => {
                 let plain = LlamaConfig { rope_scaling: None, ..cfg.clone() }.rope_inv_freq();
                 let factors = plain.iter().zip(cfg.rope_inv_freq()).map(|(p, s)| p / s).collect();
@@ -172,22 +173,49 @@ impl RopeAngles {
 }
 
 /// Rotate-half RoPE of one head vector at angle table (`cos`, `sin`) of length `head_dim / 2`.
-/// `ggml`: GGML's `rotate_pairs` as compiled (with FMA contraction) — `x0·c − x1·s` as
-/// `fma(x0, c, −(x1·s))` and `x0·s + x1·c` as `fma(x0, s, x1·c)` — on the pair that GGML's
-/// adjacent-pair layout holds at `(2i, 2i+1)` and ours at `(i, i + d/2)`.
 #[inline]
-fn rope(x: &mut [f32], cos: &[f32], sin: &[f32], ggml: bool) {
+fn rope(x: &mut [f32], cos: &[f32], sin: &[f32]) {
     let half = cos.len();
     for i in 0..half {
         let (a, b) = (x[i], x[i + half]);
-        if ggml {
-            x[i] = a.mul_add(cos[i], -(b * sin[i]));
-            x[i + half] = a.mul_add(sin[i], b * cos[i]);
-        } else {
-            x[i] = a * cos[i] - b * sin[i];
-            x[i + half] = b * cos[i] + a * sin[i];
-        }
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i] + a * sin[i];
     }
+}
+
+/// RoPE as GGML's `rotate_pairs` computes it once compiled (FMA-contracted: `x0·c − x1·s` is
+/// `fma(x0, c, −(x1·s))`, `x0·s + x1·c` is `fma(x0, s, x1·c)`), on our rotate-half layout where
+/// GGML's pair `(2i, 2i+1)` sits at `(i, i + d/2)`. The result is written back in GGML's
+/// adjacent-pair order, llama.cpp's q/k layout, because that order fixes how its f16 attention
+/// sums q·k (`tmp` is scratch of the head's size).
+#[inline]
+fn rope_ggml_interleaved(x: &mut [f32], cos: &[f32], sin: &[f32], tmp: &mut [f32], simd: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is only true when AVX2 and FMA were detected at runtime.
+        unsafe { rope_ggml_fma(x, cos, sin, tmp) };
+        return;
+    }
+    let _ = simd;
+    rope_ggml_body(x, cos, sin, tmp);
+}
+
+/// The same code compiled with hardware FMA, so `mul_add` is one instruction, not a libm call.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn rope_ggml_fma(x: &mut [f32], cos: &[f32], sin: &[f32], tmp: &mut [f32]) {
+    rope_ggml_body(x, cos, sin, tmp);
+}
+
+#[inline(always)]
+fn rope_ggml_body(x: &mut [f32], cos: &[f32], sin: &[f32], tmp: &mut [f32]) {
+    let half = cos.len();
+    for i in 0..half {
+        let (a, b) = (x[i], x[i + half]);
+        tmp[2 * i] = a.mul_add(cos[i], -(b * sin[i]));
+        tmp[2 * i + 1] = a.mul_add(sin[i], b * cos[i]);
+    }
+    x.copy_from_slice(tmp);
 }
 
 /// `out = silu(gate) · up` with GGML's rounding (`ggml_vec_swiglu_f32`): `g / (1 + exp(0 − g))`
@@ -243,7 +271,8 @@ impl CpuBackend {
         } else {
             Some(CpuLinear::load(w, &spec.lm_head.name, cfg.vocab_size, h, false)?)
         };
-        let threads = if opts.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { opts.threads };
+        let threads =
+            if opts.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { opts.threads };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("shelfserve-cpu-{i}"))
@@ -298,7 +327,10 @@ impl CpuBackend {
         let ids: Vec<u32> = batch.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let t = ids.len();
         if let Some(&bad) = ids.iter().find(|&&id| id as usize >= c.vocab_size) {
-            return Err(BackendError::InvalidStep(format!("token id {bad} is outside the vocabulary ({})", c.vocab_size)));
+            return Err(BackendError::InvalidStep(format!(
+                "token id {bad} is outside the vocabulary ({})",
+                c.vocab_size
+            )));
         }
 
         let mut x = vec![0f32; t * h];
@@ -323,17 +355,17 @@ impl CpuBackend {
             qkv.par_chunks_mut(qkv_w).zip(q.par_chunks_mut(qd)).enumerate().for_each(|(i, (row, qrow))| {
                 let (cs, sn) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
                 let (qpart, rest) = row.split_at_mut(qd);
-                for head in qpart.chunks_exact_mut(hd) {
-                    if let Some(w) = &layer.q_norm {
+                let mut tmp = vec![0f32; if ggml_rope { hd } else { 0 }];
+                let heads = qpart.chunks_exact_mut(hd).map(|h| (h, &layer.q_norm));
+                for (head, norm) in heads.chain(rest[..kvd].chunks_exact_mut(hd).map(|h| (h, &layer.k_norm))) {
+                    if let Some(w) = norm {
                         rms_norm_rows(head, w, c.rms_norm_eps);
                     }
-                    rope(head, cs, sn, ggml_rope);
-                }
-                for head in rest[..kvd].chunks_exact_mut(hd) {
-                    if let Some(w) = &layer.k_norm {
-                        rms_norm_rows(head, w, c.rms_norm_eps);
+                    if ggml_rope {
+                        rope_ggml_interleaved(head, cs, sn, &mut tmp, simd);
+                    } else {
+                        rope(head, cs, sn);
                     }
-                    rope(head, cs, sn, ggml_rope);
                 }
                 qrow.copy_from_slice(qpart);
             });
@@ -415,8 +447,12 @@ mod tests {
 
     fn backend(cfg: &LlamaConfig, dtype: DType, blocks: usize) -> CpuBackend {
         let w = SyntheticWeights::new(cfg, dtype, 11);
-        CpuBackend::new(cfg, &w, CpuOptions { threads: 2, kv: KvGeometry { block_size: 4, num_blocks: blocks }, kv_precision: None })
-            .unwrap()
+        CpuBackend::new(
+            cfg,
+            &w,
+            CpuOptions { threads: 2, kv: KvGeometry { block_size: 4, num_blocks: blocks }, kv_precision: None },
+        )
+        .unwrap()
     }
 
     fn seq_ids(n: usize, salt: u32) -> Vec<u32> {
@@ -436,6 +472,10 @@ mod tests {
         qwen3.attention_qkv_bias = true;
         qwen3.sliding_window = Some(5);
         cfgs.push(qwen3);
+        // GGUF models: GGML-style RoPE and q/k in GGML's pair order.
+        let mut ggml = tiny_llama_config();
+        ggml.rope_ggml_style = true;
+        cfgs.push(ggml);
         for cfg in &cfgs {
             for dtype in [DType::F32, DType::Q8_0, DType::Q4_1, DType::Q4_0] {
                 let mut b = backend(cfg, dtype, 32);
@@ -447,16 +487,15 @@ mod tests {
                 // decodes token by token in the same steps.
                 let ta2: Vec<u32> = (20..24).collect();
                 let mut mixed = Vec::new();
-                let mut other_pos = 0;
                 for (ci, chunk) in a_ids.chunks(3).enumerate() {
-                    let other = &b_ids[other_pos..other_pos + 1];
+                    // The other sequence decodes its token `ci` in step `ci`.
+                    let other = &b_ids[ci..ci + 1];
                     let out = b
                         .forward(&[
-                            SeqStep { tokens: other, start_pos: other_pos, block_table: &tb, logits_rows: 1 },
+                            SeqStep { tokens: other, start_pos: ci, block_table: &tb, logits_rows: 1 },
                             SeqStep { tokens: chunk, start_pos: ci * 3, block_table: &ta2, logits_rows: chunk.len() },
                         ])
                         .unwrap();
-                    other_pos += 1;
                     for r in out.rows(1) {
                         mixed.extend_from_slice(r);
                     }
@@ -472,6 +511,50 @@ mod tests {
                     .unwrap();
                 let v = cfg.vocab_size;
                 assert!(last.data.iter().zip(&solo[10 * v..]).all(|(x, y)| x.to_bits() == y.to_bits()));
+            }
+        }
+    }
+
+    #[test]
+    fn portable_and_simd_paths_give_identical_logits() {
+        if !simd_available() {
+            return;
+        }
+        let mut cfg = tiny_llama_config();
+        cfg.rope_ggml_style = true;
+        for dtype in [DType::F32, DType::Q8_0, DType::Q4_1, DType::Q4_0] {
+            let (mut a, mut b) = (backend(&cfg, dtype, 4), backend(&cfg, dtype, 4));
+            b.simd = false;
+            let ids = seq_ids(13, 3);
+            let table: Vec<u32> = (0..4).collect();
+            let (x, y) = (alone(&mut a, &ids, &table), alone(&mut b, &ids, &table));
+            assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "{dtype}");
+        }
+    }
+
+    #[test]
+    fn ggml_rope_is_the_same_rotation_in_pair_order() {
+        let mut cfg = tiny_llama_config();
+        let plain = RopeAngles::new(&cfg);
+        cfg.rope_ggml_style = true;
+        let ggml = RopeAngles::new(&cfg);
+        let half = cfg.head_dim / 2;
+        let (mut c1, mut s1, mut c2, mut s2) = (vec![0f32; half], vec![0f32; half], vec![0f32; half], vec![0f32; half]);
+        let x: Vec<f32> = (0..cfg.head_dim).map(|i| (i as f32 * 0.37).sin()).collect();
+        for pos in [0usize, 1, 7, 100, 1000] {
+            plain.fill(pos, &mut c1, &mut s1);
+            ggml.fill(pos, &mut c2, &mut s2);
+            let (mut a, mut b) = (x.clone(), x.clone());
+            rope(&mut a, &c1, &s1);
+            let mut tmp = vec![0f32; cfg.head_dim];
+            rope_ggml_interleaved(&mut b, &c2, &s2, &mut tmp, simd_available());
+            for i in 0..half {
+                // Angles agree to f32 rounding of θ (relative 1e-7 of pos · freq).
+                let tol = 1e-6 * (1.0 + pos as f32);
+                assert!(
+                    (a[i] - b[2 * i]).abs() < tol && (a[i + half] - b[2 * i + 1]).abs() < tol,
+                    "pos {pos} pair {i}"
+                );
             }
         }
     }
