@@ -157,34 +157,3 @@ fn logits_and_greedy_match_llama_cpp() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
-
-// TEMPORARY timing harness (to be removed).
-#[test]
-#[ignore]
-fn zz_time_decode() {
-    use shelfserve::backend::cpu::{CpuBackend, CpuOptions, KvPrecision};
-    use shelfserve::backend::{Backend, SeqStep};
-    let Some(gguf) = common::default_gguf() else { return };
-    let bundle = shelfserve::model::open(gguf.to_str().unwrap(), &CacheDir::from_env()).unwrap();
-    for ctx in [16usize, 1000] {
-        for round in 0..3 {
-            for prec in [KvPrecision::F16, KvPrecision::F32] {
-                let opts = CpuOptions { threads: 2, kv: single_sequence_geometry(1200, 16), kv_precision: Some(prec) };
-                let mut be = CpuBackend::new(&bundle.config, bundle.weights.as_ref(), opts).unwrap();
-                let table: Vec<u32> = (0..75).collect();
-                let prompt: Vec<u32> = (0..ctx as u32).map(|i| 100 + i * 7 % 5000).collect();
-                be.forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: &table, logits_rows: 1 }]).unwrap();
-                let n = 32;
-                let t0 = std::time::Instant::now();
-                for i in 0..n {
-                    be.forward(&[SeqStep { tokens: &[42], start_pos: ctx + i, block_table: &table, logits_rows: 1 }])
-                        .unwrap();
-                }
-                println!(
-                    "round {round} ctx {ctx} {prec:?}: {:.2} ms/token",
-                    t0.elapsed().as_secs_f64() * 1000.0 / n as f64
-                );
-            }
-        }
-    }
-}

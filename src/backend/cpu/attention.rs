@@ -5,9 +5,11 @@
 //!
 //! Under [`KvPrecision::F16`] the arithmetic is GGML's non-flash CPU attention as llama.cpp runs
 //! it for a batch of two or more query rows on an AVX2 machine, rounding for rounding: f16 K/V/q,
-//! q·k and weights·V as llamafile tinyBLAS dot products (one 8-lane accumulator, lane = key
-//! position mod 8), and `soft_max_ext` with GGML's vectorised exp, per-8-position partial sums
-//! added in double, and f16 weights. llama.cpp switches to a different kernel (`ggml_vec_dot_f16`)
+//! q·k and weights·V as llamafile tinyBLAS dot products (one 8-lane accumulator: lane = head
+//! dimension mod 8 for q·k, key position mod 8 for weights·V), and `soft_max_ext` with GGML's
+//! vectorised exp, per-8-position partial sums added in double, and f16 weights. The q·k order
+//! is the order of the head dimensions as stored, so GGUF models hand us q and k in GGML's
+//! adjacent-pair layout (the backend's GGML-style RoPE writes them so). llama.cpp switches to a different kernel (`ggml_vec_dot_f16`)
 //! when a step has a single query row; we cannot follow it there without making a sequence's
 //! numbers depend on how it was batched, which the exactness rules forbid.
 use rayon::prelude::*;
