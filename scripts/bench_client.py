@@ -29,6 +29,13 @@ PROMPTS = [
 
 
 def stream(base, prompt, max_tokens, out):
+    try:
+        _stream(base, prompt, max_tokens, out)
+    except Exception as e:  # a refused or broken request must show in the report, not vanish
+        out.append({"t0": time.perf_counter(), "times": [], "error": repr(e)})
+
+
+def _stream(base, prompt, max_tokens, out):
     body = json.dumps({"model": "default", "prompt": prompt, "max_tokens": max_tokens,
                        "temperature": 0, "stream": True}).encode()
     req = urllib.request.Request(base + "/completions", data=body,
@@ -76,7 +83,8 @@ def main():
     end = max(r["times"][-1] for r in results if r["times"])
     total = sum(len(r["times"]) for r in results)
     agg_tps = total / (end - start)
-    res = {"label": a.label, "single_stream_tok_s": single_tps, "single_ttft_s": ttft,
+    errors = [r["error"] for r in results if "error" in r]
+    res = {"label": a.label, "parallel_errors": errors, "single_stream_tok_s": single_tps, "single_ttft_s": ttft,
            "parallel": a.parallel, "parallel_aggregate_tok_s": agg_tps, "parallel_tokens": total}
     print(json.dumps(res))
     if a.json:

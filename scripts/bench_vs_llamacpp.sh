@@ -37,7 +37,7 @@ kill "${PIDS[0]}"; wait "${PIDS[0]}" 2>/dev/null || true
 echo "== llama.cpp server (llama-cpp-python $LLAMA_VERSION, $THREADS threads)"
 P=$(free_port)
 "$VENV/bin/python" -m llama_cpp.server --model "$GGUF" --n_threads "$THREADS" --n_threads_batch "$THREADS" \
-  --n_ctx 4096 --host 127.0.0.1 --port "$P" >"$OUT/llama.log" 2>&1 &
+  --n_ctx 4096 --interrupt_requests False --host 127.0.0.1 --port "$P" >"$OUT/llama.log" 2>&1 &
 PIDS+=($!)
 wait_health "http://127.0.0.1:$P/v1/models"
 python3 scripts/bench_client.py "http://127.0.0.1:$P/v1" --label llama.cpp --json "$OUT/llama.json"
@@ -51,4 +51,8 @@ print("|---|---|---|---|")
 for k, name in [("single_stream_tok_s", "single-stream decode tok/s"), ("parallel_aggregate_tok_s", "8-parallel aggregate tok/s")]:
     print(f"| {name} | {o[k]:.1f} | {l[k]:.1f} | {o[k] / l[k]:.2f}x |")
 print(f"| single-stream TTFT (s) | {o['single_ttft_s']:.3f} | {l['single_ttft_s']:.3f} | |")
+print(f"| 8-parallel completion tokens | {o['parallel_tokens']} | {l['parallel_tokens']} | |")
+for r in (o, l):
+    if r["parallel_errors"]:
+        print(f"{r['label']}: {len(r['parallel_errors'])} parallel requests failed: {r['parallel_errors'][0]}")
 PY
