@@ -20,6 +20,8 @@
 //! sequence in each decode step), produces exactly our 40 tokens for all six, but its decode-path
 //! fixture differs from them at token 30 (english), 12 (non_ascii), 14 (numbers) and 9 (chat),
 //! each time where our top two logits are within 0.03 of each other. So we require:
+//! - strict: all 40 tokens identical to llama.cpp's continuation made on its batched kernel for
+//!   every step (`generated_ids_batched_kernel`, from `scripts/gen_llamacpp_batched_greedy.py`);
 //! - free-running: our tokens equal the fixture's up to the first difference, and at that
 //!   difference the fixture's token is our runner-up, less than [`NEAR_TIE`] logits below our
 //!   choice — a near-tie, 4× below the noise between llama.cpp's own two kernels;
@@ -121,6 +123,21 @@ fn logits_and_greedy_match_llama_cpp() {
                     got[k], expected[k]
                 ));
             }
+        }
+
+        // Strict: llama.cpp run on its batched attention kernel for every step (the one kernel we
+        // use; `scripts/gen_llamacpp_batched_greedy.py`) must give exactly our continuation.
+        let batched: Vec<u32> = p["generated_ids_batched_kernel"]
+            .as_array()
+            .expect("fixture lacks generated_ids_batched_kernel: run scripts/gen_llamacpp_batched_greedy.py")
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        if got != batched {
+            let k = got.iter().zip(&batched).position(|(a, b)| a != b);
+            failures.push(format!(
+                "{name}: greedy differs from llama.cpp's batched-kernel continuation at token {k:?}: ours {got:?} llama.cpp {batched:?}"
+            ));
         }
 
         // Teacher-forced on llama.cpp's continuation.
