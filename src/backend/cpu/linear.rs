@@ -65,22 +65,23 @@ impl CpuLinear {
         let rows = parts.iter().map(|p| p.rows).sum();
         let bias =
             parts[0].bias.is_some().then(|| parts.iter().flat_map(|p| p.bias.clone().unwrap_or_default()).collect());
-        let weight = match &parts[0].weight {
-            WeightRows::F32(_) => WeightRows::F32(
-                parts
-                    .iter()
-                    .flat_map(|p| if let WeightRows::F32(v) = &p.weight { v.clone() } else { Vec::new() })
-                    .collect(),
-            ),
-            WeightRows::Quant { dtype, .. } => WeightRows::Quant {
-                dtype: *dtype,
-                data: parts
-                    .iter()
-                    .flat_map(
-                        |p| if let WeightRows::Quant { data, .. } = &p.weight { data.clone() } else { Vec::new() },
-                    )
-                    .collect(),
-            },
+        // Move each part's rows into the stack instead of cloning them: no transient second copy
+        // of the weights at load.
+        let dtype = match &parts[0].weight {
+            WeightRows::F32(_) => None,
+            WeightRows::Quant { dtype, .. } => Some(*dtype),
+        };
+        let mut f32_rows = Vec::new();
+        let mut bytes = Vec::new();
+        for p in parts {
+            match p.weight {
+                WeightRows::F32(v) => f32_rows.extend(v),
+                WeightRows::Quant { data, .. } => bytes.extend(data),
+            }
+        }
+        let weight = match dtype {
+            None => WeightRows::F32(f32_rows),
+            Some(dtype) => WeightRows::Quant { dtype, data: bytes },
         };
         Ok(CpuLinear { rows, cols, weight, bias })
     }
