@@ -17,7 +17,9 @@ fn bench(c: &mut Criterion) {
     let block: usize = 16;
     let ctx: usize = 128;
     let blocks_per_seq = (ctx + 256 + 1).div_ceil(block);
-    let mut be = cpu_backend(&bundle, 0, KvGeometry { block_size: block, num_blocks: 8 * blocks_per_seq }).unwrap();
+    let mut be =
+        cpu_backend(&bundle, 0, KvGeometry { block_size: block, num_blocks: 8 * blocks_per_seq, state_slots: 8 })
+            .unwrap();
     let tables: Vec<Vec<u32>> =
         (0..8).map(|s| ((s * blocks_per_seq) as u32..((s + 1) * blocks_per_seq) as u32).collect()).collect();
     let prompt: Vec<u32> = (0..ctx as u32).map(|i| 100 + i * 7 % 5000).collect();
@@ -32,7 +34,14 @@ fn bench(c: &mut Criterion) {
                 // Re-decoding position `ctx` overwrites the same slot: the work is identical each time.
                 let steps: Vec<SeqStep<'_>> = tables[..batch]
                     .iter()
-                    .map(|t| SeqStep { tokens: &[42], start_pos: ctx, block_table: t, logits_rows: 1 })
+                    .enumerate()
+                    .map(|(i, t)| SeqStep {
+                        tokens: &[42],
+                        start_pos: ctx,
+                        block_table: t,
+                        logits_rows: 1,
+                        state_slot: i as u32,
+                    })
                     .collect();
                 be.forward(&steps).unwrap()
             })
@@ -45,7 +54,14 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::Elements(256));
     g.bench_function("256_tokens", |b| {
         b.iter(|| {
-            be.forward(&[SeqStep { tokens: &long, start_pos: 0, block_table: &tables[0], logits_rows: 1 }]).unwrap()
+            be.forward(&[SeqStep {
+                tokens: &long,
+                start_pos: 0,
+                block_table: &tables[0],
+                logits_rows: 1,
+                state_slot: 0,
+            }])
+            .unwrap()
         })
     });
     g.finish();

@@ -55,7 +55,7 @@ impl GenerateOutput {
 
 /// KV geometry for one sequence of up to `max_tokens` positions.
 pub fn single_sequence_geometry(max_tokens: usize, block_size: usize) -> KvGeometry {
-    KvGeometry { block_size, num_blocks: max_tokens.max(1).div_ceil(block_size) }
+    KvGeometry { block_size, num_blocks: max_tokens.max(1).div_ceil(block_size), state_slots: 1 }
 }
 
 /// Build the CPU backend for a model.
@@ -88,8 +88,13 @@ impl<B: Backend> Runner<B> {
         self.check_fits(ids.len(), 0)?;
         let mut out = Vec::with_capacity(ids.len() * self.backend.vocab_size());
         for (ci, c) in ids.chunks(chunk.max(1)).enumerate() {
-            let step =
-                SeqStep { tokens: c, start_pos: ci * chunk.max(1), block_table: &self.table, logits_rows: c.len() };
+            let step = SeqStep {
+                tokens: c,
+                start_pos: ci * chunk.max(1),
+                block_table: &self.table,
+                logits_rows: c.len(),
+                state_slot: 0,
+            };
             out.extend(self.backend.forward(&[step])?.data);
         }
         Ok(out)
@@ -118,8 +123,13 @@ impl<B: Backend> Runner<B> {
         let mut logits = Vec::new();
         for (ci, c) in prompt.chunks(chunk).enumerate() {
             let last = (ci + 1) * chunk >= prompt.len();
-            let step =
-                SeqStep { tokens: c, start_pos: ci * chunk, block_table: &self.table, logits_rows: usize::from(last) };
+            let step = SeqStep {
+                tokens: c,
+                start_pos: ci * chunk,
+                block_table: &self.table,
+                logits_rows: usize::from(last),
+                state_slot: 0,
+            };
             logits = self.backend.forward(&[step])?.data;
         }
         let mut penalties = PenaltyState::new(prompt);
@@ -143,7 +153,8 @@ impl<B: Backend> Runner<B> {
             if out.len() >= opts.max_tokens {
                 return Ok(GenerateOutput { tokens: out, finish: FinishReason::Length });
             }
-            let step = SeqStep { tokens: &[token], start_pos: pos, block_table: &self.table, logits_rows: 1 };
+            let step =
+                SeqStep { tokens: &[token], start_pos: pos, block_table: &self.table, logits_rows: 1, state_slot: 0 };
             logits = self.backend.forward(&[step])?.data;
             pos += 1;
         }

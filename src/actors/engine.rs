@@ -56,7 +56,8 @@ pub async fn start_engine(
     let s = &config.scheduler;
     let model_ctx = bundle.config.max_position_embeddings;
     let pool = pool_tokens(&config, model_ctx);
-    let kv = KvGeometry { block_size: s.block_size, num_blocks: pool.div_ceil(s.block_size) };
+    let kv =
+        KvGeometry { block_size: s.block_size, num_blocks: pool.div_ceil(s.block_size), state_slots: s.max_num_seqs };
     let max_context = model_ctx.min(kv.capacity_tokens());
     let tokenizer = bundle.tokenizer.clone().map(Arc::new);
     let eos = bundle.eos_token_ids();

@@ -30,6 +30,8 @@ pub struct PlanSeq {
     pub tokens: Vec<u32>,
     pub start_pos: usize,
     pub block_table: Vec<u32>,
+    /// Recurrent-state slot (see `SeqStep::state_slot`).
+    pub state_slot: u32,
     pub sample: Option<SampleSpec>,
 }
 
@@ -81,6 +83,7 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan) -> StepResult {
             start_pos: s.start_pos,
             block_table: &s.block_table,
             logits_rows: usize::from(s.sample.is_some()),
+            state_slot: s.state_slot,
         })
         .collect();
     let prefill_tokens =

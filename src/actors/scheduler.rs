@@ -161,7 +161,14 @@ impl SchedulerState {
                 } else {
                     None
                 };
-                PlanSeq { seq: p.id, tokens: p.tokens, start_pos: p.start_pos, block_table: p.block_table, sample }
+                PlanSeq {
+                    seq: p.id,
+                    tokens: p.tokens,
+                    start_pos: p.start_pos,
+                    block_table: p.block_table,
+                    state_slot: 0,
+                    sample,
+                }
             })
             .collect();
         self.next_step += 1;

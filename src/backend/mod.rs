@@ -15,6 +15,8 @@ pub struct KvGeometry {
     pub block_size: usize,
     /// Number of blocks in the store.
     pub num_blocks: usize,
+    /// Recurrent-state slots (0 for attention-only models).
+    pub state_slots: usize,
 }
 
 impl KvGeometry {
@@ -40,6 +42,10 @@ pub struct SeqStep<'a> {
     /// How many trailing positions of `tokens` need logits (0 = none, 1 = the next token,
     /// `tokens.len()` = every position, as for scoring or draft verification).
     pub logits_rows: usize,
+    /// This sequence's recurrent-state slot (hybrid models: KDA conv and recurrent state). The
+    /// KV pool gives every live sequence a distinct slot below `KvGeometry::state_slots`; the state
+    /// is reset when `start_pos == 0` and continued otherwise. Attention-only backends ignore it.
+    pub state_slot: u32,
 }
 
 /// Logits for a step: rows in batch order, each sequence contributing its `logits_rows` rows.
@@ -88,6 +94,58 @@ pub trait Backend: Send {
     /// Run one step: append every sequence's `tokens` to its KV blocks and return the
     /// requested logits rows.
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError>;
+
+    /// Bytes one block takes in a [`Backend::read_kv_blocks`] image (every layer's K and V).
+    fn kv_block_bytes(&self) -> usize;
+    /// Copy the KV contents of `blocks` out of device memory as one byte image, block after block,
+    /// for the spill tier. The image is only meaningful to a backend with the same model, KV
+    /// precision and layout (the spill index keys it by model fingerprint).
+    fn read_kv_blocks(&mut self, blocks: &[u32]) -> Result<Vec<u8>, BackendError>;
+    /// Write an image made by `read_kv_blocks` back into `blocks` (which may differ from the
+    /// blocks it was read from).
+    fn write_kv_blocks(&mut self, blocks: &[u32], image: &[u8]) -> Result<(), BackendError>;
+
+    /// Bytes of one recurrent-state slot image; 0 for attention-only models, which is why the
+    /// two methods below have stateless defaults. Hybrid backends override all three.
+    fn state_slot_bytes(&self) -> usize {
+        0
+    }
+    /// Snapshot of a sequence's recurrent state (for prefix-cache pages and spill).
+    fn read_state_slot(&mut self, _slot: u32) -> Result<Vec<u8>, BackendError> {
+        Ok(Vec::new())
+    }
+    /// Restore a snapshot made by `read_state_slot` into `slot`.
+    fn write_state_slot(&mut self, _slot: u32, image: &[u8]) -> Result<(), BackendError> {
+        if image.is_empty() {
+            Ok(())
+        } else {
+            Err(BackendError::InvalidStep(format!(
+                "a {}-byte recurrent-state image was given to a backend without recurrent state",
+                image.len()
+            )))
+        }
+    }
+}
+
+/// Check a KV image against the blocks it is meant for: the block ids in range and the image
+/// exactly `blocks.len()` blocks long.
+pub fn validate_kv_image(
+    blocks: &[u32],
+    image_len: usize,
+    block_bytes: usize,
+    geom: KvGeometry,
+) -> Result<(), BackendError> {
+    if let Some(b) = blocks.iter().find(|&&b| b as usize >= geom.num_blocks) {
+        return Err(BackendError::InvalidStep(format!("block {b} is out of range, store has {}", geom.num_blocks)));
+    }
+    if image_len != blocks.len() * block_bytes {
+        return Err(BackendError::InvalidStep(format!(
+            "KV image is {image_len} bytes, {} blocks of {block_bytes} bytes need {}",
+            blocks.len(),
+            blocks.len() * block_bytes
+        )));
+    }
+    Ok(())
 }
 
 /// Check a batch against the KV geometry before touching memory: every position must map to a

@@ -76,6 +76,40 @@ impl PagedKv {
     pub fn bytes(&self) -> usize {
         self.k.iter().chain(&self.v).map(|l| l.len() * 4).sum()
     }
+
+    /// Bytes of one block in a KV image: every layer's K rows then V rows, f32 little-endian.
+    pub fn block_image_bytes(&self) -> usize {
+        self.k.len() * 2 * self.geom.block_size * self.kv_dim * 4
+    }
+
+    /// The contents of `blocks`, block after block (layout in `block_image_bytes`).
+    pub fn read_blocks(&self, blocks: &[u32]) -> Vec<u8> {
+        let span = self.geom.block_size * self.kv_dim;
+        let mut image = Vec::with_capacity(blocks.len() * self.block_image_bytes());
+        for &b in blocks {
+            let at = b as usize * span;
+            for layer in self.k.iter().zip(&self.v) {
+                for x in layer.0[at..at + span].iter().chain(&layer.1[at..at + span]) {
+                    image.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+        }
+        image
+    }
+
+    /// Fill `blocks` from an image made by `read_blocks`; the caller checked its length.
+    pub fn write_blocks(&mut self, blocks: &[u32], image: &[u8]) {
+        let span = self.geom.block_size * self.kv_dim;
+        let mut words = image.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+        for &b in blocks {
+            let at = b as usize * span;
+            for (k, v) in self.k.iter_mut().zip(self.v.iter_mut()) {
+                for x in k[at..at + span].iter_mut().chain(v[at..at + span].iter_mut()) {
+                    *x = words.next().unwrap_or(0.0);
+                }
+            }
+        }
+    }
 }
 
 /// Per-token facts attention needs.
@@ -255,7 +289,7 @@ mod tests {
         let vals: Vec<Vec<f32>> = (0..len).map(|_| (0..hd).map(|_| lcg(&mut seed)).collect()).collect();
         let q: Vec<f32> = (0..len * nh * hd).map(|_| lcg(&mut seed)).collect();
         for (precision, tol) in [(KvPrecision::F32, 1e-5), (KvPrecision::F16, 2e-3)] {
-            let mut kv = PagedKv::new(KvGeometry { block_size: 4, num_blocks: 4 }, 1, hd, precision);
+            let mut kv = PagedKv::new(KvGeometry { block_size: 4, num_blocks: 4, state_slots: 0 }, 1, hd, precision);
             for p in 0..len {
                 kv.write(0, &table, p, &keys[p], &vals[p]);
             }

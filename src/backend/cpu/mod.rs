@@ -10,7 +10,7 @@ use rayon::prelude::*;
 pub use self::attention::KvPrecision;
 use self::attention::{paged_attention, AttnShape, PagedKv, TokenRef};
 use self::linear::{load_vector, CpuLinear};
-use super::{validate_batch, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
+use super::{validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::model::llama::{LinearSpec, LlamaSpec};
 use crate::model::quant::{expf_ggml, simd_available};
@@ -432,6 +432,21 @@ impl Backend for CpuBackend {
         self.cfg.vocab_size
     }
 
+    fn kv_block_bytes(&self) -> usize {
+        self.kv.block_image_bytes()
+    }
+
+    fn read_kv_blocks(&mut self, blocks: &[u32]) -> Result<Vec<u8>, BackendError> {
+        validate_kv_image(blocks, blocks.len() * self.kv_block_bytes(), self.kv_block_bytes(), self.kv.geom)?;
+        Ok(self.kv.read_blocks(blocks))
+    }
+
+    fn write_kv_blocks(&mut self, blocks: &[u32], image: &[u8]) -> Result<(), BackendError> {
+        validate_kv_image(blocks, image.len(), self.kv_block_bytes(), self.kv.geom)?;
+        self.kv.write_blocks(blocks, image);
+        Ok(())
+    }
+
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {
         validate_batch(batch, self.kv.geom)?;
         let pool = std::sync::Arc::clone(&self.pool);
@@ -450,7 +465,11 @@ mod tests {
         CpuBackend::new(
             cfg,
             &w,
-            CpuOptions { threads: 2, kv: KvGeometry { block_size: 4, num_blocks: blocks }, kv_precision: None },
+            CpuOptions {
+                threads: 2,
+                kv: KvGeometry { block_size: 4, num_blocks: blocks, state_slots: 1 },
+                kv_precision: None,
+            },
         )
         .unwrap()
     }
@@ -461,7 +480,9 @@ mod tests {
 
     /// Score `ids` alone in one chunk, using blocks `table`.
     fn alone(b: &mut CpuBackend, ids: &[u32], table: &[u32]) -> Vec<f32> {
-        b.forward(&[SeqStep { tokens: ids, start_pos: 0, block_table: table, logits_rows: ids.len() }]).unwrap().data
+        b.forward(&[SeqStep { tokens: ids, start_pos: 0, block_table: table, logits_rows: ids.len(), state_slot: 0 }])
+            .unwrap()
+            .data
     }
 
     #[test]
@@ -492,8 +513,14 @@ mod tests {
                     let other = &b_ids[ci..ci + 1];
                     let out = b
                         .forward(&[
-                            SeqStep { tokens: other, start_pos: ci, block_table: &tb, logits_rows: 1 },
-                            SeqStep { tokens: chunk, start_pos: ci * 3, block_table: &ta2, logits_rows: chunk.len() },
+                            SeqStep { tokens: other, start_pos: ci, block_table: &tb, logits_rows: 1, state_slot: 1 },
+                            SeqStep {
+                                tokens: chunk,
+                                start_pos: ci * 3,
+                                block_table: &ta2,
+                                logits_rows: chunk.len(),
+                                state_slot: 0,
+                            },
                         ])
                         .unwrap();
                     for r in out.rows(1) {
@@ -507,7 +534,13 @@ mod tests {
                 let ta3: Vec<u32> = (24..28).collect();
                 alone(&mut b, &a_ids[..10], &ta3);
                 let last = b
-                    .forward(&[SeqStep { tokens: &a_ids[10..], start_pos: 10, block_table: &ta3, logits_rows: 1 }])
+                    .forward(&[SeqStep {
+                        tokens: &a_ids[10..],
+                        start_pos: 10,
+                        block_table: &ta3,
+                        logits_rows: 1,
+                        state_slot: 0,
+                    }])
                     .unwrap();
                 let v = cfg.vocab_size;
                 assert!(last.data.iter().zip(&solo[10 * v..]).all(|(x, y)| x.to_bits() == y.to_bits()));
@@ -563,11 +596,50 @@ mod tests {
     fn bad_steps_are_rejected_with_reasons() {
         let cfg = tiny_llama_config();
         let mut b = backend(&cfg, DType::F32, 2);
-        let e = b.forward(&[SeqStep { tokens: &[1; 9], start_pos: 0, block_table: &[0, 1], logits_rows: 1 }]);
+        let e = b.forward(&[SeqStep {
+            tokens: &[1; 9],
+            start_pos: 0,
+            block_table: &[0, 1],
+            logits_rows: 1,
+            state_slot: 0,
+        }]);
         assert!(e.unwrap_err().to_string().contains("need 3"));
-        let e = b.forward(&[SeqStep { tokens: &[300], start_pos: 0, block_table: &[0], logits_rows: 1 }]);
+        let e =
+            b.forward(&[SeqStep { tokens: &[300], start_pos: 0, block_table: &[0], logits_rows: 1, state_slot: 0 }]);
         assert!(e.unwrap_err().to_string().contains("outside the vocabulary"));
-        let e = b.forward(&[SeqStep { tokens: &[1], start_pos: 0, block_table: &[7], logits_rows: 1 }]);
+        let e = b.forward(&[SeqStep { tokens: &[1], start_pos: 0, block_table: &[7], logits_rows: 1, state_slot: 0 }]);
         assert!(e.unwrap_err().to_string().contains("block 7"));
+    }
+
+    #[test]
+    fn kv_image_moved_to_other_blocks_continues_bitwise() {
+        for precision in [KvPrecision::F32, KvPrecision::F16] {
+            let cfg = tiny_llama_config();
+            let mut b = backend(&cfg, DType::Q8_0, 16);
+            b.kv.precision = precision;
+            let ids = seq_ids(12, 3);
+            let (prefix, next) = (&ids[..8], &ids[8..]);
+            let step = |b: &mut CpuBackend, toks: &[u32], start: usize, table: &[u32]| {
+                let s = SeqStep {
+                    tokens: toks,
+                    start_pos: start,
+                    block_table: table,
+                    logits_rows: toks.len(),
+                    state_slot: 0,
+                };
+                b.forward(&[s]).unwrap().data
+            };
+            let (from, to): (Vec<u32>, Vec<u32>) = (vec![0, 1, 2], vec![9, 5, 11]);
+            step(&mut b, prefix, 0, &from);
+            let image = b.read_kv_blocks(&from[..2]).unwrap();
+            assert_eq!(image.len(), 2 * b.kv_block_bytes());
+            b.write_kv_blocks(&to[..2], &image).unwrap();
+            let fresh = step(&mut b, next, 8, &from);
+            let moved = step(&mut b, next, 8, &to);
+            assert_eq!(fresh, moved, "{precision:?}");
+            let e = b.write_kv_blocks(&to[..1], &image).unwrap_err().to_string();
+            assert!(e.contains("need"), "{e}");
+            assert!(b.read_kv_blocks(&[99]).unwrap_err().to_string().contains("block 99"));
+        }
     }
 }
