@@ -24,7 +24,8 @@ fn bench(c: &mut Criterion) {
         (0..8).map(|s| ((s * blocks_per_seq) as u32..((s + 1) * blocks_per_seq) as u32).collect()).collect();
     let prompt: Vec<u32> = (0..ctx as u32).map(|i| 100 + i * 7 % 5000).collect();
     for t in &tables {
-        be.forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: t, logits_rows: 1 }]).unwrap();
+        be.forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: t, logits_rows: 1, state_slot: 0 }])
+            .unwrap();
     }
     let mut g = c.benchmark_group("cpu_decode_step");
     for batch in [1usize, 8] {
