@@ -1,0 +1,128 @@
+//! Speculative decoding: draft sources that propose up to `k` next tokens per sequence, the
+//! verification rules that keep a drafted reply equal to (greedy) or distributed as (sampled) the
+//! un-drafted one, and acceptance statistics.
+//!
+//! Owns: drafter state per sequence (an n-gram index, a draft model's cache later) and the pure
+//! verification functions. Must not touch: the scheduler's queues or KV blocks (the scheduler
+//! decides whether a sequence gets drafts and how many fit; a preempted or cancelled sequence's
+//! drafts are dropped by the scheduler, and `forget` tells the drafter), the target model or its
+//! logits beyond what it is handed.
+//!
+//! Draft sources are pluggable behind [`DraftSource`]: the model-free n-gram drafter lives here;
+//! a draft model, an MTP head, or a DFlash-style block drafter (one forward proposes k tokens from
+//! the target's hidden states) implement the same trait — `extend` feeds them the accepted tokens,
+//! `propose` asks for up to k more.
+
+pub mod ngram;
+pub mod stats;
+pub mod verify;
+
+use std::str::FromStr;
+
+pub use crate::sched::SeqId;
+
+/// The draft tokens a step can carry at most: the target verifies last token + k drafts in one
+/// pass, and the seeds' engine uses seven.
+pub const MAX_SPECULATIVE_TOKENS: usize = 7;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DraftError {
+    #[error("invalid speculative decoding setting: {0}")]
+    InvalidConfig(String),
+}
+
+/// A source of draft tokens. Implementations keep whatever per-sequence state they need, fed
+/// only with tokens the target has accepted.
+pub trait DraftSource: Send {
+    /// Short name for logs and metrics (`ngram`, `draft-model`).
+    fn name(&self) -> &'static str;
+    /// Append accepted tokens (prompt first, then output) to `seq`'s context.
+    fn extend(&mut self, seq: SeqId, tokens: &[u32]);
+    /// Up to `k` proposed next tokens for `seq` (possibly none).
+    fn propose(&mut self, seq: SeqId, k: usize) -> Vec<u32>;
+    /// Drop `seq`'s state (finished, cancelled, preempted).
+    fn forget(&mut self, seq: SeqId);
+    /// Cut `seq`'s context back to its first `len` tokens.
+    fn truncate(&mut self, seq: SeqId, len: usize);
+    /// Tokens of context held for `seq`.
+    fn len(&self, seq: SeqId) -> usize;
+}
+
+/// Which drafter a lane uses: `none`, `ngram`, or `draft:PATH` (a smaller checkpoint with the
+/// same tokenizer).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum SpeculativeMethod {
+    #[default]
+    None,
+    Ngram,
+    DraftModel(String),
+}
+
+impl FromStr for SpeculativeMethod {
+    type Err = DraftError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "" | "none" | "off" => Ok(Self::None),
+            "ngram" => Ok(Self::Ngram),
+            other => match other.strip_prefix("draft:") {
+                Some(path) if !path.is_empty() => Ok(Self::DraftModel(path.to_string())),
+                _ => Err(DraftError::InvalidConfig(format!(
+                    "`{other}` is not a speculative method; use none, ngram or draft:PATH"
+                ))),
+            },
+        }
+    }
+}
+
+impl TryFrom<String> for SpeculativeMethod {
+    type Error = DraftError;
+
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+impl From<SpeculativeMethod> for String {
+    fn from(m: SpeculativeMethod) -> String {
+        match m {
+            SpeculativeMethod::None => "none".into(),
+            SpeculativeMethod::Ngram => "ngram".into(),
+            SpeculativeMethod::DraftModel(p) => format!("draft:{p}"),
+        }
+    }
+}
+
+/// Check a requested draft length.
+pub fn validate_num_tokens(k: usize) -> Result<usize, DraftError> {
+    if (1..=MAX_SPECULATIVE_TOKENS).contains(&k) {
+        Ok(k)
+    } else {
+        Err(DraftError::InvalidConfig(format!(
+            "num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {k}"
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn methods_parse_and_print() {
+        assert_eq!("none".parse::<SpeculativeMethod>().unwrap(), SpeculativeMethod::None);
+        assert_eq!("ngram".parse::<SpeculativeMethod>().unwrap(), SpeculativeMethod::Ngram);
+        assert_eq!(
+            "draft:/m/small".parse::<SpeculativeMethod>().unwrap(),
+            SpeculativeMethod::DraftModel("/m/small".into())
+        );
+        for bad in ["draft:", "eagle", "ngram2"] {
+            let e = bad.parse::<SpeculativeMethod>().unwrap_err().to_string();
+            assert!(e.contains("none, ngram or draft:PATH"), "{e}");
+        }
+        assert_eq!(String::from(SpeculativeMethod::DraftModel("x".into())), "draft:x");
+        assert!(validate_num_tokens(0).is_err() && validate_num_tokens(8).is_err());
+        assert_eq!(validate_num_tokens(7).unwrap(), 7);
+    }
+}
