@@ -10,6 +10,7 @@ pub mod fidelity;
 pub mod generate;
 pub mod kv;
 pub mod model;
+pub mod parallel;
 pub mod sampling;
 pub mod sched;
 pub mod spec;
