@@ -135,7 +135,7 @@ mod tests {
     #[test]
     fn shards_cover_everything_exactly_once() {
         for world in [1, 2, 3, 4] {
-            let mut heads = vec![0; 12];
+            let mut heads = [0; 12];
             let mut vocab = vec![0; 49_153];
             for rank in 0..world {
                 let tp = TpRank::new(rank, world).unwrap();

@@ -215,7 +215,7 @@ mod tests {
         assert_eq!(v.tokens, vec![2]);
         // Proposal equal to target: the residual is empty; the draw falls back to the target.
         let p = vec![0.25f32; 4];
-        let v = verify_sampled(&[1], &[p.clone(), p.clone()], Some(&[p.clone()]), 11, 4);
+        let v = verify_sampled(&[1], &[p.clone(), p.clone()], Some(std::slice::from_ref(&p)), 11, 4);
         assert!(v.tokens.iter().all(|&t| t < 4));
     }
 }
