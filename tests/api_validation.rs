@@ -174,6 +174,8 @@ fn lane() -> LaneConfig {
         default_max_tokens: 8,
         max_tokens_limit: 256,
         max_queue: 4,
+        speculative: Default::default(),
+        num_speculative_tokens: 7,
     }
 }
 

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use ractor::{Actor, ActorRef};
 
+use super::drafter::{sources_for, DrafterActor, DrafterMsg};
 use super::executor::{ExecutorActor, ExecutorArgs, ExecutorMsg};
 use super::handle::{EngineError, EventStream, GenerationRequest, InferenceEngine, ModelInfo};
 use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg, SchedulerStats, SharedCounters};
@@ -15,6 +16,7 @@ use crate::config::engine::EngineConfig;
 use crate::generate::cpu_backend;
 use crate::model::ModelBundle;
 use crate::sched::PolicyConfig;
+use crate::spec::SpeculativeMethod;
 
 /// Events buffered per request before the request actor waits for the client.
 const EVENT_BUFFER: usize = 256;
@@ -34,6 +36,7 @@ pub struct Engine {
     counters: Arc<SharedCounters>,
     scheduler: ActorRef<SchedulerMsg>,
     executor: ActorRef<ExecutorMsg>,
+    drafter: Option<ActorRef<DrafterMsg>>,
 }
 
 /// KV pool size in tokens: the configured size, or room for a few full-context sequences.
@@ -80,6 +83,18 @@ pub async fn start_engine(
         num_blocks: kv.num_blocks,
     };
     // Unnamed actors: ractor's registry is process-wide, and tests run several engines.
+    let methods: Vec<_> = config.lanes.iter().map(|l| l.speculative.clone()).collect();
+    let drafter = if methods.iter().any(|m| *m != SpeculativeMethod::None) {
+        let sources = sources_for(&methods).map_err(|e| EngineError::Invalid(e.to_string()))?;
+        let (d, _) =
+            Actor::spawn(None, DrafterActor, sources).await.map_err(|e| EngineError::Executor(e.to_string()))?;
+        for l in config.lanes.iter().filter(|l| l.speculative != SpeculativeMethod::None) {
+            tracing::info!(lane = %l.name, method = %String::from(l.speculative.clone()), k = l.num_speculative_tokens, "speculative decoding on");
+        }
+        Some(d)
+    } else {
+        None
+    };
     let (scheduler, _) = Actor::spawn(
         None,
         SchedulerActor,
@@ -90,6 +105,7 @@ pub async fn start_engine(
             tokenizer,
             eos_token_ids: eos,
             max_context,
+            drafter: drafter.clone(),
         },
     )
     .await
@@ -113,7 +129,7 @@ pub async fn start_engine(
             .await
             .map_err(|e| EngineError::Executor(e.to_string()))?;
     scheduler.cast(SchedulerMsg::AttachExecutor(executor.clone())).map_err(|e| EngineError::Executor(e.to_string()))?;
-    Ok(Arc::new(Engine { info, config, counters, scheduler, executor }))
+    Ok(Arc::new(Engine { info, config, counters, scheduler, executor, drafter }))
 }
 
 impl Engine {
@@ -132,6 +148,9 @@ impl Engine {
         self.counters.ready.store(false, Ordering::SeqCst);
         self.scheduler.stop(None);
         self.executor.stop(None);
+        if let Some(d) = &self.drafter {
+            d.stop(None);
+        }
     }
 }
 

@@ -10,8 +10,9 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::scheduler::SchedulerMsg;
 use crate::backend::{Backend, SeqStep};
-use crate::sampling::{sample, PenaltyState, Sampled, SamplingParams};
+use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::SeqId;
+use crate::spec::step::{sample_with_drafts, StepTokens};
 
 /// What to sample for a sequence whose chunk ends at its last known token.
 #[derive(Clone, Debug)]
@@ -32,6 +33,8 @@ pub struct PlanSeq {
     pub block_table: Vec<u32>,
     /// Recurrent-state slot (see `SeqStep::state_slot`).
     pub state_slot: u32,
+    /// Trailing draft tokens in `tokens` to verify (0 without speculative decoding).
+    pub num_draft: usize,
     pub sample: Option<SampleSpec>,
 }
 
@@ -45,8 +48,9 @@ pub struct StepPlan {
 #[derive(Debug)]
 pub struct StepResult {
     pub step_id: u64,
-    /// Sampled token per sequence that asked for one, in plan order.
-    pub sampled: Vec<(SeqId, Sampled)>,
+    /// Emitted tokens per sequence that asked for them, in plan order: one without drafts;
+    /// accepted drafts plus the target's next token with them.
+    pub sampled: Vec<(SeqId, StepTokens)>,
     pub elapsed: Duration,
     pub prefill_tokens: usize,
     pub decode_tokens: usize,
@@ -82,13 +86,14 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan) -> StepResult {
             tokens: &s.tokens,
             start_pos: s.start_pos,
             block_table: &s.block_table,
-            logits_rows: usize::from(s.sample.is_some()),
+            logits_rows: if s.sample.is_some() { s.num_draft + 1 } else { 0 },
             state_slot: s.state_slot,
         })
         .collect();
-    let prefill_tokens =
-        plan.seqs.iter().filter(|s| s.tokens.len() > 1 || s.sample.is_none()).map(|s| s.tokens.len()).sum();
-    let decode_tokens = plan.seqs.iter().filter(|s| s.tokens.len() == 1 && s.sample.is_some()).count();
+    // A decode carries its last token plus drafts; anything else is prefill work.
+    let is_decode = |s: &PlanSeq| s.sample.is_some() && s.tokens.len() == s.num_draft + 1;
+    let prefill_tokens = plan.seqs.iter().filter(|s| !is_decode(s)).map(|s| s.tokens.len()).sum();
+    let decode_tokens = plan.seqs.iter().filter(|s| is_decode(s)).map(|s| s.tokens.len()).sum();
     let mut result = StepResult {
         step_id: plan.step_id,
         sampled: Vec::new(),
@@ -99,12 +104,22 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan) -> StepResult {
     };
     match backend.forward(&steps) {
         Ok(logits) => {
-            let empty = PenaltyState::new(&[]);
             for (i, s) in plan.seqs.iter().enumerate() {
-                if let (Some(spec), Some(row)) = (&s.sample, logits.last_row(i)) {
-                    let pen = spec.penalties.as_deref().unwrap_or(&empty);
-                    result.sampled.push((s.seq, sample(row, &spec.params, pen, spec.step)));
+                let Some(spec) = &s.sample else { continue };
+                let rows: Vec<&[f32]> = logits.rows(i).collect();
+                if rows.len() != s.num_draft + 1 {
+                    result.error = Some(format!(
+                        "backend returned {} logits rows for sequence {}, expected {}",
+                        rows.len(),
+                        s.seq,
+                        s.num_draft + 1
+                    ));
+                    result.sampled.clear();
+                    break;
                 }
+                let draft = &s.tokens[s.tokens.len() - s.num_draft..];
+                let penalties: Option<&PenaltyState> = spec.penalties.as_deref();
+                result.sampled.push((s.seq, sample_with_drafts(&rows, draft, &spec.params, penalties, spec.step)));
             }
         }
         Err(e) => result.error = Some(e.to_string()),

@@ -4,6 +4,7 @@
 //! message. This module wires them together and exposes the `InferenceEngine` boundary; it
 //! holds no policy (that is `sched`) and no compute (that is `backend`).
 
+pub mod drafter;
 pub mod engine;
 pub mod executor;
 pub mod handle;

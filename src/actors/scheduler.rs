@@ -11,6 +11,7 @@ use std::sync::Arc;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::mpsc::Sender;
 
+use super::drafter::{DraftUpdate, DrafterMsg};
 use super::executor::{ExecutorMsg, PlanSeq, SampleSpec, StepPlan, StepResult};
 use super::handle::{EngineError, FinishReason, GenerationRequest, StreamEvent, TokenInfo};
 use super::request::{RequestActor, RequestArgs, RequestMsg};
@@ -18,6 +19,7 @@ use crate::backend::KvGeometry;
 use crate::config::engine::LaneConfig;
 use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::{NewSeq, Policy, PolicyConfig, SeqId};
+use crate::spec::stats::AcceptanceStats;
 use crate::tokenizer::TokenizerBundle;
 
 pub enum SchedulerMsg {
@@ -53,6 +55,9 @@ pub struct SchedulerStats {
     pub blocks_free: usize,
     pub steps: u64,
     pub preemptions: u64,
+    /// Draft tokens verified, and how many of them were accepted.
+    pub drafted_tokens: u64,
+    pub accepted_tokens: u64,
 }
 
 /// Shared with the engine handle: what admission control reads without a round trip.
@@ -71,6 +76,8 @@ pub struct SchedulerArgs {
     pub tokenizer: Option<Arc<TokenizerBundle>>,
     pub eos_token_ids: Vec<u32>,
     pub max_context: usize,
+    /// Present when some lane drafts (`speculative` in its config).
+    pub drafter: Option<ActorRef<DrafterMsg>>,
 }
 
 struct LiveSeq {
@@ -83,6 +90,10 @@ struct LiveSeq {
     max_tokens: usize,
     generated: usize,
     queued: bool,
+    /// Draft tokens per step for this sequence's lane (0 = no speculation).
+    spec_k: usize,
+    /// Leading tokens of the sequence the drafter has already been given.
+    drafter_len: usize,
 }
 
 pub struct SchedulerState {
@@ -94,6 +105,7 @@ pub struct SchedulerState {
     next_seq: SeqId,
     live: HashMap<SeqId, LiveSeq>,
     stats: SchedulerStats,
+    acceptance: AcceptanceStats,
 }
 
 pub struct SchedulerActor;
@@ -115,8 +127,62 @@ impl SchedulerState {
     fn end(&mut self, id: SeqId, reason: FinishReason) {
         self.dequeue(id);
         if let Some(l) = self.live.remove(&id) {
+            self.forget_drafts(id, &l);
             let _ = l.request.cast(RequestMsg::Finished { reason });
         }
+    }
+
+    fn forget_drafts(&self, id: SeqId, l: &LiveSeq) {
+        if let (Some(d), true) = (&self.args.drafter, l.spec_k > 0) {
+            let _ = d.cast(DrafterMsg::Forget { seq: id, lane: l.lane });
+        }
+    }
+
+    /// Ask the drafter for drafts for every running decoding sequence of a drafting lane, in one
+    /// round trip, and offer them to the policy for the next step. A drafter that fails or is
+    /// slow only costs this step its drafts.
+    async fn refresh_drafts(&mut self) {
+        if self.in_flight {
+            return;
+        }
+        let (Some(drafter), Some(policy)) = (self.args.drafter.clone(), self.policy.as_ref()) else { return };
+        let mut updates = Vec::new();
+        for (&id, l) in self.live.iter_mut() {
+            if l.spec_k == 0 {
+                continue;
+            }
+            let Some(v) = policy.seq(id) else { continue };
+            if !v.running || v.num_computed + 1 != v.tokens.len() {
+                continue;
+            }
+            updates.push(DraftUpdate {
+                seq: id,
+                lane: l.lane,
+                append: v.tokens[l.drafter_len..].to_vec(),
+                k: l.spec_k,
+            });
+            l.drafter_len = v.tokens.len();
+        }
+        if updates.is_empty() {
+            return;
+        }
+        let drafts = match ractor::call_t!(drafter, |reply| DrafterMsg::Propose { updates, reply }, 2000) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!(error = %e, "drafter did not answer; this step runs without drafts");
+                return;
+            }
+        };
+        if let Some(policy) = self.policy.as_mut() {
+            for (id, draft) in drafts {
+                policy.set_draft(id, draft);
+            }
+        }
+    }
+
+    async fn plan_next_step(&mut self) {
+        self.refresh_drafts().await;
+        self.maybe_step();
     }
 
     fn fail(&mut self, id: SeqId, err: EngineError) {
@@ -125,13 +191,16 @@ impl SchedulerState {
             p.abort(id);
         }
         if let Some(l) = self.live.remove(&id) {
+            self.forget_drafts(id, &l);
             let _ = l.request.cast(RequestMsg::Failed(err));
         }
     }
 
     fn cancel(&mut self, id: SeqId) {
         self.dequeue(id);
-        self.live.remove(&id);
+        if let Some(l) = self.live.remove(&id) {
+            self.forget_drafts(id, &l);
+        }
         if let Some(p) = self.policy.as_mut() {
             p.abort(id);
         }
@@ -167,6 +236,7 @@ impl SchedulerState {
                     start_pos: p.start_pos,
                     block_table: p.block_table,
                     state_slot: 0,
+                    num_draft: p.num_draft,
                     sample,
                 }
             })
@@ -196,33 +266,51 @@ impl SchedulerState {
         }
         let mut sampled = Vec::with_capacity(r.sampled.len());
         let mut ended: Vec<(SeqId, FinishReason)> = Vec::new();
-        for (id, s) in r.sampled {
+        for (id, step) in r.sampled {
             let Some(l) = self.live.get_mut(&id) else { continue };
-            if l.stop_ids.contains(&s.token) {
-                ended.push((id, FinishReason::Stop));
-                continue;
+            if step.drafted > 0 {
+                self.acceptance.record(step.drafted, step.accepted);
+                self.stats.drafted_tokens += step.drafted as u64;
+                self.stats.accepted_tokens += step.accepted as u64;
             }
-            l.generated += 1;
-            if let Some(p) = l.penalties.as_mut() {
-                Arc::make_mut(p).push_output(s.token);
+            // Tokens are taken in order until a stop token, max_tokens or the context limit: an
+            // accepted run of drafts ends exactly where the un-drafted reply would have.
+            let (mut infos, mut kept, mut finish) = (Vec::new(), Vec::new(), None);
+            for s in step.tokens {
+                if l.stop_ids.contains(&s.token) {
+                    finish = Some(FinishReason::Stop);
+                    break;
+                }
+                l.generated += 1;
+                if let Some(p) = l.penalties.as_mut() {
+                    Arc::make_mut(p).push_output(s.token);
+                }
+                kept.push(s.token);
+                infos.push(TokenInfo {
+                    id: s.token,
+                    logprob: l.params.logprobs.map(|_| s.logprob),
+                    top_logprobs: if l.params.logprobs.is_some() { s.top_logprobs } else { Vec::new() },
+                });
+                if l.generated >= l.max_tokens || l.prompt_len + l.generated >= self.args.max_context {
+                    finish = Some(FinishReason::Length);
+                    break;
+                }
             }
-            let info = TokenInfo {
-                id: s.token,
-                logprob: l.params.logprobs.map(|_| s.logprob),
-                top_logprobs: if l.params.logprobs.is_some() { s.top_logprobs } else { Vec::new() },
-            };
-            if l.request.cast(RequestMsg::Tokens(vec![info])).is_err() {
-                ended.push((id, FinishReason::Stop));
-                continue;
+            if !infos.is_empty() {
+                if l.request.cast(RequestMsg::Tokens(infos)).is_err() {
+                    finish = Some(FinishReason::Stop);
+                }
+                if l.queued {
+                    l.queued = false;
+                    self.args.counters.queued[l.lane].fetch_sub(1, Ordering::SeqCst);
+                }
             }
-            if l.queued {
-                l.queued = false;
-                self.args.counters.queued[l.lane].fetch_sub(1, Ordering::SeqCst);
+            if let Some(reason) = finish {
+                ended.push((id, reason));
             }
-            if l.generated >= l.max_tokens || l.prompt_len + l.generated >= self.args.max_context {
-                ended.push((id, FinishReason::Length));
+            if !kept.is_empty() {
+                sampled.push((id, kept));
             }
-            sampled.push((id, vec![s.token]));
         }
         let finished: Vec<SeqId> = ended.iter().map(|e| e.0).collect();
         for id in policy.on_step_done(&sampled, &finished) {
@@ -267,6 +355,7 @@ impl Actor for SchedulerActor {
             next_seq: 0,
             live: HashMap::new(),
             stats: SchedulerStats::default(),
+            acceptance: AcceptanceStats::default(),
         })
     }
 
@@ -309,6 +398,11 @@ impl Actor for SchedulerActor {
                         max_tokens: req.max_tokens,
                         generated: 0,
                         queued: true,
+                        spec_k: match st.args.lanes[lane].speculative {
+                            crate::spec::SpeculativeMethod::None => 0,
+                            _ => st.args.lanes[lane].num_speculative_tokens,
+                        },
+                        drafter_len: 0,
                     },
                 );
                 if let Some(e) = failed {
@@ -323,21 +417,21 @@ impl Actor for SchedulerActor {
                     None => Err("the model is still loading".to_string()),
                 };
                 match added {
-                    Ok(()) => st.maybe_step(),
+                    Ok(()) => st.plan_next_step().await,
                     Err(e) => st.fail(id, EngineError::Invalid(e)),
                 }
             }
             SchedulerMsg::Cancel(id) => {
                 st.cancel(id);
-                st.maybe_step();
+                st.plan_next_step().await;
             }
             SchedulerMsg::StepDone(r) => {
                 st.on_step_done(r);
-                st.maybe_step();
+                st.plan_next_step().await;
             }
             SchedulerMsg::AttachExecutor(exec) => {
                 st.executor = Some(exec);
-                st.maybe_step();
+                st.plan_next_step().await;
             }
             SchedulerMsg::ExecutorReady { rank, kv } => {
                 let mut cfg = st.args.policy.clone();

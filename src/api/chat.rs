@@ -554,6 +554,8 @@ mod tests {
             default_max_tokens: 16,
             max_tokens_limit: 64,
             max_queue: 4,
+            speculative: Default::default(),
+            num_speculative_tokens: 7,
         }
     }
 

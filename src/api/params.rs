@@ -273,6 +273,8 @@ mod tests {
             default_max_tokens: 64,
             max_tokens_limit: 100,
             max_queue: 4,
+            speculative: Default::default(),
+            num_speculative_tokens: 7,
         }
     }
 

@@ -37,6 +37,13 @@ pub struct ServeArgs {
     /// KV pool size in tokens.
     #[arg(long, env = "SHELFSERVE_KV_POOL_TOKENS")]
     pub kv_pool_tokens: Option<usize>,
+    /// Speculative decoding for every lane: `none`, `ngram` (model-free suffix match) or
+    /// `draft:PATH`; overrides each lane's `speculative` in the configuration.
+    #[arg(long, env = "SHELFSERVE_SPECULATIVE")]
+    pub speculative: Option<String>,
+    /// Draft tokens verified per step, 1..=7 (default 7); overrides every lane's setting.
+    #[arg(long, env = "SHELFSERVE_NUM_SPECULATIVE_TOKENS")]
+    pub num_speculative_tokens: Option<usize>,
 }
 
 impl ServeArgs {
@@ -58,6 +65,14 @@ impl ServeArgs {
                 CliError::Usage(format!("--lane-port `{spec}`: no lane named `{name}` in the configuration"))
             })?;
             lane.port = port;
+        }
+        if let Some(m) = &self.speculative {
+            let method: crate::spec::SpeculativeMethod =
+                m.parse().map_err(|e: crate::spec::DraftError| CliError::Usage(format!("--speculative: {e}")))?;
+            cfg.lanes.iter_mut().for_each(|l| l.speculative = method.clone());
+        }
+        if let Some(k) = self.num_speculative_tokens {
+            cfg.lanes.iter_mut().for_each(|l| l.num_speculative_tokens = k);
         }
         let s = &mut cfg.scheduler;
         s.block_size = self.model.block_size;

@@ -25,6 +25,17 @@ pub struct LaneConfig {
     pub max_tokens_limit: usize,
     /// Waiting requests beyond this get HTTP 429.
     pub max_queue: usize,
+    /// Speculative decoding for this lane: `none`, `ngram` (model-free suffix match) or
+    /// `draft:PATH`.
+    #[serde(default)]
+    pub speculative: crate::spec::SpeculativeMethod,
+    /// Draft tokens verified per step (1..=7) when `speculative` is on.
+    #[serde(default = "default_num_speculative_tokens")]
+    pub num_speculative_tokens: usize,
+}
+
+fn default_num_speculative_tokens() -> usize {
+    crate::spec::MAX_SPECULATIVE_TOKENS
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -102,6 +113,14 @@ impl EngineConfig {
             }
             if l.max_queue == 0 {
                 return Err(format!("lane `{}`: max_queue must be positive", l.name));
+            }
+            crate::spec::validate_num_tokens(l.num_speculative_tokens)
+                .map_err(|e| format!("lane `{}`: {e}", l.name))?;
+            if let crate::spec::SpeculativeMethod::DraftModel(path) = &l.speculative {
+                return Err(format!(
+                    "lane `{}`: speculative = \"draft:{path}\": draft-model drafting is not available yet; use \"ngram\" or \"none\"",
+                    l.name
+                ));
             }
         }
         let s = &self.scheduler;

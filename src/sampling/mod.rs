@@ -187,6 +187,19 @@ pub fn sample(logits: &[f32], params: &SamplingParams, state: &PenaltyState, ste
     }
 }
 
+/// `token` as if [`sample`] had chosen it: its raw logprob and the top `params.logprobs`
+/// alternatives (NaN / empty when logprobs were not requested). Speculative verification uses it
+/// for tokens chosen by acceptance rather than by a draw.
+pub fn sampled_as(logits: &[f32], token: u32, params: &SamplingParams) -> Sampled {
+    match params.logprobs {
+        Some(n) => {
+            let (logprob, top_logprobs) = pipeline::raw_logprobs(logits, token, n);
+            Sampled { token, logprob, top_logprobs }
+        }
+        None => Sampled { token, logprob: f32::NAN, top_logprobs: Vec::new() },
+    }
+}
+
 /// The uniform draw in [0, 1) used for `step`: ChaCha8 keyed by `seed`, with `step` as the stream
 /// number, so the value depends on nothing else (not batching, not other requests, not how many
 /// draws came before).

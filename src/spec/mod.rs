@@ -15,6 +15,7 @@
 
 pub mod ngram;
 pub mod stats;
+pub mod step;
 pub mod verify;
 
 use std::str::FromStr;
