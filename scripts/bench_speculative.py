@@ -30,12 +30,13 @@ PROSE = [
 
 
 def complete(base, prompt, max_tokens):
-    body = json.dumps({"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
-    req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    body = json.dumps({"model": "default", "messages": [{"role": "user", "content": prompt}],
+                       "max_tokens": max_tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(base + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=900) as r:
         out = json.load(r)
-    return out["usage"]["completion_tokens"], time.perf_counter() - t0, out["choices"][0]["text"]
+    return out["usage"]["completion_tokens"], time.perf_counter() - t0, out["choices"][0]["message"]["content"]
 
 
 def acceptance(base):
