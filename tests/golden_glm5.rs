@@ -151,8 +151,8 @@ fn batch_company_and_moves_do_not_change_logits() {
     let mut d = Driver { tables: vec![(0..32).collect()], pos: vec![0], slots: vec![0] };
     let alone = d.step(&mut solo, &[(0, &a[..])]).remove(0);
 
-    // In company: A (slot 2, scattered blocks) interleaved with B (slot 0), ragged chunks, B
-    // started first so A's slot holds B's old state... no: B is in slot 0, A in slot 2.
+    // In company: A (slot 2, blocks from the top down) interleaved with B (slot 0, even blocks),
+    // in ragged chunks of different sizes and orders.
     let mut both = backend(&bundle, geom);
     let table_a: Vec<u32> = (0..32).map(|i| 63 - 2 * i).collect();
     let table_b: Vec<u32> = (0..32).map(|i| 2 * i).collect();
@@ -189,7 +189,13 @@ fn bad_input_is_an_error_not_a_panic() {
     let bundle = open_tiny();
     let mut b = backend(&bundle, KvGeometry { block_size: 4, num_blocks: 4, state_slots: 1 });
     let table = [0u32, 1, 2, 3];
-    let step = |tokens: &'static [u32], slot| SeqStep { tokens, start_pos: 0, block_table: &table, logits_rows: 1, state_slot: slot };
+    let step = |tokens: &'static [u32], slot| SeqStep {
+        tokens,
+        start_pos: 0,
+        block_table: &table,
+        logits_rows: 1,
+        state_slot: slot,
+    };
     assert!(b.forward(&[step(&[1, 2], 1)]).unwrap_err().to_string().contains("slot"));
     assert!(b.forward(&[step(&[9999], 0)]).unwrap_err().to_string().contains("vocabulary"));
     assert!(b.write_state_slot(0, &[0u8; 3]).is_err());
@@ -213,15 +219,27 @@ fn unexpected_tensors_are_named_and_vision_is_set_aside() {
     let cfg = read_config(dir.path()).unwrap();
     let geom = KvGeometry { block_size: 4, num_blocks: 4, state_slots: 1 };
     let err = Glm5Backend::new(cfg.clone(), bundle.weights.as_ref(), 1, geom).err().unwrap().to_string();
-    assert!(err.contains("model.language_model.layers.4.mlp.gate.weight") && err.contains("model.safetensors"), "{err}");
+    assert!(
+        err.contains("model.language_model.layers.4.mlp.gate.weight") && err.contains("model.safetensors"),
+        "{err}"
+    );
     // An unknown tensor is an error naming it; vision and MTP tensors are not.
     let all: Vec<(String, TensorView<'_>)> = st.tensors();
     tensors = all.clone();
-    tensors.push(("model.language_model.layers.5.eh_proj.weight".into(), TensorView::new(Dtype::F32, vec![4], &extra).unwrap()));
+    tensors.push((
+        "model.language_model.layers.5.eh_proj.weight".into(),
+        TensorView::new(Dtype::F32, vec![4], &extra).unwrap(),
+    ));
     safetensors::serialize_to_file(tensors.clone(), None, &dir.path().join("model.safetensors")).unwrap();
     let bundle = shelfserve::model::open(dir.path().to_str().unwrap(), &CacheDir::from_env()).unwrap();
-    assert!(Glm5Backend::new(cfg.clone(), bundle.weights.as_ref(), 1, geom).is_ok(), "MTP layer tensors must be set aside");
-    tensors.push(("model.language_model.layers.0.mystery.weight".into(), TensorView::new(Dtype::F32, vec![4], &extra).unwrap()));
+    assert!(
+        Glm5Backend::new(cfg.clone(), bundle.weights.as_ref(), 1, geom).is_ok(),
+        "MTP layer tensors must be set aside"
+    );
+    tensors.push((
+        "model.language_model.layers.0.mystery.weight".into(),
+        TensorView::new(Dtype::F32, vec![4], &extra).unwrap(),
+    ));
     safetensors::serialize_to_file(tensors, None, &dir.path().join("model.safetensors")).unwrap();
     let bundle = shelfserve::model::open(dir.path().to_str().unwrap(), &CacheDir::from_env()).unwrap();
     let err = Glm5Backend::new(cfg, bundle.weights.as_ref(), 1, geom).err().unwrap().to_string();

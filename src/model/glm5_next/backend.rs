@@ -36,7 +36,13 @@ impl Glm5Backend {
         let weights = pool.install(|| weights::load(&cfg, w))?;
         let weight_bytes = weights.bytes();
         let cache = Glm5Cache::new(&cfg, kv);
-        Ok(Glm5Backend { model: Glm5Model { cfg, weights }, cache, pool: Arc::new(pool), simd: simd_available(), weight_bytes })
+        Ok(Glm5Backend {
+            model: Glm5Model { cfg, weights },
+            cache,
+            pool: Arc::new(pool),
+            simd: simd_available(),
+            weight_bytes,
+        })
     }
 
     pub fn config(&self) -> &Glm5Config {
@@ -59,7 +65,9 @@ impl Glm5Backend {
     fn check_slot(&self, slot: u32) -> Result<usize, BackendError> {
         let n = self.cache.geom.state_slots;
         if slot as usize >= n {
-            return Err(BackendError::InvalidStep(format!("recurrent-state slot {slot} is out of range, the backend has {n}")));
+            return Err(BackendError::InvalidStep(format!(
+                "recurrent-state slot {slot} is out of range, the backend has {n}"
+            )));
         }
         Ok(slot as usize)
     }

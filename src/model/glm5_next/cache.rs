@@ -126,7 +126,10 @@ impl Glm5Cache {
     }
 
     pub fn read_slot(&self, slot: usize) -> Vec<u8> {
-        self.state[slot * self.slot_stride..(slot + 1) * self.slot_stride].iter().flat_map(|v| v.to_le_bytes()).collect()
+        self.state[slot * self.slot_stride..(slot + 1) * self.slot_stride]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect()
     }
 
     pub fn write_slot(&mut self, slot: usize, image: &[u8]) {

@@ -410,7 +410,11 @@ mod tests {
             (r#"{"model_type": "glm5_next", "qk_rope_head_dim": 64}"#, "NoPE"),
             (r#"{"model_type": "glm5_next", "num_key_value_heads": 8}"#, "num_key_value_heads"),
             (r#"{"model_type": "glm5_next", "index_topk": 100}"#, "index_topk"),
-            (r#"{"model_type": "glm5_next", "num_hidden_layers": 2, "index_topk_pattern": "SF"}"#, "shared-indexer"),
+            (
+                r#"{"model_type": "glm5_next", "num_hidden_layers": 2, "index_topk_pattern": "FS",
+                "layer_types": ["linear_attention", "deepseek_sparse_attention"]}"#,
+                "shared-indexer",
+            ),
             (r#"{"model_type": "glm5_next", "hidden_act": "gelu"}"#, "hidden_act"),
             (r#"{"model_type": "glm5_next", "n_group": 5}"#, "n_group"),
             (r#"{"model_type": "glm5_next", "layer_types": ["mamba"]}"#, "mamba"),

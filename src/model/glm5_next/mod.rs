@@ -135,9 +135,11 @@ fn hc_site(c: &Glm5Config, hc: &HyperConnection, norm: &[f32], x: &[f32]) -> (Ve
 fn expand(c: &Glm5Config, hcw: &[HcWeights], x: &[f32], y: &[f32]) -> Vec<f32> {
     let (m, d) = (c.hc_mult, c.hidden_size);
     let mut out = vec![0f32; x.len()];
-    out.par_chunks_mut(m * d).zip(x.par_chunks(m * d)).zip(y.par_chunks(d)).zip(hcw).for_each(
-        |(((o, xr), yr), w)| hyper_expand(w, xr, yr, o),
-    );
+    out.par_chunks_mut(m * d)
+        .zip(x.par_chunks(m * d))
+        .zip(y.par_chunks(d))
+        .zip(hcw)
+        .for_each(|(((o, xr), yr), w)| hyper_expand(w, xr, yr, o));
     out
 }
 
@@ -163,7 +165,10 @@ impl Glm5Model {
                 )));
             }
             if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-                return Err(BackendError::InvalidStep(format!("token id {t} is outside the vocabulary of {}", c.vocab_size)));
+                return Err(BackendError::InvalidStep(format!(
+                    "token id {t} is outside the vocabulary of {}",
+                    c.vocab_size
+                )));
             }
             if s.start_pos == 0 {
                 cache.slot_mut(slot).fill(0.0);
@@ -188,12 +193,13 @@ impl Glm5Model {
             let y = match &layer.mixer {
                 Mixer::Kda(w) => {
                     carried = None;
-                    let slots = cache.kda[l].ok_or_else(|| BackendError::InvalidStep(format!("layer {l}: no KDA slots")))?;
-                    let stride = cache.slot_stride;
-                    kda::forward(c, w, &u, &seqs, &mut cache.state, stride, slots, simd)?
+                    let slots =
+                        cache.kda[l].ok_or_else(|| BackendError::InvalidStep(format!("layer {l}: no KDA slots")))?;
+                    kda::forward(c, w, &u, &seqs, cache, slots, simd)?
                 }
                 Mixer::Dsa(w) => {
-                    let slots = cache.dsa[l].ok_or_else(|| BackendError::InvalidStep(format!("layer {l}: no DSA slots")))?;
+                    let slots =
+                        cache.dsa[l].ok_or_else(|| BackendError::InvalidStep(format!("layer {l}: no DSA slots")))?;
                     let shared = (c.layer_types[l] == MixerKind::Dsa && c.indexer_types[l] == IndexerKind::Shared)
                         .then_some(carried.as_ref())
                         .flatten();

@@ -121,7 +121,13 @@ impl Glm5Weights {
             total += 4 * (l.attn_hc.proj.len() + l.ffn_hc.proj.len());
             total += match &l.mixer {
                 Mixer::Kda(k) => {
-                    lin(&k.qkv) + lin(&k.f_a) + lin(&k.f_b) + lin(&k.b_proj) + lin(&k.g_a) + lin(&k.g_b) + lin(&k.o_proj)
+                    lin(&k.qkv)
+                        + lin(&k.f_a)
+                        + lin(&k.f_b)
+                        + lin(&k.b_proj)
+                        + lin(&k.g_a)
+                        + lin(&k.g_b)
+                        + lin(&k.o_proj)
                 }
                 Mixer::Dsa(m) => {
                     lin(&m.q_a)
@@ -292,7 +298,10 @@ fn mlp(ld: &Loader<'_>, p: &str, inter: usize, d: usize) -> Result<Mlp, ModelErr
         ld.linear(&format!("{p}gate_proj.weight"), inter, d)?,
         ld.linear(&format!("{p}up_proj.weight"), inter, d)?,
     ];
-    Ok(Mlp { gate_up: ld.stack(parts, &format!("{p}gate/up_proj"))?, down: ld.linear(&format!("{p}down_proj.weight"), d, inter)? })
+    Ok(Mlp {
+        gate_up: ld.stack(parts, &format!("{p}gate/up_proj"))?,
+        down: ld.linear(&format!("{p}down_proj.weight"), d, inter)?,
+    })
 }
 
 fn moe(ld: &Loader<'_>, p: &str, c: &Glm5Config) -> Result<Moe, ModelError> {
@@ -353,8 +362,7 @@ pub fn load(c: &Glm5Config, w: &dyn WeightSource) -> Result<Glm5Weights, ModelEr
         });
     }
     let norm = ld.vector(&format!("{p}norm.weight"), d)?;
-    let lm_head =
-        if c.tie_word_embeddings { None } else { Some(ld.linear("lm_head.weight", c.vocab_size, d)?) };
+    let lm_head = if c.tie_word_embeddings { None } else { Some(ld.linear("lm_head.weight", c.vocab_size, d)?) };
     let used = ld.used.into_inner();
     let mut aside = 0usize;
     for name in w.tensor_names() {
