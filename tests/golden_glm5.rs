@@ -245,3 +245,45 @@ fn unexpected_tensors_are_named_and_vision_is_set_aside() {
     let err = Glm5Backend::new(cfg, bundle.weights.as_ref(), 1, geom).err().unwrap().to_string();
     assert!(err.contains("mystery"), "{err}");
 }
+
+/// The serving path: `model::open` → engine (scheduler + executor actors) → the glm5 backend,
+/// one greedy request by token ids, against transformers' continuation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_serves_glm5_by_token_ids() {
+    use shelfserve::actors::{start_engine, EngineOptions, GenerationRequest, InferenceEngine, StreamEvent};
+    use shelfserve::config::engine::EngineConfig;
+    let bytes = std::fs::read(common::fixture("glm5/golden.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let (prompt, expected) = (ints(&st, "ids_0"), ints(&st, "greedy_0"));
+    let mut cfg = EngineConfig::builtin();
+    cfg.scheduler.kv_pool_tokens = 512;
+    let lane = cfg.lanes[0].name.clone();
+    let opts = EngineOptions { threads: 2, served_model_name: "glm5-tiny".into() };
+    let engine = start_engine(open_tiny(), cfg, opts).await.unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !engine.is_ready() {
+        assert!(std::time::Instant::now() < deadline, "engine did not become ready");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let req = GenerationRequest {
+        lane,
+        prompt,
+        sampling: SamplingParams::default(),
+        max_tokens: expected.len(),
+        stop_strings: Vec::new(),
+        stop_token_ids: Vec::new(),
+        ignore_eos: true,
+        skip_special_tokens: true,
+    };
+    let mut events = engine.submit(req).unwrap();
+    let mut got = Vec::new();
+    while let Some(ev) = events.recv().await {
+        match ev {
+            StreamEvent::Delta { tokens, .. } => got.extend(tokens.iter().map(|t| t.id)),
+            StreamEvent::Finished { .. } => break,
+            StreamEvent::Error(e) => panic!("engine error: {e}"),
+        }
+    }
+    assert_eq!(got, expected);
+    engine.shutdown();
+}
