@@ -23,6 +23,15 @@ Weights are re-randomised at fan-in scale (HF's init leaves gates, ape, mHC base
 router bias degenerate). The script refuses a seed whose DSA top-k has an exact tie at the
 selection boundary (spec §9: ReLU scores tie at 0).
 
+A second, smaller checkpoint tests/fixtures/glm5/tiny-flat/ (golden: golden-flat.safetensors,
+prompt 0 only, length 70) is closer in kind to the real config and covers the other loader and
+gate paths:
+  * saved with save_original_format=False (in-memory names: packed `experts.gate_up_proj` /
+    `experts.down_proj`, packed `conv1d`, `attn_hc.fn`, `forget_gate.*`), vision tensors dropped,
+    and config.json rewritten as a flat text-only config (no `text_config`);
+  * n_group 1, swiglu_limit 10, linear_lower_bound null (the unbounded -exp(A)·softplus gate),
+    layers [KDA, DSA(full), DSA(full)], mlp [dense, sparse, sparse].
+
 golden.safetensors, for prompt i = 0, 1 (ids pseudo-random, lengths 80 and 37):
   ids_{i}          i64 [n]
   logits_{i}       f32 [n, V]   full forward without cache
@@ -66,6 +75,11 @@ TEXT = dict(
     hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-5,
     pad_token_id=0, eos_token_id=None, bos_token_id=None, tie_word_embeddings=False,
 )
+FLAT_TEXT = dict(TEXT, vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=8,
+                 num_hidden_layers=3, layer_types=[KDA, DSA, DSA], indexer_types=["full"] * 3,
+                 mlp_layer_types=["dense", "sparse", "sparse"], n_group=1, topk_group=1,
+                 num_experts_per_tok=2, swiglu_limit=10.0, linear_lower_bound=None)
+FLAT_PROMPT_LEN = 70
 VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=64,
               projection_intermediate_size=16)
 
@@ -192,8 +206,43 @@ def main():
         f"transformers {transformers.__version__}\ntorch {torch.__version__}\npython {platform.python_version()}\n"
         f"device cpu, dtype float32, attn sdpa, no fla / causal_conv1d kernels (HF's reference PyTorch paths)\n"
     )
+    make_flat_variant()
     total = sum(f.stat().st_size for f in OUT.rglob("*") if f.is_file())
     print(f"wrote {OUT} ({total / 1e6:.2f} MB)")
+
+
+def make_flat_variant():
+    import json
+    from safetensors.torch import load_file
+    cfg = Glm5NextConfig(text_config=FLAT_TEXT, vision_config=VISION, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(1)
+    model = Glm5NextForConditionalGeneration(cfg).eval()
+    randomize(model, SEED + 7)
+    ids = torch.randint(1, FLAT_TEXT["vocab_size"], (1, FLAT_PROMPT_LEN), generator=torch.Generator().manual_seed(SEED + 8))
+    ties = boundary_ties(model, ids)
+    if ties:
+        sys.exit(f"flat variant: exact DSA top-k ties at {ties[:5]}: change its seed")
+    out_dir = OUT / "tiny-flat"
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    model.save_pretrained(out_dir, save_original_format=False)
+    # Drop the vision tower and flatten the config: a text-only checkpoint.
+    st_path = out_dir / "model.safetensors"
+    tensors = {k: v for k, v in load_file(str(st_path)).items() if not k.startswith("model.visual.")}
+    save_file(tensors, str(st_path), metadata={"format": "pt"})
+    full = json.loads((out_dir / "config.json").read_text())
+    flat = dict(full["text_config"], model_type="glm5_next", architectures=full["architectures"])
+    (out_dir / "config.json").write_text(json.dumps(flat, indent=2) + "\n")
+    # The goldens come from the in-memory model; check that transformers reads the flat config the same.
+    reread = Glm5NextConfig.from_pretrained(out_dir)
+    assert reread.text_config.layer_types == cfg.text_config.layer_types
+    assert reread.text_config.linear_lower_bound is None and reread.text_config.n_group == 1
+    out = {}
+    dump_prompt(model, ids, "0", out)
+    save_file({k: v.contiguous() for k, v in out.items()}, str(OUT / "golden-flat.safetensors"))
+    names = sorted(tensors)
+    assert any("experts.gate_up_proj" in n for n in names) and any(".conv1d.weight" in n for n in names), names[:20]
 
 
 if __name__ == "__main__":

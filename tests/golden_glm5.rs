@@ -55,54 +55,76 @@ fn bits_equal(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
+/// Checkpoints and their goldens: the `save_pretrained` on-disk format with a nested config, and a
+/// flat text-only config in transformers' in-memory names (packed experts and conv), n_group 1,
+/// the unbounded softplus forget gate.
+const FIXTURES: [(&str, &str); 2] =
+    [("glm5/tiny", "glm5/golden.safetensors"), ("glm5/tiny-flat", "glm5/golden-flat.safetensors")];
+
 #[test]
 fn tiny_glm5_matches_transformers() {
-    let bundle = open_tiny();
-    assert_eq!(bundle.config.model_type, "glm5_next");
-    let bytes = std::fs::read(common::fixture("glm5/golden.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let vocab = bundle.config.vocab_size;
-    // Through the same dispatch the CLI and the server use.
-    let (b, _) = any_cpu_backend(&bundle, 2, KvGeometry { block_size: 4, num_blocks: 32, state_slots: 1 }).unwrap();
-    let mut runner = Runner::new(b);
     let mut failures = Vec::new();
-    println!("{:>6} {:>12} {:>12} {:>8}", "prompt", "row rel err", "fidelity", "greedy");
-    for i in 0..2 {
-        let ids = ints(&st, &format!("ids_{i}"));
-        let reference = floats(&st, &format!("logits_{i}"));
-        // Chunks of 7 cross block (4) and pool (4) boundaries at different offsets.
-        let ours = runner.score(&ids, 7).unwrap();
-        let rel = row_rel_err(&reference, &ours, vocab);
-        let fid = shelfserve::fidelity::compare(&reference, &ours, vocab).max_rel_logit_err;
-        let expected = ints(&st, &format!("greedy_{i}"));
-        let opts = GenerateOptions {
-            max_tokens: expected.len(),
-            sampling: SamplingParams::default(),
-            eos_token_ids: Vec::new(),
-            prefill_chunk: 5,
-        };
-        let got = runner.generate(&ids, &opts, |_| true).unwrap().ids();
-        println!("{:>6} {:>12.3e} {:>12.3e} {:>8}", ids.len(), rel, fid, got == expected);
-        if rel >= 1e-4 {
-            failures.push(format!("prompt {i}: max row-relative logit error {rel:.3e}"));
-        }
-        if got != expected {
-            failures.push(format!("prompt {i}: greedy ours {got:?} transformers {expected:?}"));
-        }
-        // The logits `generate` saw at each decode step (HF's recurrent KDA + latent cache path).
-        let mut full = ids.clone();
-        full.extend(&expected);
-        let forced = runner.score(&full, 512).unwrap();
-        let gen_ref = floats(&st, &format!("greedy_logits_{i}"));
-        let gen_ours = &forced[(ids.len() - 1) * vocab..(full.len() - 1) * vocab];
-        let rel = row_rel_err(&gen_ref, gen_ours, vocab);
-        if rel >= 1e-4 {
-            failures.push(format!("prompt {i}: decode-step logits max row-relative error {rel:.3e}"));
-        }
-        // One canonical computation: one-shot, chunked and token-by-token agree bitwise.
-        for chunk in [1, 3, 4, 64] {
-            if !bits_equal(&runner.score(&full, chunk).unwrap(), &forced) {
-                failures.push(format!("prompt {i}: chunk {chunk} scoring differs bitwise from one-shot"));
+    println!(
+        "{:<16} {:>6} {:>12} {:>12} {:>12} {:>8}",
+        "fixture", "prompt", "row rel err", "fidelity", "decode err", "greedy"
+    );
+    for (dir, golden) in FIXTURES {
+        let bundle = shelfserve::model::open(common::fixture(dir).to_str().unwrap(), &CacheDir::from_env()).unwrap();
+        assert_eq!(bundle.config.model_type, "glm5_next");
+        let bytes = std::fs::read(common::fixture(golden)).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let vocab = bundle.config.vocab_size;
+        // Through the same dispatch the CLI and the server use.
+        let geom = KvGeometry { block_size: 4, num_blocks: 32, state_slots: 1 };
+        let mut runner = Runner::new(any_cpu_backend(&bundle, 2, geom).unwrap().0);
+        for i in 0.. {
+            if st.tensor(&format!("ids_{i}")).is_err() {
+                break;
+            }
+            let ids = ints(&st, &format!("ids_{i}"));
+            let reference = floats(&st, &format!("logits_{i}"));
+            // Chunks of 7 cross block (4) and pool (4) boundaries at different offsets.
+            let ours = runner.score(&ids, 7).unwrap();
+            let rel = row_rel_err(&reference, &ours, vocab);
+            let fid = shelfserve::fidelity::compare(&reference, &ours, vocab).max_rel_logit_err;
+            let expected = ints(&st, &format!("greedy_{i}"));
+            let opts = GenerateOptions {
+                max_tokens: expected.len(),
+                sampling: SamplingParams::default(),
+                eos_token_ids: Vec::new(),
+                prefill_chunk: 5,
+            };
+            let got = runner.generate(&ids, &opts, |_| true).unwrap().ids();
+            // The logits `generate` saw at each step (HF: chunked KDA prefill, then the recurrent
+            // KDA and latent-cache decode path) against our teacher-forced scoring.
+            let mut full = ids.clone();
+            full.extend(&expected);
+            let forced = runner.score(&full, 512).unwrap();
+            let gen_ref = floats(&st, &format!("greedy_logits_{i}"));
+            let gen_rel = row_rel_err(&gen_ref, &forced[(ids.len() - 1) * vocab..(full.len() - 1) * vocab], vocab);
+            println!(
+                "{:<16} {:>6} {:>12.3e} {:>12.3e} {:>12.3e} {:>8}",
+                dir,
+                ids.len(),
+                rel,
+                fid,
+                gen_rel,
+                got == expected
+            );
+            if rel >= 1e-4 {
+                failures.push(format!("{dir} prompt {i}: max row-relative logit error {rel:.3e}"));
+            }
+            if gen_rel >= 1e-4 {
+                failures.push(format!("{dir} prompt {i}: decode-step logits max row-relative error {gen_rel:.3e}"));
+            }
+            if got != expected {
+                failures.push(format!("{dir} prompt {i}: greedy ours {got:?} transformers {expected:?}"));
+            }
+            // One canonical computation: one-shot, chunked and token-by-token agree bitwise.
+            for chunk in [1, 3, 4, 64] {
+                if !bits_equal(&runner.score(&full, chunk).unwrap(), &forced) {
+                    failures.push(format!("{dir} prompt {i}: chunk {chunk} scoring differs bitwise from one-shot"));
+                }
             }
         }
     }
