@@ -10,6 +10,7 @@
 //! (the scheduler and KV pool do). Per-sequence state is passed in (`cache::Glm5Cache`), never
 //! owned by the weights. The vision tower and the MTP layer are not run.
 
+pub mod accounting;
 pub mod backend;
 pub mod cache;
 pub mod config;
