@@ -309,3 +309,25 @@ async fn engine_serves_glm5_by_token_ids() {
     assert_eq!(got, expected);
     engine.shutdown();
 }
+
+/// Our list of text tensors (names, shapes) is exactly what `save_pretrained` wrote, apart from
+/// the vision tower.
+#[test]
+fn tensor_layout_matches_save_pretrained() {
+    use shelfserve::model::glm5_next::layout::text_tensors;
+    let bundle = open_tiny();
+    let cfg = read_config(bundle.weights.origin()).unwrap();
+    let mut ours: Vec<(String, Vec<usize>)> = text_tensors(&cfg).into_iter().map(|(n, s, _)| (n, s)).collect();
+    ours.sort();
+    let theirs: Vec<(String, Vec<usize>)> = bundle
+        .weights
+        .tensor_names()
+        .into_iter()
+        .filter(|n| !n.starts_with("model.visual."))
+        .map(|n| {
+            let shape = bundle.weights.tensor(&n).unwrap().shape.to_vec();
+            (n, shape)
+        })
+        .collect();
+    assert_eq!(ours, theirs);
+}

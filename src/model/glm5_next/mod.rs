@@ -16,6 +16,7 @@ pub mod cache;
 pub mod config;
 pub mod ffn;
 pub mod kda;
+pub mod layout;
 pub mod mla;
 pub mod ops;
 pub mod weights;
@@ -27,7 +28,7 @@ use rayon::prelude::*;
 pub use self::backend::Glm5Backend;
 pub use self::config::Glm5Config;
 use self::config::{IndexerKind, MixerKind};
-use self::ops::{hyper_connection, hyper_expand, rms_norm, HcWeights};
+use self::ops::{hc_normalize, hyper_connection, hyper_expand, rms_norm, HcWeights};
 use self::weights::{Ffn, Glm5Weights, HyperConnection, Mixer};
 use crate::backend::{BackendError, SeqStep, StepLogits};
 use crate::config::LlamaConfig;
@@ -118,19 +119,32 @@ pub struct Glm5Model {
 }
 
 /// One mHC site over all rows: collapsed + normalised block inputs and the expand weights.
-fn hc_site(c: &Glm5Config, hc: &HyperConnection, norm: &[f32], x: &[f32]) -> (Vec<f32>, Vec<HcWeights>) {
+fn hc_site(
+    c: &Glm5Config,
+    hc: &HyperConnection,
+    norm: &[f32],
+    x: &[f32],
+    simd: bool,
+) -> Result<(Vec<f32>, Vec<HcWeights>), BackendError> {
     let (m, d) = (c.hc_mult, c.hidden_size);
-    let mut u = vec![0f32; x.len() / m];
+    let rows = x.len() / (m * d);
+    let mut xn = vec![0f32; x.len()];
+    xn.par_chunks_mut(m * d).zip(x.par_chunks(m * d)).for_each(|(o, xr)| hc_normalize(xr, c.rms_norm_eps, o));
+    let n = (2 + m) * m;
+    let mut mix = vec![0f32; rows * n];
+    hc.proj.forward(&xn, rows, &mut mix, simd)?;
+    let mut u = vec![0f32; rows * d];
     let hcw = u
         .par_chunks_mut(d)
         .zip(x.par_chunks(m * d))
-        .map(|(ur, xr)| {
-            let w = hyper_connection(hc, xr, m, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters, ur);
+        .zip(mix.par_chunks(n))
+        .map(|((ur, xr), mr)| {
+            let w = hyper_connection(hc, mr, xr, m, c.hc_eps, c.hc_sinkhorn_iters, ur);
             rms_norm(ur, norm, c.rms_norm_eps);
             w
         })
         .collect();
-    (u, hcw)
+    Ok((u, hcw))
 }
 
 fn expand(c: &Glm5Config, hcw: &[HcWeights], x: &[f32], y: &[f32]) -> Vec<f32> {
@@ -190,7 +204,7 @@ impl Glm5Model {
         }
         let mut carried: Option<mla::Selection> = None;
         for (l, layer) in self.weights.layers.iter().enumerate() {
-            let (u, hcw) = hc_site(c, &layer.attn_hc, &layer.input_norm, &x);
+            let (u, hcw) = hc_site(c, &layer.attn_hc, &layer.input_norm, &x, simd)?;
             let y = match &layer.mixer {
                 Mixer::Kda(w) => {
                     carried = None;
@@ -210,7 +224,7 @@ impl Glm5Model {
                 }
             };
             x = expand(c, &hcw, &x, &y);
-            let (u, hcw) = hc_site(c, &layer.ffn_hc, &layer.post_norm, &x);
+            let (u, hcw) = hc_site(c, &layer.ffn_hc, &layer.post_norm, &x, simd)?;
             let z = match &layer.ffn {
                 Ffn::Dense(w) => ffn::mlp(w, &u, n_rows, c.swiglu_limit, simd)?,
                 Ffn::Moe(w) => ffn::moe(c, w, &u, n_rows, simd)?,

@@ -72,27 +72,28 @@ pub struct HcWeights {
     pub comb: Vec<f32>,
 }
 
-/// One mHC site for one token: from the streams `x` (`[M, D]`, stream-major) compute the
-/// collapsed input `Σ a_s X_s` (into `collapsed`) and the post/comb weights (spec §2.6).
+/// The mHC map's input for one token: all M·D stream values divided by their RMS (eps is
+/// `rms_norm_eps`, not `hc_eps`).
+pub fn hc_normalize(x: &[f32], eps: f32, out: &mut [f32]) {
+    let r = inv_rms(x, eps);
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = v * r;
+    }
+}
+
+/// One mHC site for one token (spec §2.6): from the projected map `mix` (`(2+M)·M` values, the
+/// `fn` matrix times [`hc_normalize`]d streams) and the streams `x` (`[M, D]`, stream-major),
+/// write the collapsed input `Σ a_s X_s` to `collapsed` and return the post/comb weights.
 pub fn hyper_connection(
     hc: &HyperConnection,
+    mix: &[f32],
     x: &[f32],
     m: usize,
-    rms_eps: f32,
     hc_eps: f32,
     sinkhorn_iters: usize,
     collapsed: &mut [f32],
 ) -> HcWeights {
     let d = collapsed.len();
-    let r = inv_rms(x, rms_eps);
-    let n = (2 + m) * m;
-    let mix: Vec<f32> = (0..n)
-        .map(|k| {
-            let row = &hc.proj[k * m * d..(k + 1) * m * d];
-            let s: f64 = row.iter().zip(x).map(|(&w, &v)| (w as f64) * ((v * r) as f64)).sum();
-            s as f32
-        })
-        .collect();
     let [s_pre, s_post, s_comb] = hc.scale;
     let pre: Vec<f32> = (0..m).map(|i| sigmoid(mix[i] * s_pre + hc.base[i]) + hc_eps).collect();
     let post: Vec<f32> = (0..m).map(|i| 2.0 * sigmoid(mix[m + i] * s_post + hc.base[m + i])).collect();
@@ -148,18 +149,24 @@ pub fn hyper_expand(w: &HcWeights, x: &[f32], y: &[f32], out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::linear::{CpuLinear, WeightRows};
 
     #[test]
     fn sinkhorn_comb_is_doubly_stochastic() {
         let (m, d) = (4, 3);
+        let n = (2 + m) * m;
+        let proj: Vec<f32> = (0..n * m * d).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.05).collect();
         let hc = HyperConnection {
-            proj: (0..(2 + m) * m * m * d).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.05).collect(),
-            base: (0..(2 + m) * m).map(|i| (i as f32 * 0.7).sin()).collect(),
+            proj: CpuLinear { rows: n, cols: m * d, weight: WeightRows::F32(proj.clone()), bias: None },
+            base: (0..n).map(|i| (i as f32 * 0.7).sin()).collect(),
             scale: [0.9, 1.1, 2.0],
         };
         let x: Vec<f32> = (0..m * d).map(|i| (i as f32 * 1.3).cos()).collect();
+        let mut xn = vec![0f32; m * d];
+        hc_normalize(&x, 1e-5, &mut xn);
+        let mix: Vec<f32> = proj.chunks(m * d).map(|row| row.iter().zip(&xn).map(|(a, b)| a * b).sum()).collect();
         let mut col = vec![0f32; d];
-        let w = hyper_connection(&hc, &x, m, 1e-5, 1e-6, 20, &mut col);
+        let w = hyper_connection(&hc, &mix, &x, m, 1e-6, 20, &mut col);
         for j in 0..m {
             let s: f32 = (0..m).map(|i| w.comb[i * m + j]).sum();
             assert!((s - 1.0).abs() < 1e-4, "column {j} sums to {s}");

@@ -18,8 +18,8 @@ pub const TEXT_PREFIX: &str = "model.language_model.";
 
 /// The mHC parameters of one site (before the mixer or before the FFN).
 pub struct HyperConnection {
-    /// `[(2+M)·M, M·D]`, row-major.
-    pub proj: Vec<f32>,
+    /// The `fn` map `[(2+M)·M, M·D]`.
+    pub proj: CpuLinear,
     /// `[(2+M)·M]`.
     pub base: Vec<f32>,
     /// pre, post and comb scales.
@@ -118,7 +118,7 @@ impl Glm5Weights {
         }
         let mut total = lin(&self.embed) + self.lm_head.as_ref().map_or(0, lin);
         for l in &self.layers {
-            total += 4 * (l.attn_hc.proj.len() + l.ffn_hc.proj.len());
+            total += lin(&l.attn_hc.proj) + lin(&l.ffn_hc.proj);
             total += match &l.mixer {
                 Mixer::Kda(k) => {
                     lin(&k.qkv)
@@ -205,7 +205,7 @@ fn hyper_connection(ld: &Loader<'_>, p: &str, site: &str, c: &Glm5Config) -> Res
     };
     let scale = ld.vector(&name("scale"), 3)?;
     Ok(HyperConnection {
-        proj: ld.matrix(&name("fn"), &[n, m * c.hidden_size])?,
+        proj: ld.linear_from(ld.matrix(&name("fn"), &[n, m * c.hidden_size])?, n, m * c.hidden_size),
         base: ld.vector(&name("base"), n)?,
         scale: [scale[0], scale[1], scale[2]],
     })
