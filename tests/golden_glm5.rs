@@ -222,6 +222,22 @@ fn bad_input_is_an_error_not_a_panic() {
     assert!(b.forward(&[step(&[9999], 0)]).unwrap_err().to_string().contains("vocabulary"));
     assert!(b.write_state_slot(0, &[0u8; 3]).is_err());
     assert!(b.read_state_slot(5).is_err());
+    // A step that does not continue the slot's state (another sequence's, or a fresh one) is
+    // refused before anything is touched; a restored snapshot may continue anywhere.
+    let cont = |tokens: &'static [u32], start_pos| SeqStep {
+        tokens,
+        start_pos,
+        block_table: &table,
+        logits_rows: 1,
+        state_slot: 0,
+    };
+    assert!(b.forward(&[cont(&[3], 5)]).unwrap_err().to_string().contains("position"));
+    b.forward(&[cont(&[1, 2, 3], 0)]).unwrap();
+    let snapshot = b.read_state_slot(0).unwrap();
+    assert!(b.forward(&[cont(&[4], 2)]).is_err());
+    b.forward(&[cont(&[4], 3)]).unwrap();
+    b.write_state_slot(0, &snapshot).unwrap();
+    b.forward(&[cont(&[4], 3)]).unwrap();
 }
 
 #[test]

@@ -41,6 +41,10 @@ pub struct Glm5Cache {
     /// Per layer: `Some` for KDA layers.
     pub kda: Vec<Option<KdaSlots>>,
     pub state: Vec<f32>,
+    /// Per slot, the position its state has reached; `None` after a snapshot was written into it
+    /// (the image carries no position). Lets the forward refuse a step that would continue
+    /// another sequence's state.
+    pub slot_pos: Vec<Option<usize>>,
 }
 
 impl Glm5Cache {
@@ -81,6 +85,7 @@ impl Glm5Cache {
             slot_stride,
             kda,
             state: vec![0f32; geom.state_slots * slot_stride],
+            slot_pos: vec![Some(0); geom.state_slots],
         }
     }
 
@@ -133,6 +138,7 @@ impl Glm5Cache {
     }
 
     pub fn write_slot(&mut self, slot: usize, image: &[u8]) {
+        self.slot_pos[slot] = None;
         for (d, s) in self.slot_mut(slot).iter_mut().zip(image.chunks_exact(4)) {
             *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
         }

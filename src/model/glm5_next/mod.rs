@@ -185,14 +185,28 @@ impl Glm5Model {
                     c.vocab_size
                 )));
             }
-            if s.start_pos == 0 {
-                cache.slot_mut(slot).fill(0.0);
+            // The recurrent state can only continue from where it stopped (or from a restored
+            // snapshot): anything else means the slot holds another sequence's state.
+            if let Some(at) = cache.slot_pos[slot] {
+                if s.start_pos != 0 && s.start_pos != at {
+                    return Err(BackendError::InvalidStep(format!(
+                        "recurrent-state slot {slot} holds a state at position {at}, but the step continues from \
+                         position {} (restore that position's snapshot with write_state_slot first)",
+                        s.start_pos
+                    )));
+                }
             }
             seqs.push(SeqRows { row0, n: s.tokens.len(), start_pos: s.start_pos, table: s.block_table, slot });
             row0 += s.tokens.len();
         }
         if seqs.iter().enumerate().any(|(i, a)| seqs[..i].iter().any(|b| b.slot == a.slot)) {
             return Err(BackendError::InvalidStep("two sequences in one step share a recurrent-state slot".into()));
+        }
+        for s in &seqs {
+            if s.start_pos == 0 {
+                cache.slot_mut(s.slot).fill(0.0);
+            }
+            cache.slot_pos[s.slot] = Some(s.start_pos + s.n);
         }
         let n_rows = row0;
         let mut x = vec![0f32; n_rows * m * d];
