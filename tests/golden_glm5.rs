@@ -347,3 +347,39 @@ fn tensor_layout_matches_save_pretrained() {
         .collect();
     assert_eq!(ours, theirs);
 }
+
+/// The default layer schedule (KDA ×3 then DSA, first 3 MLPs dense) with 16-token pools spanning
+/// several 4-token blocks and seeded random weights: chunked, one-shot and batched runs agree
+/// bitwise past the point where the selection turns sparse (t ≥ 47).
+#[test]
+fn default_schedule_with_pools_across_blocks_is_exact() {
+    use shelfserve::model::glm5_next::layout::SyntheticGlm5Weights;
+    use shelfserve::model::glm5_next::Glm5Config;
+    let json = r#"{"model_type": "glm5_next", "vocab_size": 300, "hidden_size": 48, "intermediate_size": 64,
+      "moe_intermediate_size": 16, "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 2,
+      "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "v_head_dim": 8, "linear_num_heads": 2,
+      "linear_head_dim": 8, "n_routed_experts": 8, "num_experts_per_tok": 2, "index_n_heads": 4,
+      "index_head_dim": 8, "index_kpool": 16, "index_topk": 32}"#;
+    let cfg = Glm5Config::from_hf_json(json, std::path::Path::new("test config")).unwrap();
+    let w = SyntheticGlm5Weights::new(&cfg, 3);
+    let geom = KvGeometry { block_size: 4, num_blocks: 80, state_slots: 2 };
+    let ids: Vec<u32> = (0..110u32).map(|i| (i * 37 + 11) % 300).collect();
+    let other: Vec<u32> = (0..90u32).map(|i| (i * 53 + 5) % 300).collect();
+    let mut one = Glm5Backend::new(cfg.clone(), &w, 2, geom).unwrap();
+    let mut d = Driver { tables: vec![(0..40).collect()], pos: vec![0], slots: vec![0] };
+    let alone = d.step(&mut one, &[(0, &ids[..])]).remove(0);
+    assert!(alone.iter().all(|v| v.is_finite()));
+    let mut mixed = Glm5Backend::new(cfg, &w, 2, geom).unwrap();
+    let mut d =
+        Driver { tables: vec![(40..80).rev().collect(), (0..40).collect()], pos: vec![0, 0], slots: vec![1, 0] };
+    let mut got = Vec::new();
+    let mut at = 0;
+    for (k, len) in [5usize, 16, 1, 1, 30, 9, 48].into_iter().enumerate() {
+        let o = k * 13 % 90;
+        let r = d.step(&mut mixed, &[(1, &other[o..o + 1]), (0, &ids[at..at + len])]);
+        got.extend(&r[1]);
+        at += len;
+    }
+    assert_eq!(at, ids.len());
+    assert!(bits_equal(&alone, &got), "chunking or batch company changed the logits");
+}
