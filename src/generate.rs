@@ -63,6 +63,66 @@ pub fn cpu_backend(bundle: &ModelBundle, threads: usize, kv: KvGeometry) -> Resu
     CpuBackend::new(&bundle.config, bundle.weights.as_ref(), CpuOptions { threads, kv, kv_precision: None })
 }
 
+/// What a loaded CPU backend reports for the startup log.
+#[derive(Clone, Copy, Debug)]
+pub struct LoadedBackendInfo {
+    pub weight_bytes: usize,
+    pub kv_bytes: usize,
+    pub threads: usize,
+}
+
+/// Build the CPU backend for whichever architecture the bundle holds (`glm5_next` or the llama
+/// family).
+pub fn any_cpu_backend(
+    bundle: &ModelBundle,
+    threads: usize,
+    kv: KvGeometry,
+) -> Result<(Box<dyn Backend>, LoadedBackendInfo), ModelError> {
+    if crate::model::glm5_next::MODEL_TYPES.contains(&bundle.config.model_type.as_str()) {
+        let cfg = crate::model::glm5_next::read_config(bundle.weights.origin())?;
+        let b = crate::model::glm5_next::Glm5Backend::new(cfg, bundle.weights.as_ref(), threads, kv)?;
+        let info = LoadedBackendInfo { weight_bytes: b.weight_bytes(), kv_bytes: b.kv_bytes(), threads: b.threads() };
+        return Ok((Box::new(b), info));
+    }
+    let b = cpu_backend(bundle, threads, kv)?;
+    let info = LoadedBackendInfo { weight_bytes: b.weight_bytes(), kv_bytes: b.kv_bytes(), threads: b.threads() };
+    Ok((Box::new(b), info))
+}
+
+/// A boxed backend is a backend (the CLI and engine pick the architecture at run time).
+impl Backend for Box<dyn Backend> {
+    fn device_name(&self) -> String {
+        (**self).device_name()
+    }
+    fn kv_geometry(&self) -> KvGeometry {
+        (**self).kv_geometry()
+    }
+    fn vocab_size(&self) -> usize {
+        (**self).vocab_size()
+    }
+    fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<crate::backend::StepLogits, BackendError> {
+        (**self).forward(batch)
+    }
+    fn kv_block_bytes(&self) -> usize {
+        (**self).kv_block_bytes()
+    }
+    fn read_kv_blocks(&mut self, blocks: &[u32]) -> Result<Vec<u8>, BackendError> {
+        (**self).read_kv_blocks(blocks)
+    }
+    fn write_kv_blocks(&mut self, blocks: &[u32], image: &[u8]) -> Result<(), BackendError> {
+        (**self).write_kv_blocks(blocks, image)
+    }
+    fn state_slot_bytes(&self) -> usize {
+        (**self).state_slot_bytes()
+    }
+    fn read_state_slot(&mut self, slot: u32) -> Result<Vec<u8>, BackendError> {
+        (**self).read_state_slot(slot)
+    }
+    fn write_state_slot(&mut self, slot: u32, image: &[u8]) -> Result<(), BackendError> {
+        (**self).write_state_slot(slot, image)
+    }
+}
+
 /// One sequence at a time over a backend.
 pub struct Runner<B: Backend> {
     pub backend: B,

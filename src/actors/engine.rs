@@ -11,9 +11,9 @@ use super::drafter::{sources_for, DrafterActor, DrafterMsg};
 use super::executor::{ExecutorActor, ExecutorArgs, ExecutorMsg};
 use super::handle::{EngineError, EventStream, GenerationRequest, InferenceEngine, ModelInfo};
 use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg, SchedulerStats, SharedCounters};
-use crate::backend::{Backend, KvGeometry};
+use crate::backend::KvGeometry;
 use crate::config::engine::EngineConfig;
-use crate::generate::cpu_backend;
+use crate::generate::any_cpu_backend;
 use crate::model::ModelBundle;
 use crate::sched::PolicyConfig;
 use crate::spec::SpeculativeMethod;
@@ -113,16 +113,16 @@ pub async fn start_engine(
     let threads = opts.threads;
     let make_backend = Box::new(move || {
         let started = std::time::Instant::now();
-        let b = cpu_backend(&bundle, threads, kv).map_err(|e| e.to_string())?;
+        let (b, info) = any_cpu_backend(&bundle, threads, kv).map_err(|e| e.to_string())?;
         tracing::info!(
-            weights_mib = b.weight_bytes() / (1 << 20),
-            kv_mib = b.kv_bytes() / (1 << 20),
+            weights_mib = info.weight_bytes / (1 << 20),
+            kv_mib = info.kv_bytes / (1 << 20),
             kv_tokens = kv.capacity_tokens(),
-            threads = b.threads(),
+            threads = info.threads,
             secs = format!("{:.2}", started.elapsed().as_secs_f64()),
             "model loaded on cpu"
         );
-        Ok(Box::new(b) as Box<dyn Backend>)
+        Ok(b)
     });
     let (executor, _) =
         Actor::spawn(None, ExecutorActor, ExecutorArgs { make_backend, scheduler: scheduler.clone(), rank: 0 })

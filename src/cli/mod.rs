@@ -12,7 +12,7 @@ pub mod serve;
 
 use crate::backend::KvGeometry;
 use crate::fidelity::{compare, LogitsFile};
-use crate::generate::{cpu_backend, single_sequence_geometry, GenerateOptions, Runner, DEFAULT_PREFILL_CHUNK};
+use crate::generate::{any_cpu_backend, single_sequence_geometry, GenerateOptions, Runner, DEFAULT_PREFILL_CHUNK};
 use crate::model::default_model::{fetch_default, CacheDir};
 use crate::model::ModelBundle;
 use crate::sampling::SamplingParams;
@@ -151,9 +151,13 @@ impl ModelArgs {
         Ok(bundle)
     }
 
-    fn runner(&self, bundle: &ModelBundle, tokens: usize) -> Result<Runner<crate::backend::cpu::CpuBackend>, CliError> {
+    fn runner(
+        &self,
+        bundle: &ModelBundle,
+        tokens: usize,
+    ) -> Result<Runner<Box<dyn crate::backend::Backend>>, CliError> {
         let geom: KvGeometry = single_sequence_geometry(tokens, self.block_size);
-        Ok(Runner::new(cpu_backend(bundle, self.threads, geom)?))
+        Ok(Runner::new(any_cpu_backend(bundle, self.threads, geom)?.0))
     }
 }
 

@@ -5,6 +5,7 @@
 
 pub mod default_model;
 pub mod gguf;
+pub mod glm5_next;
 pub mod hf;
 pub mod llama;
 pub mod quant;
@@ -131,7 +132,9 @@ pub fn open(spec: &str, cache: &default_model::CacheDir) -> Result<ModelBundle, 
             hint: " (give a model directory, a .gguf file, or `default`)".into(),
         });
     }
-    if path.is_dir() {
+    if path.is_dir() && glm5_next::is_glm5_dir(path) {
+        glm5_next::open_dir(path)
+    } else if path.is_dir() {
         hf::open_dir(path)
     } else {
         gguf::open_file(path)

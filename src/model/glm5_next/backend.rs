@@ -1,0 +1,132 @@
+//! `Backend` for `glm5_next` on the CPU: the model plus its paged per-token cache (MLA latents,
+//! indexer keys and pooled keys) and recurrent-state slots (KDA conv windows and states), run on
+//! a rayon pool the backend owns. Images of blocks and slots are raw little-endian f32.
+
+use std::sync::Arc;
+
+use super::cache::Glm5Cache;
+use super::{weights, Glm5Config, Glm5Model};
+use crate::backend::{validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
+use crate::model::quant::simd_available;
+use crate::model::{ModelError, WeightSource};
+
+pub struct Glm5Backend {
+    model: Glm5Model,
+    cache: Glm5Cache,
+    pool: Arc<rayon::ThreadPool>,
+    simd: bool,
+    weight_bytes: usize,
+}
+
+impl Glm5Backend {
+    /// Load the weights and allocate the cache. `threads == 0` uses every core.
+    pub fn new(cfg: Glm5Config, w: &dyn WeightSource, threads: usize, kv: KvGeometry) -> Result<Self, ModelError> {
+        let bad = |msg: String| ModelError::Config { file: w.origin().to_path_buf(), msg };
+        if kv.block_size == 0 || kv.num_blocks == 0 {
+            return Err(bad("the KV store needs at least one block of at least one token".into()));
+        }
+        if kv.state_slots == 0 {
+            return Err(bad("glm5_next needs at least one recurrent-state slot per live sequence".into()));
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("glm5-cpu-{i}"))
+            .build()
+            .map_err(|e| bad(format!("could not start the CPU thread pool: {e}")))?;
+        let weights = pool.install(|| weights::load(&cfg, w))?;
+        let weight_bytes = weights.bytes();
+        let cache = Glm5Cache::new(&cfg, kv);
+        Ok(Glm5Backend {
+            model: Glm5Model { cfg, weights },
+            cache,
+            pool: Arc::new(pool),
+            simd: simd_available(),
+            weight_bytes,
+        })
+    }
+
+    pub fn config(&self) -> &Glm5Config {
+        &self.model.cfg
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// Bytes of the paged cache plus the recurrent-state slots.
+    pub fn kv_bytes(&self) -> usize {
+        self.cache.bytes()
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+
+    fn check_slot(&self, slot: u32) -> Result<usize, BackendError> {
+        let n = self.cache.geom.state_slots;
+        if slot as usize >= n {
+            return Err(BackendError::InvalidStep(format!(
+                "recurrent-state slot {slot} is out of range, the backend has {n}"
+            )));
+        }
+        Ok(slot as usize)
+    }
+}
+
+impl Backend for Glm5Backend {
+    fn device_name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn kv_geometry(&self) -> KvGeometry {
+        self.cache.geom
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.model.cfg.vocab_size
+    }
+
+    fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {
+        validate_batch(batch, self.cache.geom)?;
+        let pool = Arc::clone(&self.pool);
+        let (model, cache, simd) = (&self.model, &mut self.cache, self.simd);
+        pool.install(|| model.forward(cache, batch, simd))
+    }
+
+    fn kv_block_bytes(&self) -> usize {
+        self.cache.block_bytes()
+    }
+
+    fn read_kv_blocks(&mut self, blocks: &[u32]) -> Result<Vec<u8>, BackendError> {
+        validate_kv_image(blocks, blocks.len() * self.kv_block_bytes(), self.kv_block_bytes(), self.cache.geom)?;
+        Ok(self.cache.read_blocks(blocks))
+    }
+
+    fn write_kv_blocks(&mut self, blocks: &[u32], image: &[u8]) -> Result<(), BackendError> {
+        validate_kv_image(blocks, image.len(), self.kv_block_bytes(), self.cache.geom)?;
+        self.cache.write_blocks(blocks, image);
+        Ok(())
+    }
+
+    fn state_slot_bytes(&self) -> usize {
+        self.cache.slot_bytes()
+    }
+
+    fn read_state_slot(&mut self, slot: u32) -> Result<Vec<u8>, BackendError> {
+        let s = self.check_slot(slot)?;
+        Ok(self.cache.read_slot(s))
+    }
+
+    fn write_state_slot(&mut self, slot: u32, image: &[u8]) -> Result<(), BackendError> {
+        let s = self.check_slot(slot)?;
+        if image.len() != self.cache.slot_bytes() {
+            return Err(BackendError::InvalidStep(format!(
+                "recurrent-state image is {} bytes, a slot holds {}",
+                image.len(),
+                self.cache.slot_bytes()
+            )));
+        }
+        self.cache.write_slot(s, image);
+        Ok(())
+    }
+}

@@ -1,0 +1,385 @@
+//! Loading a `glm5_next` checkpoint as transformers' `save_pretrained` writes it: text tensors
+//! under `model.language_model.`, `lm_head.weight`, the on-disk (original) names — split
+//! `q/k/v_conv1d`, per-expert `experts.{e}.*`, `hc_attn_*`, bare `f_a_proj`/`dt_bias`/`A_log` — and
+//! also the in-memory names (`conv1d`, packed `gate_up_proj`/`down_proj`, `attn_hc.fn`,
+//! `forget_gate.*`) that `save_original_format=False` writes. Vision-tower and MTP tensors are
+//! set aside with a log line; any other tensor nobody reads is an error naming file and tensor.
+//! Every weight is widened to f32 (the CPU backend computes in f32).
+
+use std::cell::RefCell;
+use std::collections::BTreeSet;
+
+use super::config::{FfnKind, Glm5Config, MixerKind};
+use crate::backend::cpu::linear::CpuLinear;
+use crate::model::tensor::to_f32;
+use crate::model::{ModelError, WeightSource};
+
+pub const TEXT_PREFIX: &str = "model.language_model.";
+
+/// The mHC parameters of one site (before the mixer or before the FFN).
+pub struct HyperConnection {
+    /// The `fn` map `[(2+M)·M, M·D]`.
+    pub proj: CpuLinear,
+    /// `[(2+M)·M]`.
+    pub base: Vec<f32>,
+    /// pre, post and comb scales.
+    pub scale: [f32; 3],
+}
+
+pub struct KdaWeights {
+    /// q, k and v projections stacked (`[3Q, D]`).
+    pub qkv: CpuLinear,
+    /// Depthwise causal conv taps `[3Q, K]`, q|k|v channel order.
+    pub conv: Vec<f32>,
+    pub f_a: CpuLinear,
+    pub f_b: CpuLinear,
+    pub dt_bias: Vec<f32>,
+    pub a_log: Vec<f32>,
+    pub b_proj: CpuLinear,
+    pub g_a: CpuLinear,
+    pub g_b: CpuLinear,
+    pub o_norm: Vec<f32>,
+    pub o_proj: CpuLinear,
+}
+
+pub struct IndexerWeights {
+    /// `wq_b` `[H_I·d_I, r_q]`.
+    pub wq_b: CpuLinear,
+    /// `wk`, `index_kpool_compress_gate` and `weights_proj` stacked: `[d_I + d_I + H_I, D]`.
+    pub k_gate_w: CpuLinear,
+    pub k_norm_w: Vec<f32>,
+    pub k_norm_b: Vec<f32>,
+    /// `[P, d_I]`.
+    pub ape: Vec<f32>,
+}
+
+pub struct MlaWeights {
+    pub q_a: CpuLinear,
+    pub q_a_norm: Vec<f32>,
+    pub q_b: CpuLinear,
+    pub kv_a: CpuLinear,
+    pub kv_a_norm: Vec<f32>,
+    /// `kv_b_proj` rows `[H·(d_n + d_v), r_kv]`: per head `d_n` key rows then `d_v` value rows.
+    pub kv_b: Vec<f32>,
+    pub o_proj: CpuLinear,
+    pub indexer: Option<IndexerWeights>,
+}
+
+pub enum Mixer {
+    Kda(KdaWeights),
+    Dsa(MlaWeights),
+}
+
+/// A SwiGLU MLP (dense layer, shared expert or one routed expert).
+pub struct Mlp {
+    /// gate rows then up rows: `[2I, D]`.
+    pub gate_up: CpuLinear,
+    pub down: CpuLinear,
+}
+
+pub struct Moe {
+    /// Router `[E, D]` (fp32 in transformers).
+    pub router: CpuLinear,
+    pub correction_bias: Vec<f32>,
+    pub experts: Vec<Mlp>,
+    pub shared: Mlp,
+}
+
+pub enum Ffn {
+    Dense(Mlp),
+    Moe(Moe),
+}
+
+pub struct Layer {
+    pub attn_hc: HyperConnection,
+    pub ffn_hc: HyperConnection,
+    pub input_norm: Vec<f32>,
+    pub post_norm: Vec<f32>,
+    pub mixer: Mixer,
+    pub ffn: Ffn,
+}
+
+pub struct Glm5Weights {
+    pub embed: CpuLinear,
+    pub layers: Vec<Layer>,
+    pub norm: Vec<f32>,
+    /// `None` when tied to the embedding.
+    pub lm_head: Option<CpuLinear>,
+}
+
+impl Glm5Weights {
+    /// Bytes of f32 weights held.
+    pub fn bytes(&self) -> usize {
+        fn lin(l: &CpuLinear) -> usize {
+            l.rows * l.cols * 4
+        }
+        fn mlp(m: &Mlp) -> usize {
+            lin(&m.gate_up) + lin(&m.down)
+        }
+        let mut total = lin(&self.embed) + self.lm_head.as_ref().map_or(0, lin);
+        for l in &self.layers {
+            total += lin(&l.attn_hc.proj) + lin(&l.ffn_hc.proj);
+            total += match &l.mixer {
+                Mixer::Kda(k) => {
+                    lin(&k.qkv)
+                        + lin(&k.f_a)
+                        + lin(&k.f_b)
+                        + lin(&k.b_proj)
+                        + lin(&k.g_a)
+                        + lin(&k.g_b)
+                        + lin(&k.o_proj)
+                }
+                Mixer::Dsa(m) => {
+                    lin(&m.q_a)
+                        + lin(&m.q_b)
+                        + lin(&m.kv_a)
+                        + 4 * m.kv_b.len()
+                        + lin(&m.o_proj)
+                        + m.indexer.as_ref().map_or(0, |i| lin(&i.wq_b) + lin(&i.k_gate_w))
+                }
+            };
+            total += match &l.ffn {
+                Ffn::Dense(m) => mlp(m),
+                Ffn::Moe(m) => lin(&m.router) + mlp(&m.shared) + m.experts.iter().map(mlp).sum::<usize>(),
+            };
+        }
+        total
+    }
+}
+
+/// Tensor lookups that remember what was read, so unread tensors can be reported.
+struct Loader<'a> {
+    w: &'a dyn WeightSource,
+    used: RefCell<BTreeSet<String>>,
+}
+
+impl Loader<'_> {
+    fn has(&self, name: &str) -> bool {
+        self.w.tensor(name).is_some()
+    }
+
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+        let t = self.w.expect(name, &[len])?;
+        self.used.borrow_mut().insert(name.to_string());
+        Ok(to_f32(&t))
+    }
+
+    fn matrix(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let t = self.w.expect(name, shape)?;
+        self.used.borrow_mut().insert(name.to_string());
+        Ok(to_f32(&t))
+    }
+
+    /// `name` is the full tensor name including `.weight`.
+    fn linear(&self, name: &str, out: usize, inp: usize) -> Result<CpuLinear, ModelError> {
+        let base = name.strip_suffix(".weight").unwrap_or(name);
+        let l = CpuLinear::load(self.w, base, out, inp, false)?;
+        self.used.borrow_mut().insert(format!("{base}.weight"));
+        Ok(l)
+    }
+
+    fn linear_from(&self, data: Vec<f32>, out: usize, inp: usize) -> CpuLinear {
+        CpuLinear { rows: out, cols: inp, weight: crate::backend::cpu::linear::WeightRows::F32(data), bias: None }
+    }
+
+    fn stack(&self, parts: Vec<CpuLinear>, what: &str) -> Result<CpuLinear, ModelError> {
+        CpuLinear::concat(parts).map_err(|_| ModelError::Format {
+            file: self.w.origin().to_path_buf(),
+            msg: format!("{what}: the stacked projections have different storage formats"),
+        })
+    }
+}
+
+fn hyper_connection(ld: &Loader<'_>, p: &str, site: &str, c: &Glm5Config) -> Result<HyperConnection, ModelError> {
+    let m = c.hc_mult;
+    let n = (2 + m) * m;
+    let disk = format!("{p}hc_{site}_");
+    let mem = format!("{p}{site}_hc.");
+    let name = |k: &str| {
+        let a = format!("{disk}{k}");
+        if ld.has(&a) {
+            a
+        } else {
+            format!("{mem}{k}")
+        }
+    };
+    let scale = ld.vector(&name("scale"), 3)?;
+    Ok(HyperConnection {
+        proj: ld.linear_from(ld.matrix(&name("fn"), &[n, m * c.hidden_size])?, n, m * c.hidden_size),
+        base: ld.vector(&name("base"), n)?,
+        scale: [scale[0], scale[1], scale[2]],
+    })
+}
+
+fn kda(ld: &Loader<'_>, p: &str, c: &Glm5Config) -> Result<KdaWeights, ModelError> {
+    let (d, q, k, h) = (c.hidden_size, c.linear_qkv_dim(), c.linear_conv_kernel_dim, c.linear_num_heads);
+    let a = format!("{p}self_attn.");
+    let parts = ["q_proj", "k_proj", "v_proj"]
+        .iter()
+        .map(|n| ld.linear(&format!("{a}{n}.weight"), q, d))
+        .collect::<Result<Vec<_>, _>>()?;
+    let qkv = ld.stack(parts, &format!("{a}q/k/v_proj"))?;
+    let packed = format!("{a}conv1d.weight");
+    let conv = if ld.has(&packed) {
+        ld.matrix(&packed, &[3 * q, 1, k])?
+    } else {
+        let mut v = Vec::with_capacity(3 * q * k);
+        for n in ["q_conv1d", "k_conv1d", "v_conv1d"] {
+            v.extend(ld.matrix(&format!("{a}{n}.weight"), &[q, 1, k])?);
+        }
+        v
+    };
+    let fg = |n: &str| {
+        let disk = format!("{a}{n}");
+        if ld.has(&disk) {
+            disk
+        } else {
+            format!("{a}forget_gate.{n}")
+        }
+    };
+    Ok(KdaWeights {
+        qkv,
+        conv,
+        f_a: ld.linear(&fg("f_a_proj.weight"), c.linear_head_dim, d)?,
+        f_b: ld.linear(&fg("f_b_proj.weight"), q, c.linear_head_dim)?,
+        dt_bias: ld.vector(&fg("dt_bias"), q)?,
+        a_log: ld.vector(&fg("A_log"), h)?,
+        b_proj: ld.linear(&format!("{a}b_proj.weight"), h, d)?,
+        g_a: ld.linear(&format!("{a}g_a_proj.weight"), c.linear_head_dim, d)?,
+        g_b: ld.linear(&format!("{a}g_b_proj.weight"), q, c.linear_head_dim)?,
+        o_norm: ld.vector(&format!("{a}o_norm.weight"), c.linear_head_dim)?,
+        o_proj: ld.linear(&format!("{a}o_proj.weight"), d, q)?,
+    })
+}
+
+fn mla(ld: &Loader<'_>, p: &str, c: &Glm5Config, with_indexer: bool) -> Result<MlaWeights, ModelError> {
+    let d = c.hidden_size;
+    let h = c.num_attention_heads;
+    let a = format!("{p}self_attn.");
+    if c.attention_bias {
+        return Err(ModelError::Config {
+            file: ld.w.origin().join("config.json"),
+            msg: "attention_bias = true is not supported for glm5_next".into(),
+        });
+    }
+    let indexer = if with_indexer {
+        let x = format!("{a}indexer.");
+        let (hi, di) = (c.index_n_heads, c.index_head_dim);
+        let parts = vec![
+            ld.linear(&format!("{x}wk.weight"), di, d)?,
+            ld.linear_from(ld.matrix(&format!("{x}index_kpool_compress_gate"), &[di, d])?, di, d),
+            ld.linear(&format!("{x}weights_proj.weight"), hi, d)?,
+        ];
+        Some(IndexerWeights {
+            wq_b: ld.linear(&format!("{x}wq_b.weight"), hi * di, c.q_lora_rank)?,
+            k_gate_w: ld.stack(parts, &format!("{x}wk/gate/weights_proj"))?,
+            k_norm_w: ld.vector(&format!("{x}k_norm.weight"), di)?,
+            k_norm_b: ld.vector(&format!("{x}k_norm.bias"), di)?,
+            ape: ld.matrix(&format!("{x}index_kpool_compress_ape"), &[c.index_kpool, di])?,
+        })
+    } else {
+        None
+    };
+    let kvb_rows = h * (c.qk_nope_head_dim + c.v_head_dim);
+    Ok(MlaWeights {
+        q_a: ld.linear(&format!("{a}q_a_proj.weight"), c.q_lora_rank, d)?,
+        q_a_norm: ld.vector(&format!("{a}q_a_layernorm.weight"), c.q_lora_rank)?,
+        q_b: ld.linear(&format!("{a}q_b_proj.weight"), h * c.qk_nope_head_dim, c.q_lora_rank)?,
+        kv_a: ld.linear(&format!("{a}kv_a_proj_with_mqa.weight"), c.kv_lora_rank, d)?,
+        kv_a_norm: ld.vector(&format!("{a}kv_a_layernorm.weight"), c.kv_lora_rank)?,
+        kv_b: ld.matrix(&format!("{a}kv_b_proj.weight"), &[kvb_rows, c.kv_lora_rank])?,
+        o_proj: ld.linear(&format!("{a}o_proj.weight"), d, h * c.v_head_dim)?,
+        indexer,
+    })
+}
+
+fn mlp(ld: &Loader<'_>, p: &str, inter: usize, d: usize) -> Result<Mlp, ModelError> {
+    let parts = vec![
+        ld.linear(&format!("{p}gate_proj.weight"), inter, d)?,
+        ld.linear(&format!("{p}up_proj.weight"), inter, d)?,
+    ];
+    Ok(Mlp {
+        gate_up: ld.stack(parts, &format!("{p}gate/up_proj"))?,
+        down: ld.linear(&format!("{p}down_proj.weight"), d, inter)?,
+    })
+}
+
+fn moe(ld: &Loader<'_>, p: &str, c: &Glm5Config) -> Result<Moe, ModelError> {
+    let (d, e, i) = (c.hidden_size, c.n_routed_experts, c.moe_intermediate_size);
+    let m = format!("{p}mlp.");
+    let packed = format!("{m}experts.gate_up_proj");
+    let experts = if ld.has(&packed) {
+        let gu = ld.matrix(&packed, &[e, 2 * i, d])?;
+        let down = ld.matrix(&format!("{m}experts.down_proj"), &[e, d, i])?;
+        (0..e)
+            .map(|x| Mlp {
+                gate_up: ld.linear_from(gu[x * 2 * i * d..(x + 1) * 2 * i * d].to_vec(), 2 * i, d),
+                down: ld.linear_from(down[x * d * i..(x + 1) * d * i].to_vec(), d, i),
+            })
+            .collect()
+    } else {
+        (0..e).map(|x| mlp(ld, &format!("{m}experts.{x}."), i, d)).collect::<Result<Vec<_>, _>>()?
+    };
+    Ok(Moe {
+        router: ld.linear(&format!("{m}gate.weight"), e, d)?,
+        correction_bias: ld.vector(&format!("{m}gate.e_score_correction_bias"), e)?,
+        experts,
+        shared: mlp(ld, &format!("{m}shared_experts."), i * c.n_shared_experts, d)?,
+    })
+}
+
+/// Tensors that belong to parts this engine does not run: the vision tower and the MTP layer
+/// (layer index `num_hidden_layers`, or any `shared_head`).
+fn set_aside(name: &str, c: &Glm5Config) -> bool {
+    let mtp = format!(".layers.{}.", c.num_hidden_layers);
+    name.starts_with("model.visual.") || name.contains(&mtp) || name.contains(".shared_head.")
+}
+
+/// Load every text tensor of `c` from `w`.
+pub fn load(c: &Glm5Config, w: &dyn WeightSource) -> Result<Glm5Weights, ModelError> {
+    let ld = Loader { w, used: RefCell::new(BTreeSet::new()) };
+    let d = c.hidden_size;
+    let p = TEXT_PREFIX;
+    let embed = ld.linear(&format!("{p}embed_tokens.weight"), c.vocab_size, d)?;
+    let mut layers = Vec::with_capacity(c.num_hidden_layers);
+    for l in 0..c.num_hidden_layers {
+        let lp = format!("{p}layers.{l}.");
+        let mixer = match c.layer_types[l] {
+            MixerKind::Kda => Mixer::Kda(kda(&ld, &lp, c)?),
+            MixerKind::Dsa => Mixer::Dsa(mla(&ld, &lp, c, c.has_indexer(l))?),
+        };
+        let ffn = match c.mlp_layer_types[l] {
+            FfnKind::Dense => Ffn::Dense(mlp(&ld, &format!("{lp}mlp."), c.intermediate_size, d)?),
+            FfnKind::Moe => Ffn::Moe(moe(&ld, &lp, c)?),
+        };
+        layers.push(Layer {
+            attn_hc: hyper_connection(&ld, &lp, "attn", c)?,
+            ffn_hc: hyper_connection(&ld, &lp, "ffn", c)?,
+            input_norm: ld.vector(&format!("{lp}input_layernorm.weight"), d)?,
+            post_norm: ld.vector(&format!("{lp}post_attention_layernorm.weight"), d)?,
+            mixer,
+            ffn,
+        });
+    }
+    let norm = ld.vector(&format!("{p}norm.weight"), d)?;
+    let lm_head = if c.tie_word_embeddings { None } else { Some(ld.linear("lm_head.weight", c.vocab_size, d)?) };
+    let used = ld.used.into_inner();
+    let mut aside = 0usize;
+    for name in w.tensor_names() {
+        if used.contains(&name) {
+            continue;
+        }
+        if set_aside(&name, c) {
+            aside += 1;
+            continue;
+        }
+        return Err(ModelError::Format {
+            file: w.file_of(&name),
+            msg: format!("unexpected tensor `{name}` for this glm5_next config (not a text, vision or MTP tensor)"),
+        });
+    }
+    if aside > 0 {
+        tracing::info!(tensors = aside, "glm5_next: vision-tower and MTP tensors set aside (not used)");
+    }
+    Ok(Glm5Weights { embed, layers, norm, lm_head })
+}
