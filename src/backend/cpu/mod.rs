@@ -9,7 +9,7 @@ use rayon::prelude::*;
 
 pub use self::attention::KvPrecision;
 use self::attention::{paged_attention, AttnShape, PagedKv, TokenRef};
-use self::linear::{load_vector, CpuLinear};
+use self::linear::{load_vector, CpuLinear, LinearScratch};
 use super::{validate_batch, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::model::llama::{LinearSpec, LlamaSpec};
@@ -50,16 +50,16 @@ impl Proj {
     }
 
     /// `y[m, Σrows]` with the parts side by side in each row.
-    fn forward(&self, x: &[f32], m: usize, simd: bool) -> Result<Vec<f32>, BackendError> {
+    fn forward(&self, x: &[f32], m: usize, scratch: &mut LinearScratch, simd: bool) -> Result<Vec<f32>, BackendError> {
         let total = self.rows();
         let mut y = vec![0f32; m * total];
         match self {
-            Proj::Fused(l) => l.forward(x, m, &mut y, simd)?,
+            Proj::Fused(l) => l.forward(x, m, &mut y, scratch, simd)?,
             Proj::Split(parts) => {
                 let mut col = 0;
                 for p in parts {
                     let mut part = vec![0f32; m * p.rows];
-                    p.forward(x, m, &mut part, simd)?;
+                    p.forward(x, m, &mut part, scratch, simd)?;
                     for i in 0..m {
                         y[i * total + col..i * total + col + p.rows]
                             .copy_from_slice(&part[i * p.rows..(i + 1) * p.rows]);
@@ -95,6 +95,7 @@ pub struct CpuBackend {
     pool: std::sync::Arc<rayon::ThreadPool>,
     simd: bool,
     weight_bytes: usize,
+    scratch: LinearScratch,
 }
 
 /// RMSNorm of each `dim`-sized row of `x` in place: `x · w / sqrt(mean(x²) + eps)`, with GGML's
@@ -298,6 +299,7 @@ impl CpuBackend {
             pool,
             simd: simd_available(),
             weight_bytes,
+            scratch: LinearScratch::default(),
         })
     }
 
@@ -350,7 +352,7 @@ impl CpuBackend {
         for (li, layer) in self.layers.iter().enumerate() {
             let mut xn = x.clone();
             rms_norm_rows(&mut xn, &layer.input_norm, c.rms_norm_eps);
-            let mut qkv = layer.qkv.forward(&xn, t, simd)?;
+            let mut qkv = layer.qkv.forward(&xn, t, &mut self.scratch, simd)?;
             let mut q = vec![0f32; t * qd];
             qkv.par_chunks_mut(qkv_w).zip(q.par_chunks_mut(qd)).enumerate().for_each(|(i, (row, qrow))| {
                 let (cs, sn) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
@@ -376,13 +378,13 @@ impl CpuBackend {
             let mut attn = vec![0f32; t * qd];
             paged_attention(&self.kv, li, &shape, &tokens, &q, &mut attn, simd);
             let mut o = vec![0f32; t * h];
-            layer.o.forward(&attn, t, &mut o, simd)?;
+            layer.o.forward(&attn, t, &mut o, &mut self.scratch, simd)?;
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
             let mut xn = x.clone();
             rms_norm_rows(&mut xn, &layer.post_norm, c.rms_norm_eps);
-            let gu = layer.gate_up.forward(&xn, t, simd)?;
+            let gu = layer.gate_up.forward(&xn, t, &mut self.scratch, simd)?;
             let inter = c.intermediate_size;
             let mut act = vec![0f32; t * inter];
             act.par_chunks_mut(inter).zip(gu.par_chunks(2 * inter)).for_each(|(a, g)| {
@@ -390,7 +392,7 @@ impl CpuBackend {
                 swiglu(gate, up, a, simd);
             });
             let mut d = vec![0f32; t * h];
-            layer.down.forward(&act, t, &mut d, simd)?;
+            layer.down.forward(&act, t, &mut d, &mut self.scratch, simd)?;
             for (a, b) in x.iter_mut().zip(&d) {
                 *a += b;
             }
@@ -414,7 +416,7 @@ impl CpuBackend {
         }
         rms_norm_rows(&mut xs, &self.final_norm, c.rms_norm_eps);
         let mut data = vec![0f32; m * c.vocab_size];
-        self.lm_head.as_ref().unwrap_or(&self.embed).forward(&xs, m, &mut data, simd)?;
+        self.lm_head.as_ref().unwrap_or(&self.embed).forward(&xs, m, &mut data, &mut self.scratch, simd)?;
         Ok(StepLogits { vocab: c.vocab_size, data, offsets })
     }
 }
