@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 use crate::backend::BackendError;
-use crate::model::quant::{dot_f32, dot_q_rows, quantize_row_q8, BlockQ8, DOT_TILE, QK};
+use crate::model::quant::{dot_f32, dot_q_block, quantize_row_q8, BlockQ8, DOT_TILE, QK};
 use crate::model::{DType, ModelError, TensorView, WeightSource};
 
 /// Weight rows in one of the supported storage formats.
@@ -152,37 +152,38 @@ impl CpuLinear {
                 // decodes each weight block once per tile of rows.
                 let group = (16384 / (nb * std::mem::size_of::<BlockQ8>())).max(1).div_ceil(DOT_TILE) * DOT_TILE;
                 yt.par_chunks_mut(chunk * m).enumerate().for_each(|(ci, out)| {
+                    let w = &data[ci * chunk * rb..(ci * chunk + out.len() / m) * rb];
                     for t0 in (0..m).step_by(group) {
                         let t1 = (t0 + group).min(m);
-                        for (j, o) in out.chunks_exact_mut(m).enumerate() {
-                            let r = ci * chunk + j;
-                            dot_q_rows(
-                                *dtype,
-                                &data[r * rb..(r + 1) * rb],
-                                &xq[t0 * nb..t1 * nb],
-                                &mut o[t0..t1],
-                                simd,
-                            );
-                        }
+                        dot_q_block(*dtype, w, &xq[t0 * nb..t1 * nb], nb, &mut out[t0..], m, simd);
                     }
                 });
             }
         }
         let yt = &*yt;
-        for i in 0..m {
-            let yr = &mut y[i * self.rows..(i + 1) * self.rows];
-            if m == 1 {
-                yr.copy_from_slice(yt);
-            } else {
-                for (r, v) in yr.iter_mut().enumerate() {
-                    *v = yt[r * m + i];
-                }
-            }
+        let rows = self.rows;
+        let add_bias = |yr: &mut [f32]| {
             if let Some(b) = &self.bias {
                 for (v, bb) in yr.iter_mut().zip(b) {
                     *v += bb;
                 }
             }
+        };
+        if m == 1 {
+            y.copy_from_slice(yt);
+            add_bias(y);
+        } else {
+            // Back to one row per input, 8 inputs per task: each weight row's 8 results are one
+            // contiguous read.
+            y.par_chunks_mut(rows * 8).enumerate().for_each(|(bi, yb)| {
+                let (i0, n) = (bi * 8, yb.len() / rows);
+                for (r, src) in yt.chunks_exact(m).enumerate() {
+                    for (k, &v) in src[i0..i0 + n].iter().enumerate() {
+                        yb[k * rows + r] = v;
+                    }
+                }
+                yb.chunks_exact_mut(rows).for_each(add_bias);
+            });
         }
         Ok(())
     }

@@ -193,67 +193,100 @@ pub unsafe fn quantize_row_q8(x: &[f32], out: &mut [BlockQ8]) {
     }
 }
 
-/// Q8_0 weight row · `N` activation rows (`xs[j * nb..]`, `nb` blocks each) into `out[..N]`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q8_0<const N: usize>(w: &[u8], xs: &[BlockQ8], nb: usize, out: &mut [f32]) {
-    debug_assert!(w.len() >= nb * 34 && xs.len() >= N * nb && out.len() >= N);
-    let mut acc = [_mm256_setzero_ps(); N];
-    for b in 0..nb {
-        let wb = w.as_ptr().add(b * 34);
-        let dw = f16_at(wb);
-        let qw = _mm256_loadu_si256(wb.add(2) as *const __m256i);
-        for (j, a) in acc.iter_mut().enumerate() {
-            let xb = xs.get_unchecked(j * nb + b);
-            let s = _mm256_cvtepi32_ps(madd_ss(qw, qs(xb)));
-            *a = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), s, *a);
-        }
-    }
-    for (o, a) in out.iter_mut().zip(acc) {
-        *o = hsum(a);
+/// Weight formats of [`dot_rows`], as const parameters so each instantiation is one
+/// straight-line kernel.
+pub const Q8_0: u8 = 0;
+pub const Q4_0: u8 = 1;
+pub const Q4_1: u8 = 2;
+
+/// Bytes of one 32-weight block of format `FMT`.
+const fn block_bytes(fmt: u8) -> usize {
+    match fmt {
+        Q8_0 => 34,
+        Q4_0 => 18,
+        _ => 20,
     }
 }
 
-/// Q4_0 weight row · `N` activation rows.
+/// One weight block at `p`: scale, minimum (Q4_1 only, else 0) and the 32 weights as bytes —
+/// signed for Q8_0/Q4_0, unsigned 0..15 for Q4_1.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_0<const N: usize>(w: &[u8], xs: &[BlockQ8], nb: usize, out: &mut [f32]) {
-    debug_assert!(w.len() >= nb * 18 && xs.len() >= N * nb && out.len() >= N);
-    let mut acc = [_mm256_setzero_ps(); N];
-    let eight = _mm256_set1_epi8(8);
-    for b in 0..nb {
-        let wb = w.as_ptr().add(b * 18);
-        let dw = f16_at(wb);
-        let qw = _mm256_sub_epi8(nibbles(wb.add(2)), eight);
-        for (j, a) in acc.iter_mut().enumerate() {
-            let xb = xs.get_unchecked(j * nb + b);
-            let s = _mm256_cvtepi32_ps(madd_ss(qw, qs(xb)));
-            *a = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), s, *a);
+unsafe fn weight_block<const FMT: u8>(p: *const u8) -> (f32, f32, __m256i) {
+    match FMT {
+        Q8_0 => (f16_at(p), 0.0, _mm256_loadu_si256(p.add(2) as *const __m256i)),
+        Q4_0 => (f16_at(p), 0.0, _mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8))),
+        _ => {
+            let (d, m) = f16_pair_at(p);
+            (d, m, nibbles(p.add(4)))
         }
-    }
-    for (o, a) in out.iter_mut().zip(acc) {
-        *o = hsum(a);
     }
 }
 
-/// Q4_1 weight row · `N` activation rows.
+/// `R` weight rows (starting at `w`, `rb` bytes apart) · `N` activation rows (`xs[j * nb..]`)
+/// into `out[i * stride + j]`. Each (row, activation) pair has its own accumulators and sees
+/// exactly the single-pair operation sequence: integer block sums, `acc = fma(dw·dx, sum, acc)`
+/// per block, [`hsum`] at the end, plus Q4_1's fused `mins = fma(m, Σx, mins)`.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_1<const N: usize>(w: &[u8], xs: &[BlockQ8], nb: usize, out: &mut [f32]) {
-    debug_assert!(w.len() >= nb * 20 && xs.len() >= N * nb && out.len() >= N);
-    let mut acc = [_mm256_setzero_ps(); N];
-    let mut mins = [0f32; N];
+unsafe fn tile<const FMT: u8, const R: usize, const N: usize>(
+    w: *const u8,
+    rb: usize,
+    xs: &[BlockQ8],
+    nb: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    let mut acc = [[_mm256_setzero_ps(); N]; R];
+    let mut mins = [[0f32; N]; R];
     for b in 0..nb {
-        let wb = w.as_ptr().add(b * 20);
-        let (dw, mw) = f16_pair_at(wb);
-        let qw = nibbles(wb.add(4));
-        for (j, (a, mn)) in acc.iter_mut().zip(mins.iter_mut()).enumerate() {
+        let wb: [(f32, f32, __m256i); R] =
+            std::array::from_fn(|i| weight_block::<FMT>(w.add(i * rb + b * block_bytes(FMT))));
+        for j in 0..N {
             let xb = xs.get_unchecked(j * nb + b);
-            let s = _mm256_cvtepi32_ps(madd_us(qw, qs(xb)));
-            *a = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), s, *a);
-            // GGML's compiled kernel fuses this multiply-add (`summs += m * s` under FMA
-            // contraction); an unfused one rounds differently.
-            *mn = mw.mul_add(xb.sum, *mn);
+            let qx = qs(xb);
+            for i in 0..R {
+                let (dw, mw, qw) = wb[i];
+                let sum = if FMT == Q4_1 { madd_us(qw, qx) } else { madd_ss(qw, qx) };
+                acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), _mm256_cvtepi32_ps(sum), acc[i][j]);
+                if FMT == Q4_1 {
+                    // GGML's compiled kernel fuses this multiply-add (`summs += m * s` under FMA
+                    // contraction); an unfused one rounds differently.
+                    mins[i][j] = mw.mul_add(xb.sum, mins[i][j]);
+                }
+            }
         }
     }
-    for ((o, a), mn) in out.iter_mut().zip(acc).zip(mins) {
-        *o = hsum(a) + mn;
+    for i in 0..R {
+        for j in 0..N {
+            let v = hsum(acc[i][j]);
+            *out.add(i * stride + j) = if FMT == Q4_1 { v + mins[i][j] } else { v };
+        }
+    }
+}
+
+/// `out[r * stride + j]` = weight row `r` · activation row `j`, for every row in `w` (`rb` bytes
+/// each) and the `N` activation rows in `xs` (`nb` blocks each). Rows go in pairs (two
+/// independent accumulator chains keep the FMA unit busy when `N` is 1).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_rows<const FMT: u8, const N: usize>(
+    w: &[u8],
+    rb: usize,
+    xs: &[BlockQ8],
+    nb: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let rows = w.len() / rb;
+    debug_assert!(rb == nb * block_bytes(FMT) && xs.len() >= N * nb);
+    debug_assert!(rows == 0 || out.len() >= (rows - 1) * stride + N);
+    let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
+    let mut r = 0;
+    while r + 2 <= rows {
+        tile::<FMT, 2, N>(wp.add(r * rb), rb, xs, nb, op.add(r * stride), stride);
+        r += 2;
+    }
+    if r < rows {
+        tile::<FMT, 1, N>(wp.add(r * rb), rb, xs, nb, op.add(r * stride), stride);
     }
 }

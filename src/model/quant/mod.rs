@@ -121,44 +121,53 @@ pub fn quantize_row_q8(x: &[f32], out: &mut [BlockQ8], simd: bool) {
 #[inline]
 pub fn dot_q(dtype: DType, w: &[u8], x: &[BlockQ8], simd: bool) -> f32 {
     let mut out = [0f32];
-    dot_q_rows(dtype, w, x, &mut out, simd);
+    dot_q_block(dtype, w, x, x.len(), &mut out, 1, simd);
     out[0]
 }
 
-/// Activation rows per tile of [`dot_q_rows`]: each weight block is unpacked once per tile.
+/// Activation rows per tile of [`dot_q_block`]: each weight block is unpacked once per tile.
 pub const DOT_TILE: usize = 4;
 
-/// Dot products of one quantized weight row with `out.len()` activation rows stored one after
-/// another in `xs` (each `xs.len() / out.len()` blocks): `out[j]` is bit-identical to
-/// [`dot_q`] of row `j` alone, because every row keeps its own accumulators and operation order;
-/// only the weight decoding is shared across a tile of [`DOT_TILE`] rows.
-pub fn dot_q_rows(dtype: DType, w: &[u8], xs: &[BlockQ8], out: &mut [f32], simd: bool) {
-    if out.is_empty() {
+/// Dot products of several quantized weight rows (`w`, whole rows of `nb` blocks) with the
+/// activation rows stored one after another in `xs` (`nb` blocks each):
+/// `out[r * stride + j]` = weight row `r` · activation row `j`. Each result is bit-identical to
+/// [`dot_q`] of that pair alone: every pair keeps its own accumulators and operation order; only
+/// the decoding of weight blocks is shared, across tiles of [`DOT_TILE`] activation rows.
+pub fn dot_q_block(dtype: DType, w: &[u8], xs: &[BlockQ8], nb: usize, out: &mut [f32], stride: usize, simd: bool) {
+    if nb == 0 || xs.is_empty() || w.is_empty() {
         return;
     }
-    let nb = xs.len() / out.len();
-    debug_assert_eq!(nb * out.len(), xs.len());
-    debug_assert!(dtype.storage_bytes(nb * QK).is_some_and(|b| b <= w.len()));
+    let n = xs.len() / nb;
+    let rb = nb * dtype.block_bytes();
+    let rows = w.len() / rb;
+    assert!(
+        nb * n == xs.len() && rows * rb == w.len() && n <= stride && out.len() >= (rows - 1) * stride + n,
+        "dot_q_block: {} weight bytes, {} activation blocks, {} outputs (stride {stride})",
+        w.len(),
+        xs.len(),
+        out.len()
+    );
     #[cfg(target_arch = "x86_64")]
     if simd {
-        for (xt, ot) in xs.chunks(DOT_TILE * nb).zip(out.chunks_mut(DOT_TILE)) {
+        use avx2::{dot_rows, Q4_0, Q4_1, Q8_0};
+        for (t, xt) in xs.chunks(DOT_TILE * nb).enumerate() {
+            let ot = &mut out[t * DOT_TILE..];
             // SAFETY: `simd` is only true when AVX2, FMA and F16C were detected at runtime; the
-            // tile sizes match `xt` and `ot`, and `w` holds `nb` blocks (checked above in debug
-            // builds, and by `CpuLinear`'s shapes).
+            // sizes were checked above.
             unsafe {
-                match (dtype, ot.len()) {
-                    (DType::Q8_0, 4) => avx2::dot_q8_0::<4>(w, xt, nb, ot),
-                    (DType::Q8_0, 3) => avx2::dot_q8_0::<3>(w, xt, nb, ot),
-                    (DType::Q8_0, 2) => avx2::dot_q8_0::<2>(w, xt, nb, ot),
-                    (DType::Q8_0, _) => avx2::dot_q8_0::<1>(w, xt, nb, ot),
-                    (DType::Q4_0, 4) => avx2::dot_q4_0::<4>(w, xt, nb, ot),
-                    (DType::Q4_0, 3) => avx2::dot_q4_0::<3>(w, xt, nb, ot),
-                    (DType::Q4_0, 2) => avx2::dot_q4_0::<2>(w, xt, nb, ot),
-                    (DType::Q4_0, _) => avx2::dot_q4_0::<1>(w, xt, nb, ot),
-                    (DType::Q4_1, 4) => avx2::dot_q4_1::<4>(w, xt, nb, ot),
-                    (DType::Q4_1, 3) => avx2::dot_q4_1::<3>(w, xt, nb, ot),
-                    (DType::Q4_1, 2) => avx2::dot_q4_1::<2>(w, xt, nb, ot),
-                    (DType::Q4_1, _) => avx2::dot_q4_1::<1>(w, xt, nb, ot),
+                match (dtype, xt.len() / nb) {
+                    (DType::Q8_0, 4) => dot_rows::<Q8_0, 4>(w, rb, xt, nb, ot, stride),
+                    (DType::Q8_0, 3) => dot_rows::<Q8_0, 3>(w, rb, xt, nb, ot, stride),
+                    (DType::Q8_0, 2) => dot_rows::<Q8_0, 2>(w, rb, xt, nb, ot, stride),
+                    (DType::Q8_0, _) => dot_rows::<Q8_0, 1>(w, rb, xt, nb, ot, stride),
+                    (DType::Q4_0, 4) => dot_rows::<Q4_0, 4>(w, rb, xt, nb, ot, stride),
+                    (DType::Q4_0, 3) => dot_rows::<Q4_0, 3>(w, rb, xt, nb, ot, stride),
+                    (DType::Q4_0, 2) => dot_rows::<Q4_0, 2>(w, rb, xt, nb, ot, stride),
+                    (DType::Q4_0, _) => dot_rows::<Q4_0, 1>(w, rb, xt, nb, ot, stride),
+                    (DType::Q4_1, 4) => dot_rows::<Q4_1, 4>(w, rb, xt, nb, ot, stride),
+                    (DType::Q4_1, 3) => dot_rows::<Q4_1, 3>(w, rb, xt, nb, ot, stride),
+                    (DType::Q4_1, 2) => dot_rows::<Q4_1, 2>(w, rb, xt, nb, ot, stride),
+                    (DType::Q4_1, _) => dot_rows::<Q4_1, 1>(w, rb, xt, nb, ot, stride),
                     _ => unreachable!("dot_q on a float dtype"),
                 }
             }
@@ -166,13 +175,15 @@ pub fn dot_q_rows(dtype: DType, w: &[u8], xs: &[BlockQ8], out: &mut [f32], simd:
         return;
     }
     let _ = simd;
-    for (x, o) in xs.chunks_exact(nb).zip(out.iter_mut()) {
-        *o = match dtype {
-            DType::Q8_0 => scalar::dot_q8_0(w, x),
-            DType::Q4_0 => scalar::dot_q4_0(w, x),
-            DType::Q4_1 => scalar::dot_q4_1(w, x),
-            _ => unreachable!("dot_q on a float dtype"),
-        };
+    for (wr, orow) in w.chunks_exact(rb).zip(out.chunks_mut(stride)) {
+        for (x, o) in xs.chunks_exact(nb).zip(orow.iter_mut()) {
+            *o = match dtype {
+                DType::Q8_0 => scalar::dot_q8_0(wr, x),
+                DType::Q4_0 => scalar::dot_q4_0(wr, x),
+                DType::Q4_1 => scalar::dot_q4_1(wr, x),
+                _ => unreachable!("dot_q on a float dtype"),
+            };
+        }
     }
 }
 

@@ -130,29 +130,38 @@ fn q8_row_quantization_simd_matches_scalar() {
     assert_eq!(&a[1].qs[15..19], &[0, 0, 2, 2]);
 }
 
-/// Tiles of several activation rows give, row for row, exactly the single-row dot, for every
-/// format, tile remainder (1..=9 rows) and path.
+/// Blocks of weight rows × activation rows give, pair for pair, exactly the single-row dot, for
+/// every format, number of weight rows (odd and even: rows go in pairs), tile remainder (1..=9
+/// activation rows), output stride and path.
 #[test]
 fn tiled_dots_equal_single_row_dots_bitwise() {
     let mut seed = 21;
-    let (n, rows) = (192usize, 9usize);
-    let w: Vec<f32> = (0..n).map(|_| lcg(&mut seed)).collect();
-    let x: Vec<f32> = (0..rows * n).map(|_| 2.0 * lcg(&mut seed)).collect();
+    let (n, wrows, xrows) = (192usize, 5usize, 9usize);
     let nb = n / QK;
-    let mut xq = vec![BlockQ8::default(); rows * nb];
+    let w: Vec<f32> = (0..wrows * n).map(|_| lcg(&mut seed)).collect();
+    let x: Vec<f32> = (0..xrows * n).map(|_| 2.0 * lcg(&mut seed)).collect();
+    let mut xq = vec![BlockQ8::default(); xrows * nb];
     quantize_row_q8(&x, &mut xq, false);
     for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
         let wq = quantize_weight(dtype, &w);
-        let single: Vec<f32> = (0..rows).map(|r| dot_q(dtype, &wq, &xq[r * nb..(r + 1) * nb], false)).collect();
-        for m in 1..=rows {
-            for simd in [false, true] {
-                if simd && !simd_available() {
-                    continue;
-                }
-                let mut out = vec![0f32; m];
-                dot_q_rows(dtype, &wq, &xq[..m * nb], &mut out, simd);
-                for (r, (a, b)) in out.iter().zip(&single).enumerate() {
-                    assert_eq!(a.to_bits(), b.to_bits(), "{dtype} m={m} row {r} simd={simd}");
+        let rb = wq.len() / wrows;
+        let single = |r: usize, j: usize| dot_q(dtype, &wq[r * rb..(r + 1) * rb], &xq[j * nb..(j + 1) * nb], false);
+        for wr in 1..=wrows {
+            for m in 1..=xrows {
+                for simd in [false, true] {
+                    if simd && !simd_available() {
+                        continue;
+                    }
+                    let stride = m + 2;
+                    let mut out = vec![f32::NAN; wr * stride];
+                    dot_q_block(dtype, &wq[..wr * rb], &xq[..m * nb], nb, &mut out, stride, simd);
+                    for r in 0..wr {
+                        for j in 0..m {
+                            let (a, b) = (out[r * stride + j], single(r, j));
+                            assert_eq!(a.to_bits(), b.to_bits(), "{dtype} rows={wr} m={m} ({r},{j}) simd={simd}");
+                        }
+                        assert!(out[r * stride + m].is_nan(), "wrote past the tile");
+                    }
                 }
             }
         }
