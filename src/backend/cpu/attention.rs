@@ -106,6 +106,21 @@ impl PagedKv {
         (table[pos / bs] as usize * bs + pos % bs) * self.kv_dim
     }
 
+    /// Append to `out` the offsets of positions `lo..=hi` (plus `add`) for a sequence with
+    /// `table`, walking block by block: one table lookup per block instead of a division per
+    /// position (this runs for every query position and head).
+    pub fn offsets(&self, table: &[u32], lo: usize, hi: usize, add: usize, out: &mut Vec<usize>) {
+        let bs = self.geom.block_size;
+        let mut p = lo;
+        while p <= hi {
+            let (blk, slot) = (table[p / bs] as usize, p % bs);
+            let n = (bs - slot).min(hi + 1 - p);
+            let base = (blk * bs + slot) * self.kv_dim + add;
+            out.extend((0..n).map(|i| base + i * self.kv_dim));
+            p += n;
+        }
+    }
+
     pub fn bytes(&self) -> usize {
         self.k.iter().chain(&self.v).map(KvValues::bytes).sum()
     }
@@ -164,7 +179,7 @@ pub fn paged_attention(
         let koff = (h / group) * hd;
         let lo = shape.sliding_window.map_or(0, |w| (tok.pos + 1).saturating_sub(w));
         sc.offs.clear();
-        sc.offs.extend((lo..=tok.pos).map(|p| kv.offset(tok.table, p) + koff));
+        kv.offsets(tok.table, lo, tok.pos, koff, &mut sc.offs);
         if ggml {
             ggml_head(sc, kc, vc, lo, scale, simd, o);
             return;
@@ -421,6 +436,20 @@ mod tests {
             paged_attention(&kv, 0, &shape, &tokens, &q, &mut a, false);
             paged_attention(&kv, 0, &shape, &tokens, &q, &mut b, true);
             assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "window {window:?}");
+        }
+    }
+
+    #[test]
+    fn block_walk_offsets_equal_per_position_offsets() {
+        let kv = PagedKv::new(KvGeometry { block_size: 4, num_blocks: 6 }, 1, 3, KvPrecision::F16);
+        let table = [5u32, 0, 3, 1, 4];
+        for lo in 0..20 {
+            for hi in lo..20 {
+                let mut got = Vec::new();
+                kv.offsets(&table, lo, hi, 7, &mut got);
+                let want: Vec<usize> = (lo..=hi).map(|p| kv.offset(&table, p) + 7).collect();
+                assert_eq!(got, want, "{lo}..={hi}");
+            }
         }
     }
 }

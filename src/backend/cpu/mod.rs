@@ -354,23 +354,26 @@ impl CpuBackend {
             rms_norm_rows(&mut xn, &layer.input_norm, c.rms_norm_eps);
             let mut qkv = layer.qkv.forward(&xn, t, &mut self.scratch, simd)?;
             let mut q = vec![0f32; t * qd];
-            qkv.par_chunks_mut(qkv_w).zip(q.par_chunks_mut(qd)).enumerate().for_each(|(i, (row, qrow))| {
-                let (cs, sn) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
-                let (qpart, rest) = row.split_at_mut(qd);
-                let mut tmp = vec![0f32; if ggml_rope { hd } else { 0 }];
-                let heads = qpart.chunks_exact_mut(hd).map(|h| (h, &layer.q_norm));
-                for (head, norm) in heads.chain(rest[..kvd].chunks_exact_mut(hd).map(|h| (h, &layer.k_norm))) {
-                    if let Some(w) = norm {
-                        rms_norm_rows(head, w, c.rms_norm_eps);
+            let rope_tmp = || vec![0f32; if ggml_rope { hd } else { 0 }];
+            qkv.par_chunks_mut(qkv_w).zip(q.par_chunks_mut(qd)).enumerate().for_each_init(
+                rope_tmp,
+                |tmp, (i, (row, qrow))| {
+                    let (cs, sn) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
+                    let (qpart, rest) = row.split_at_mut(qd);
+                    let heads = qpart.chunks_exact_mut(hd).map(|h| (h, &layer.q_norm));
+                    for (head, norm) in heads.chain(rest[..kvd].chunks_exact_mut(hd).map(|h| (h, &layer.k_norm))) {
+                        if let Some(w) = norm {
+                            rms_norm_rows(head, w, c.rms_norm_eps);
+                        }
+                        if ggml_rope {
+                            rope_ggml_interleaved(head, cs, sn, tmp, simd);
+                        } else {
+                            rope(head, cs, sn);
+                        }
                     }
-                    if ggml_rope {
-                        rope_ggml_interleaved(head, cs, sn, &mut tmp, simd);
-                    } else {
-                        rope(head, cs, sn);
-                    }
-                }
-                qrow.copy_from_slice(qpart);
-            });
+                    qrow.copy_from_slice(qpart);
+                },
+            );
             for (i, tok) in tokens.iter().enumerate() {
                 let row = &qkv[i * qkv_w..(i + 1) * qkv_w];
                 self.kv.write(li, tok.table, tok.pos, &row[qd..qd + kvd], &row[qd + kvd..]);
