@@ -10,6 +10,10 @@
 //! rounding moves logits by ~0.1): GGML's vectorised `expf` ([`expf_ggml`]) and the 8-lane dot
 //! product of llamafile's tinyBLAS ([`dot_lanes8`]). Each has an AVX2 path and a scalar path that
 //! give bit-identical results.
+//!
+//! Files: this one (formats, dispatch), `avx2` (AVX2 + FMA + F16C kernels, including the tiled
+//! weight-rows × activation-rows dot of [`dot_q_block`]), `scalar` (the portable twins).
+//! It must not know about models, backends or threads: callers split the work.
 
 use super::DType;
 use half::{bf16, f16};
