@@ -12,58 +12,91 @@
 //! adjacent-pair layout (the backend's GGML-style RoPE writes them so). llama.cpp switches to a different kernel (`ggml_vec_dot_f16`)
 //! when a step has a single query row; we cannot follow it there without making a sequence's
 //! numbers depend on how it was batched, which the exactness rules forbid.
+use half::f16;
 use rayon::prelude::*;
 
 use crate::backend::KvGeometry;
-use crate::model::quant::{dot_f32, dot_lanes8, expf_ggml, hsum8};
+use crate::model::quant::{dot_f32, expf_ggml, hsum8};
 
 /// Precision of the KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvPrecision {
     /// Exact f32 (golden tests against f32 references).
     F32,
-    /// K and V rounded to f16, and — as GGML's non-flash CPU attention does — the query rounded
-    /// to f16 for q·k and the softmax weights rounded to f16 for the V sum. This is llama.cpp's
-    /// default cache type; with a head size that is a multiple of 8 the whole attention follows
-    /// GGML's rounding (module docs), which keeps quantized GGUF models on llama.cpp's numbers.
+    /// K and V stored as f16 (2 bytes per value), and — as GGML's non-flash CPU attention does —
+    /// the query rounded to f16 for q·k and the softmax weights rounded to f16 for the V sum.
+    /// This is llama.cpp's default cache type; with a head size that is a multiple of 8 the
+    /// whole attention follows GGML's rounding (module docs), which keeps quantized GGUF models
+    /// on llama.cpp's numbers.
     F16,
 }
 
 #[inline]
 fn round_f16(x: f32) -> f32 {
-    half::f16::from_f32(x).to_f32()
+    f16::from_f32(x).to_f32()
 }
 
-/// K and V for every layer: `[layer][block][slot][kv_dim]`, held as f32 (values rounded to f16
-/// under `KvPrecision::F16`).
+/// One layer's K or V values in the cache's precision.
+pub enum KvValues {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+}
+
+impl KvValues {
+    fn new(precision: KvPrecision, n: usize) -> Self {
+        match precision {
+            KvPrecision::F32 => KvValues::F32(vec![0.0; n]),
+            KvPrecision::F16 => KvValues::F16(vec![f16::ZERO; n]),
+        }
+    }
+
+    fn store(&mut self, off: usize, x: &[f32]) {
+        match self {
+            KvValues::F32(v) => v[off..off + x.len()].copy_from_slice(x),
+            KvValues::F16(v) => v[off..off + x.len()].iter_mut().zip(x).for_each(|(d, &s)| *d = f16::from_f32(s)),
+        }
+    }
+
+    /// The `out.len()` values at `off` as f32 (exact: f16 widens without rounding).
+    fn load(&self, off: usize, out: &mut [f32]) {
+        let n = out.len();
+        match self {
+            KvValues::F32(v) => out.copy_from_slice(&v[off..off + n]),
+            KvValues::F16(v) => out.iter_mut().zip(&v[off..off + n]).for_each(|(d, s)| *d = s.to_f32()),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            KvValues::F32(v) => v.len() * 4,
+            KvValues::F16(v) => v.len() * 2,
+        }
+    }
+}
+
+/// K and V for every layer, each layer one contiguous array laid out block-major:
+/// `[block][slot][kv_dim]`, values as f32 or f16 by [`KvPrecision`]. A block of one layer is
+/// the contiguous range `block · block_size · kv_dim ..` of that layer's array.
 pub struct PagedKv {
     pub geom: KvGeometry,
     pub kv_dim: usize,
     pub precision: KvPrecision,
-    pub k: Vec<Vec<f32>>,
-    pub v: Vec<Vec<f32>>,
+    pub k: Vec<KvValues>,
+    pub v: Vec<KvValues>,
 }
 
 impl PagedKv {
     pub fn new(geom: KvGeometry, layers: usize, kv_dim: usize, precision: KvPrecision) -> Self {
         let n = geom.num_blocks * geom.block_size * kv_dim;
-        PagedKv { geom, kv_dim, precision, k: vec![vec![0f32; n]; layers], v: vec![vec![0f32; n]; layers] }
+        let mk = || (0..layers).map(|_| KvValues::new(precision, n)).collect();
+        PagedKv { geom, kv_dim, precision, k: mk(), v: mk() }
     }
 
-    /// Store one position's K and V rows.
+    /// Store one position's K and V rows (rounded to f16 under `KvPrecision::F16`).
     pub fn write(&mut self, layer: usize, table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
         let off = self.offset(table, pos);
-        let (kd, vd) = (&mut self.k[layer][off..off + self.kv_dim], &mut self.v[layer][off..off + self.kv_dim]);
-        match self.precision {
-            KvPrecision::F32 => {
-                kd.copy_from_slice(k);
-                vd.copy_from_slice(v);
-            }
-            KvPrecision::F16 => {
-                kd.iter_mut().zip(k).for_each(|(d, &x)| *d = round_f16(x));
-                vd.iter_mut().zip(v).for_each(|(d, &x)| *d = round_f16(x));
-            }
-        }
+        self.k[layer].store(off, k);
+        self.v[layer].store(off, v);
     }
 
     /// Offset of `pos` for a sequence with `table`.
@@ -73,13 +106,33 @@ impl PagedKv {
         (table[pos / bs] as usize * bs + pos % bs) * self.kv_dim
     }
 
-    pub fn bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|l| l.len() * 4).sum()
+    /// Append to `out` the offsets of positions `lo..=hi` (plus `add`) for a sequence with
+    /// `table`, walking block by block: one table lookup per block instead of a division per
+    /// position (this runs for every query position and head).
+    pub fn offsets(&self, table: &[u32], lo: usize, hi: usize, add: usize, out: &mut Vec<usize>) {
+        let bs = self.geom.block_size;
+        let mut p = lo;
+        while p <= hi {
+            let (blk, slot) = (table[p / bs] as usize, p % bs);
+            let n = (bs - slot).min(hi + 1 - p);
+            let base = (blk * bs + slot) * self.kv_dim + add;
+            out.extend((0..n).map(|i| base + i * self.kv_dim));
+            p += n;
+        }
     }
 
-    /// Bytes of one block in a KV image: every layer's K rows then V rows, f32 little-endian.
+    pub fn bytes(&self) -> usize {
+        self.k.iter().chain(&self.v).map(KvValues::bytes).sum()
+    }
+
+    /// Bytes of one block in a KV image: every layer's K rows then V rows, little-endian, 4 bytes
+    /// per value for f32 and 2 for f16 (the stored bits, so a round trip is exact).
     pub fn block_image_bytes(&self) -> usize {
-        self.k.len() * 2 * self.geom.block_size * self.kv_dim * 4
+        let width = match self.precision {
+            KvPrecision::F32 => 4,
+            KvPrecision::F16 => 2,
+        };
+        self.k.len() * 2 * self.geom.block_size * self.kv_dim * width
     }
 
     /// The contents of `blocks`, block after block (layout in `block_image_bytes`).
@@ -88,9 +141,10 @@ impl PagedKv {
         let mut image = Vec::with_capacity(blocks.len() * self.block_image_bytes());
         for &b in blocks {
             let at = b as usize * span;
-            for layer in self.k.iter().zip(&self.v) {
-                for x in layer.0[at..at + span].iter().chain(&layer.1[at..at + span]) {
-                    image.extend_from_slice(&x.to_le_bytes());
+            for values in self.k.iter().zip(&self.v).flat_map(|(k, v)| [k, v]) {
+                match values {
+                    KvValues::F32(x) => x[at..at + span].iter().for_each(|x| image.extend_from_slice(&x.to_le_bytes())),
+                    KvValues::F16(x) => x[at..at + span].iter().for_each(|x| image.extend_from_slice(&x.to_le_bytes())),
                 }
             }
         }
@@ -100,12 +154,25 @@ impl PagedKv {
     /// Fill `blocks` from an image made by `read_blocks`; the caller checked its length.
     pub fn write_blocks(&mut self, blocks: &[u32], image: &[u8]) {
         let span = self.geom.block_size * self.kv_dim;
-        let mut words = image.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+        let mut bytes = image;
         for &b in blocks {
             let at = b as usize * span;
-            for (k, v) in self.k.iter_mut().zip(self.v.iter_mut()) {
-                for x in k[at..at + span].iter_mut().chain(v[at..at + span].iter_mut()) {
-                    *x = words.next().unwrap_or(0.0);
+            for values in self.k.iter_mut().zip(self.v.iter_mut()).flat_map(|(k, v)| [k, v]) {
+                match values {
+                    KvValues::F32(x) => {
+                        let (head, rest) = bytes.split_at(span * 4);
+                        for (d, c) in x[at..at + span].iter_mut().zip(head.chunks_exact(4)) {
+                            *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                        }
+                        bytes = rest;
+                    }
+                    KvValues::F16(x) => {
+                        let (head, rest) = bytes.split_at(span * 2);
+                        for (d, c) in x[at..at + span].iter_mut().zip(head.chunks_exact(2)) {
+                            *d = f16::from_le_bytes([c[0], c[1]]);
+                        }
+                        bytes = rest;
+                    }
                 }
             }
         }
@@ -126,6 +193,16 @@ pub struct AttnShape {
     pub sliding_window: Option<usize>,
 }
 
+/// Per-task buffers, reused across the (query, head) pairs one rayon job runs.
+#[derive(Default)]
+struct HeadScratch {
+    q: Vec<f32>,
+    offs: Vec<usize>,
+    e: Vec<f32>,
+    row: Vec<f32>,
+    acc: Vec<f32>,
+}
+
 /// `out[t, h·d]` = softmax(q·Kᵀ/√d) · V over positions `0..=pos` (or the sliding window) of
 /// token `t`'s sequence, reading K/V of `layer` from the paged store.
 pub fn paged_attention(
@@ -144,25 +221,29 @@ pub fn paged_attention(
     let f16 = kv.precision == KvPrecision::F16;
     // tinyBLAS needs the reduction length to be a multiple of its 8 lanes.
     let ggml = f16 && hd % 8 == 0;
-    out.par_chunks_mut(hd).enumerate().for_each(|(task, o)| {
+    out.par_chunks_mut(hd).enumerate().for_each_init(HeadScratch::default, |sc, (task, o)| {
         let (t, h) = (task / nh, task % nh);
         let tok = tokens[t];
-        let mut qh = q[t * nh * hd + h * hd..t * nh * hd + (h + 1) * hd].to_vec();
+        sc.q.clear();
+        sc.q.extend_from_slice(&q[t * nh * hd + h * hd..t * nh * hd + (h + 1) * hd]);
         if f16 {
-            qh.iter_mut().for_each(|x| *x = round_f16(*x));
+            sc.q.iter_mut().for_each(|x| *x = round_f16(*x));
         }
         let koff = (h / group) * hd;
         let lo = shape.sliding_window.map_or(0, |w| (tok.pos + 1).saturating_sub(w));
-        let key = |p: usize| kv.offset(tok.table, p) + koff;
+        sc.offs.clear();
+        kv.offsets(tok.table, lo, tok.pos, koff, &mut sc.offs);
         if ggml {
-            ggml_head(&qh, kc, vc, &key, lo, tok.pos, scale, simd, o);
+            ggml_head(sc, kc, vc, lo, scale, simd, o);
             return;
         }
-        let mut scores = Vec::with_capacity(tok.pos + 1 - lo);
+        let HeadScratch { q: qh, offs, e: scores, row, .. } = sc;
+        row.resize(hd, 0.0);
+        scores.clear();
         let mut max = f32::NEG_INFINITY;
-        for p in lo..=tok.pos {
-            let base = key(p);
-            let s = dot_f32(&qh, &kc[base..base + hd], simd) * scale;
+        for &base in offs.iter() {
+            kc.load(base, row);
+            let s = dot_f32(qh, row, simd) * scale;
             max = max.max(s);
             scores.push(s);
         }
@@ -173,10 +254,10 @@ pub fn paged_attention(
         }
         let inv = 1.0 / sum;
         o.fill(0.0);
-        for (i, p) in (lo..=tok.pos).enumerate() {
-            let base = key(p);
-            let w = if f16 { round_f16(scores[i] * inv) } else { scores[i] * inv };
-            for (acc, &vv) in o.iter_mut().zip(&vc[base..base + hd]) {
+        for (&base, &s) in offs.iter().zip(scores.iter()) {
+            let w = if f16 { round_f16(s * inv) } else { s * inv };
+            vc.load(base, row);
+            for (acc, &vv) in o.iter_mut().zip(row.iter()) {
                 *acc = w.mul_add(vv, *acc);
             }
         }
@@ -185,33 +266,59 @@ pub fn paged_attention(
 
 /// One (query, head) of GGML's attention: `kq = mul_mat(K, q)` (tinyBLAS), `soft_max_ext(kq ·
 /// scale)`, `kqv = mul_mat(Vᵀ, softmax)` (tinyBLAS). llama.cpp lays one sequence's keys out at
-/// cache cells equal to their positions, so "cell" below is the position. `qh` is already
-/// rounded to f16; `key(p)` is the offset of position `p`'s K/V head row.
-#[allow(clippy::too_many_arguments)]
-fn ggml_head(
-    qh: &[f32],
-    kc: &[f32],
-    vc: &[f32],
-    key: &dyn Fn(usize) -> usize,
-    lo: usize,
-    pos: usize,
-    scale: f32,
-    simd: bool,
-    o: &mut [f32],
-) {
-    let hd = qh.len();
-    let mut e = Vec::with_capacity(pos + 1 - lo);
-    let mut max = f32::NEG_INFINITY;
-    for p in lo..=pos {
-        let base = key(p);
-        let s = dot_lanes8(qh, &kc[base..base + hd], simd) * scale;
-        max = max.max(s);
-        e.push(s);
+/// cache cells equal to their positions, so "cell" below is the position. `sc.q` is already
+/// rounded to f16; `sc.offs[i]` is the offset of position `lo + i`'s K/V head row.
+fn ggml_head(sc: &mut HeadScratch, kc: &KvValues, vc: &KvValues, lo: usize, scale: f32, simd: bool, o: &mut [f32]) {
+    let hd = sc.q.len();
+    let n = sc.offs.len();
+    sc.e.resize(n, 0.0);
+    #[cfg(target_arch = "x86_64")]
+    if let (true, KvValues::F16(k), KvValues::F16(v)) = (simd, kc, vc) {
+        // SAFETY: `simd` is only true when AVX2, FMA and F16C were detected at runtime; every
+        // offset addresses a whole head row inside the layer's arrays (`PagedKv::offset` of a
+        // validated block table).
+        unsafe { avx2::scores(&sc.q, k, &sc.offs, scale, &mut sc.e) };
+        let inv = softmax_weights(&mut sc.e, lo, simd);
+        // SAFETY: as above.
+        unsafe { avx2::weighted_values(&mut sc.e, inv, v, &sc.offs, lo, o) };
+        return;
     }
-    // `ggml_vec_soft_max_f32`: exp(x - max) (the subtraction in f32), summed per group of 8
-    // cells with `hsum8` and the group sums added in double; masked cells are exact zeros.
+    // Portable path, the same arithmetic: one 8-lane accumulator per q·k (lane = dimension mod
+    // 8), then one per (lane = cell mod 8, dimension) for the V sum, lanes combined by `hsum8`.
+    sc.row.resize(hd, 0.0);
+    for (s, &base) in sc.e.iter_mut().zip(&sc.offs) {
+        kc.load(base, &mut sc.row);
+        let mut lanes = [0f32; 8];
+        for (i, (&a, &b)) in sc.q.iter().zip(&sc.row).enumerate() {
+            lanes[i % 8] = a.mul_add(b, lanes[i % 8]);
+        }
+        *s = hsum8(&lanes) * scale;
+    }
+    let inv = softmax_weights(&mut sc.e, lo, simd);
+    sc.acc.clear();
+    sc.acc.resize(8 * hd, 0.0);
+    for (i, &base) in sc.offs.iter().enumerate() {
+        let p = lo + i;
+        let w = round_f16(sc.e[i] * inv);
+        vc.load(base, &mut sc.row);
+        for (a, &x) in sc.acc[(p % 8) * hd..(p % 8 + 1) * hd].iter_mut().zip(&sc.row) {
+            *a = w.mul_add(x, *a);
+        }
+    }
+    for (d, out) in o.iter_mut().enumerate() {
+        let lanes: [f32; 8] = std::array::from_fn(|l| sc.acc[l * hd + d]);
+        *out = hsum8(&lanes);
+    }
+}
+
+/// `ggml_vec_soft_max_f32` on scores `e` of cells `lo..`: `e[i] = exp(e[i] − max)` (the
+/// subtraction in f32), summed per group of 8 cells with `hsum8` and the group sums added in
+/// double; masked cells are exact zeros. Returns `1 / sum` (as f32).
+fn softmax_weights(e: &mut [f32], lo: usize, simd: bool) -> f32 {
+    let max = e.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
     e.iter_mut().for_each(|v| *v -= max);
-    expf_ggml(&mut e, simd);
+    expf_ggml(e, simd);
+    let pos = lo + e.len() - 1;
     let mut sum = 0f64;
     let mut g = lo / 8 * 8;
     while g <= pos {
@@ -219,49 +326,83 @@ fn ggml_head(
         sum += hsum8(&lanes) as f64;
         g += 8;
     }
-    let inv = (1.0 / sum) as f32;
-    // `kqv`: the f16 weights times V, one FMA accumulator per (lane = cell mod 8, dimension),
-    // lanes combined with `hsum8`.
-    let mut acc = vec![0f32; 8 * hd];
-    for (i, p) in (lo..=pos).enumerate() {
-        let w = round_f16(e[i] * inv);
-        let base = key(p);
-        axpy(&mut acc[(p % 8) * hd..(p % 8 + 1) * hd], w, &vc[base..base + hd], simd);
-    }
-    for (d, out) in o.iter_mut().enumerate() {
-        let lanes: [f32; 8] = std::array::from_fn(|l| acc[l * hd + d]);
-        *out = hsum8(&lanes);
-    }
-}
-
-/// `acc[i] = fma(w, v[i], acc[i])`; `acc.len()` is a multiple of 8.
-#[inline]
-fn axpy(acc: &mut [f32], w: f32, v: &[f32], simd: bool) {
-    #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: `simd` is only true when AVX2 and FMA were detected at runtime.
-        unsafe { avx2::axpy(acc, w, v) };
-        return;
-    }
-    let _ = simd;
-    for (a, &x) in acc.iter_mut().zip(v) {
-        *a = w.mul_add(x, *a);
-    }
+    (1.0 / sum) as f32
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    use half::f16;
     use std::arch::x86_64::*;
 
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn axpy(acc: &mut [f32], w: f32, v: &[f32]) {
-        debug_assert!(acc.len() == v.len() && acc.len() % 8 == 0);
-        let wv = _mm256_set1_ps(w);
-        let mut i = 0;
-        while i + 8 <= acc.len() {
-            let a = _mm256_loadu_ps(acc.as_ptr().add(i));
-            _mm256_storeu_ps(acc.as_mut_ptr().add(i), _mm256_fmadd_ps(wv, _mm256_loadu_ps(v.as_ptr().add(i)), a));
-            i += 8;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_f16x8(p: *const f16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+
+    /// `e[i] = hsum(Σ q·k_i lane by lane) · scale` for the K head rows at `offs` (f16, widened
+    /// exactly), the lane order of `dot_lanes8`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn scores(q: &[f32], k: &[f16], offs: &[usize], scale: f32, e: &mut [f32]) {
+        let hd = q.len();
+        for (s, &base) in e.iter_mut().zip(offs) {
+            debug_assert!(base + hd <= k.len());
+            let kp = k.as_ptr().add(base);
+            let mut acc = _mm256_setzero_ps();
+            let mut i = 0;
+            while i + 8 <= hd {
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(i)), load_f16x8(kp.add(i)), acc);
+                i += 8;
+            }
+            let lo = _mm256_castps256_ps128(acc);
+            let hi = _mm256_extractf128_ps(acc, 1);
+            let s4 = _mm_add_ps(lo, hi);
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            *s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2))) * scale;
+        }
+    }
+
+    /// `o[d] = hsum8(acc[0][d] … acc[7][d])` where `acc[p mod 8][d]` accumulates
+    /// `fma(round_f16(e_p · inv), v_p[d], ·)` over cells `p` in order — GGML's tinyBLAS V sum.
+    /// Eight dimensions at a time, the eight lane accumulators in registers. `e` is overwritten
+    /// with the rounded weights.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn weighted_values(e: &mut [f32], inv: f32, v: &[f16], offs: &[usize], lo: usize, o: &mut [f32]) {
+        let hd = o.len();
+        let n = offs.len();
+        for x in e.iter_mut() {
+            *x = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(*x * inv))));
+        }
+        let w = &*e;
+        let mut d = 0;
+        while d + 8 <= hd {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            let mut i = 0;
+            // Leading cells up to the next multiple of 8, then whole groups (lane = cell mod 8
+            // is then the unrolled index), then the tail.
+            while i < n && (lo + i) % 8 != 0 {
+                let l = (lo + i) % 8;
+                acc[l] = _mm256_fmadd_ps(_mm256_set1_ps(w[i]), load_f16x8(v.as_ptr().add(offs[i] + d)), acc[l]);
+                i += 1;
+            }
+            while i + 8 <= n {
+                for (l, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(_mm256_set1_ps(w[i + l]), load_f16x8(v.as_ptr().add(offs[i + l] + d)), *a);
+                }
+                i += 8;
+            }
+            while i < n {
+                let l = (lo + i) % 8;
+                acc[l] = _mm256_fmadd_ps(_mm256_set1_ps(w[i]), load_f16x8(v.as_ptr().add(offs[i] + d)), acc[l]);
+                i += 1;
+            }
+            // hsum8 of each dimension: ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)).
+            let s = _mm256_add_ps(
+                _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),
+                _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])),
+            );
+            _mm256_storeu_ps(o.as_mut_ptr().add(d), s);
+            d += 8;
         }
     }
 }
@@ -320,6 +461,47 @@ mod tests {
                 if precision == KvPrecision::F16 {
                     assert!(fast.iter().zip(&out).all(|(a, b)| a.to_bits() == b.to_bits()));
                 }
+            }
+        }
+    }
+
+    /// GGML's path with a sliding window (first cell not a multiple of 8, so the V sum starts
+    /// mid-group) and several blocks: the SIMD kernels equal the portable code bit for bit.
+    #[test]
+    fn f16_simd_attention_matches_portable_with_window() {
+        if !simd_available() {
+            return;
+        }
+        let (hd, nh, len) = (16, 4, 29);
+        let table = [3u32, 1, 4, 0, 2];
+        let mut seed = 4;
+        let mut kv = PagedKv::new(KvGeometry { block_size: 8, num_blocks: 5, state_slots: 0 }, 1, 2 * hd, KvPrecision::F16);
+        for p in 0..len {
+            let k: Vec<f32> = (0..2 * hd).map(|_| 3.0 * lcg(&mut seed)).collect();
+            let v: Vec<f32> = (0..2 * hd).map(|_| lcg(&mut seed)).collect();
+            kv.write(0, &table, p, &k, &v);
+        }
+        let q: Vec<f32> = (0..len * nh * hd).map(|_| lcg(&mut seed)).collect();
+        let tokens: Vec<TokenRef<'_>> = (0..len).map(|pos| TokenRef { pos, table: &table }).collect();
+        for window in [None, Some(5), Some(13)] {
+            let shape = AttnShape { n_heads: nh, n_kv_heads: 2, head_dim: hd, sliding_window: window };
+            let (mut a, mut b) = (vec![0f32; len * nh * hd], vec![0f32; len * nh * hd]);
+            paged_attention(&kv, 0, &shape, &tokens, &q, &mut a, false);
+            paged_attention(&kv, 0, &shape, &tokens, &q, &mut b, true);
+            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "window {window:?}");
+        }
+    }
+
+    #[test]
+    fn block_walk_offsets_equal_per_position_offsets() {
+        let kv = PagedKv::new(KvGeometry { block_size: 4, num_blocks: 6, state_slots: 0 }, 1, 3, KvPrecision::F16);
+        let table = [5u32, 0, 3, 1, 4];
+        for lo in 0..20 {
+            for hi in lo..20 {
+                let mut got = Vec::new();
+                kv.offsets(&table, lo, hi, 7, &mut got);
+                let want: Vec<usize> = (lo..=hi).map(|p| kv.offset(&table, p) + 7).collect();
+                assert_eq!(got, want, "{lo}..={hi}");
             }
         }
     }

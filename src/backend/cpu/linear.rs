@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 use crate::backend::BackendError;
-use crate::model::quant::{dot_f32, dot_q, quantize_row_q8, BlockQ8, QK};
+use crate::model::quant::{dot_f32, dot_q_block, quantize_row_q8, BlockQ8, DOT_TILE, QK};
 use crate::model::{DType, ModelError, TensorView, WeightSource};
 
 /// Weight rows in one of the supported storage formats.
@@ -97,8 +97,16 @@ impl CpuLinear {
         }
     }
 
-    /// `y[m, rows] = x[m, cols] · Wᵀ (+ bias)`.
-    pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32], simd: bool) -> Result<(), BackendError> {
+    /// `y[m, rows] = x[m, cols] · Wᵀ (+ bias)`, using `scratch`'s buffers (grown as needed, kept
+    /// for the next call).
+    pub fn forward(
+        &self,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+        scratch: &mut LinearScratch,
+        simd: bool,
+    ) -> Result<(), BackendError> {
         if x.len() != m * self.cols || y.len() != m * self.rows {
             return Err(BackendError::InvalidStep(format!(
                 "linear {}x{}: input {} / output {} elements for {m} rows",
@@ -112,9 +120,11 @@ impl CpuLinear {
             return Ok(());
         }
         // Work is split over weight rows so each weight row is read once for all m inputs;
-        // results land transposed (one contiguous run of m values per weight row).
-        let chunk = (self.rows / (rayon::current_num_threads() * 8)).clamp(8, 256);
-        let mut yt = vec![0f32; m * self.rows];
+        // results land transposed (one contiguous run of m values per weight row). Chunks are
+        // large enough that a step issues few tasks, small enough that both threads finish
+        // together.
+        let chunk = (self.rows / (rayon::current_num_threads() * 4)).clamp(8, 256);
+        let yt = grow(&mut scratch.yt, m * self.rows);
         match &self.weight {
             WeightRows::F32(w) => {
                 yt.par_chunks_mut(chunk * m).enumerate().for_each(|(ci, out)| {
@@ -129,31 +139,69 @@ impl CpuLinear {
             }
             WeightRows::Quant { dtype, data } => {
                 let nb = self.cols / QK;
-                let mut xq = vec![BlockQ8::default(); m * nb];
-                xq.par_chunks_mut(nb).zip(x.par_chunks(self.cols)).for_each(|(q, xr)| quantize_row_q8(xr, q));
+                let xq = grow(&mut scratch.xq, m * nb);
+                if m >= 4 {
+                    xq.par_chunks_mut(nb).zip(x.par_chunks(self.cols)).for_each(|(q, xr)| quantize_row_q8(xr, q, simd));
+                } else {
+                    xq.chunks_mut(nb).zip(x.chunks(self.cols)).for_each(|(q, xr)| quantize_row_q8(xr, q, simd));
+                }
+                let xq = &*xq;
                 let rb = nb * dtype.block_bytes();
+                // Activation rows are taken in groups that stay in L1 (~16 KiB of Q8 blocks)
+                // while the chunk's weight rows pass over them; within a group the dot kernel
+                // decodes each weight block once per tile of rows.
+                let group = (16384 / (nb * std::mem::size_of::<BlockQ8>())).max(1).div_ceil(DOT_TILE) * DOT_TILE;
                 yt.par_chunks_mut(chunk * m).enumerate().for_each(|(ci, out)| {
-                    for (j, o) in out.chunks_exact_mut(m).enumerate() {
-                        let r = ci * chunk + j;
-                        let wr = &data[r * rb..(r + 1) * rb];
-                        for (i, v) in o.iter_mut().enumerate() {
-                            *v = dot_q(*dtype, wr, &xq[i * nb..(i + 1) * nb], simd);
-                        }
+                    let w = &data[ci * chunk * rb..(ci * chunk + out.len() / m) * rb];
+                    for t0 in (0..m).step_by(group) {
+                        let t1 = (t0 + group).min(m);
+                        dot_q_block(*dtype, w, &xq[t0 * nb..t1 * nb], nb, &mut out[t0..], m, simd);
                     }
                 });
             }
         }
-        for i in 0..m {
-            let yr = &mut y[i * self.rows..(i + 1) * self.rows];
-            for (r, v) in yr.iter_mut().enumerate() {
-                *v = yt[r * m + i];
-            }
+        let yt = &*yt;
+        let rows = self.rows;
+        let add_bias = |yr: &mut [f32]| {
             if let Some(b) = &self.bias {
                 for (v, bb) in yr.iter_mut().zip(b) {
                     *v += bb;
                 }
             }
+        };
+        if m == 1 {
+            y.copy_from_slice(yt);
+            add_bias(y);
+        } else {
+            // Back to one row per input, 8 inputs per task: each weight row's 8 results are one
+            // contiguous read.
+            y.par_chunks_mut(rows * 8).enumerate().for_each(|(bi, yb)| {
+                let (i0, n) = (bi * 8, yb.len() / rows);
+                for (r, src) in yt.chunks_exact(m).enumerate() {
+                    for (k, &v) in src[i0..i0 + n].iter().enumerate() {
+                        yb[k * rows + r] = v;
+                    }
+                }
+                yb.chunks_exact_mut(rows).for_each(add_bias);
+            });
         }
         Ok(())
     }
+}
+
+/// Buffers a projection needs per call, owned by the backend and reused across calls and steps
+/// so a decode step does not allocate them again for every projection.
+#[derive(Default)]
+pub struct LinearScratch {
+    xq: Vec<BlockQ8>,
+    yt: Vec<f32>,
+}
+
+/// The first `n` elements of `buf`, growing it when needed (contents are unspecified: every
+/// caller overwrites them).
+fn grow<T: Default + Clone>(buf: &mut Vec<T>, n: usize) -> &mut [T] {
+    if buf.len() < n {
+        buf.resize(n, T::default());
+    }
+    &mut buf[..n]
 }

@@ -9,7 +9,7 @@ use rayon::prelude::*;
 
 pub use self::attention::KvPrecision;
 use self::attention::{paged_attention, AttnShape, PagedKv, TokenRef};
-use self::linear::{load_vector, CpuLinear};
+use self::linear::{load_vector, CpuLinear, LinearScratch};
 use super::{validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::model::llama::{LinearSpec, LlamaSpec};
@@ -50,16 +50,16 @@ impl Proj {
     }
 
     /// `y[m, Σrows]` with the parts side by side in each row.
-    fn forward(&self, x: &[f32], m: usize, simd: bool) -> Result<Vec<f32>, BackendError> {
+    fn forward(&self, x: &[f32], m: usize, scratch: &mut LinearScratch, simd: bool) -> Result<Vec<f32>, BackendError> {
         let total = self.rows();
         let mut y = vec![0f32; m * total];
         match self {
-            Proj::Fused(l) => l.forward(x, m, &mut y, simd)?,
+            Proj::Fused(l) => l.forward(x, m, &mut y, scratch, simd)?,
             Proj::Split(parts) => {
                 let mut col = 0;
                 for p in parts {
                     let mut part = vec![0f32; m * p.rows];
-                    p.forward(x, m, &mut part, simd)?;
+                    p.forward(x, m, &mut part, scratch, simd)?;
                     for i in 0..m {
                         y[i * total + col..i * total + col + p.rows]
                             .copy_from_slice(&part[i * p.rows..(i + 1) * p.rows]);
@@ -95,6 +95,7 @@ pub struct CpuBackend {
     pool: std::sync::Arc<rayon::ThreadPool>,
     simd: bool,
     weight_bytes: usize,
+    scratch: LinearScratch,
 }
 
 /// RMSNorm of each `dim`-sized row of `x` in place: `x · w / sqrt(mean(x²) + eps)`, with GGML's
@@ -298,6 +299,7 @@ impl CpuBackend {
             pool,
             simd: simd_available(),
             weight_bytes,
+            scratch: LinearScratch::default(),
         })
     }
 
@@ -350,25 +352,28 @@ impl CpuBackend {
         for (li, layer) in self.layers.iter().enumerate() {
             let mut xn = x.clone();
             rms_norm_rows(&mut xn, &layer.input_norm, c.rms_norm_eps);
-            let mut qkv = layer.qkv.forward(&xn, t, simd)?;
+            let mut qkv = layer.qkv.forward(&xn, t, &mut self.scratch, simd)?;
             let mut q = vec![0f32; t * qd];
-            qkv.par_chunks_mut(qkv_w).zip(q.par_chunks_mut(qd)).enumerate().for_each(|(i, (row, qrow))| {
-                let (cs, sn) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
-                let (qpart, rest) = row.split_at_mut(qd);
-                let mut tmp = vec![0f32; if ggml_rope { hd } else { 0 }];
-                let heads = qpart.chunks_exact_mut(hd).map(|h| (h, &layer.q_norm));
-                for (head, norm) in heads.chain(rest[..kvd].chunks_exact_mut(hd).map(|h| (h, &layer.k_norm))) {
-                    if let Some(w) = norm {
-                        rms_norm_rows(head, w, c.rms_norm_eps);
+            let rope_tmp = || vec![0f32; if ggml_rope { hd } else { 0 }];
+            qkv.par_chunks_mut(qkv_w).zip(q.par_chunks_mut(qd)).enumerate().for_each_init(
+                rope_tmp,
+                |tmp, (i, (row, qrow))| {
+                    let (cs, sn) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
+                    let (qpart, rest) = row.split_at_mut(qd);
+                    let heads = qpart.chunks_exact_mut(hd).map(|h| (h, &layer.q_norm));
+                    for (head, norm) in heads.chain(rest[..kvd].chunks_exact_mut(hd).map(|h| (h, &layer.k_norm))) {
+                        if let Some(w) = norm {
+                            rms_norm_rows(head, w, c.rms_norm_eps);
+                        }
+                        if ggml_rope {
+                            rope_ggml_interleaved(head, cs, sn, tmp, simd);
+                        } else {
+                            rope(head, cs, sn);
+                        }
                     }
-                    if ggml_rope {
-                        rope_ggml_interleaved(head, cs, sn, &mut tmp, simd);
-                    } else {
-                        rope(head, cs, sn);
-                    }
-                }
-                qrow.copy_from_slice(qpart);
-            });
+                    qrow.copy_from_slice(qpart);
+                },
+            );
             for (i, tok) in tokens.iter().enumerate() {
                 let row = &qkv[i * qkv_w..(i + 1) * qkv_w];
                 self.kv.write(li, tok.table, tok.pos, &row[qd..qd + kvd], &row[qd + kvd..]);
@@ -376,13 +381,13 @@ impl CpuBackend {
             let mut attn = vec![0f32; t * qd];
             paged_attention(&self.kv, li, &shape, &tokens, &q, &mut attn, simd);
             let mut o = vec![0f32; t * h];
-            layer.o.forward(&attn, t, &mut o, simd)?;
+            layer.o.forward(&attn, t, &mut o, &mut self.scratch, simd)?;
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
             let mut xn = x.clone();
             rms_norm_rows(&mut xn, &layer.post_norm, c.rms_norm_eps);
-            let gu = layer.gate_up.forward(&xn, t, simd)?;
+            let gu = layer.gate_up.forward(&xn, t, &mut self.scratch, simd)?;
             let inter = c.intermediate_size;
             let mut act = vec![0f32; t * inter];
             act.par_chunks_mut(inter).zip(gu.par_chunks(2 * inter)).for_each(|(a, g)| {
@@ -390,7 +395,7 @@ impl CpuBackend {
                 swiglu(gate, up, a, simd);
             });
             let mut d = vec![0f32; t * h];
-            layer.down.forward(&act, t, &mut d, simd)?;
+            layer.down.forward(&act, t, &mut d, &mut self.scratch, simd)?;
             for (a, b) in x.iter_mut().zip(&d) {
                 *a += b;
             }
@@ -414,7 +419,7 @@ impl CpuBackend {
         }
         rms_norm_rows(&mut xs, &self.final_norm, c.rms_norm_eps);
         let mut data = vec![0f32; m * c.vocab_size];
-        self.lm_head.as_ref().unwrap_or(&self.embed).forward(&xs, m, &mut data, simd)?;
+        self.lm_head.as_ref().unwrap_or(&self.embed).forward(&xs, m, &mut data, &mut self.scratch, simd)?;
         Ok(StepLogits { vocab: c.vocab_size, data, offsets })
     }
 }
@@ -615,8 +620,10 @@ mod tests {
     fn kv_image_moved_to_other_blocks_continues_bitwise() {
         for precision in [KvPrecision::F32, KvPrecision::F16] {
             let cfg = tiny_llama_config();
-            let mut b = backend(&cfg, DType::Q8_0, 16);
-            b.kv.precision = precision;
+            let w = SyntheticWeights::new(&cfg, DType::Q8_0, 11);
+            let kv = KvGeometry { block_size: 4, num_blocks: 16, state_slots: 1 };
+            let mut b =
+                CpuBackend::new(&cfg, &w, CpuOptions { threads: 2, kv, kv_precision: Some(precision) }).unwrap();
             let ids = seq_ids(12, 3);
             let (prefix, next) = (&ids[..8], &ids[8..]);
             let step = |b: &mut CpuBackend, toks: &[u32], start: usize, table: &[u32]| {

@@ -5,6 +5,7 @@
 //! token's routed outputs are summed in ascending expert order, so its result never depends on
 //! which other tokens share the batch.
 
+use crate::backend::cpu::linear::LinearScratch;
 use rayon::prelude::*;
 
 use super::config::Glm5Config;
@@ -16,13 +17,13 @@ use crate::backend::BackendError;
 pub fn mlp(w: &Mlp, x: &[f32], m: usize, limit: f32, simd: bool) -> Result<Vec<f32>, BackendError> {
     let inter = w.gate_up.rows / 2;
     let mut gu = vec![0f32; m * 2 * inter];
-    w.gate_up.forward(x, m, &mut gu, simd)?;
+    w.gate_up.forward(x, m, &mut gu, &mut LinearScratch::default(), simd)?;
     let mut act = vec![0f32; m * inter];
     for (a, g) in act.chunks_mut(inter).zip(gu.chunks(2 * inter)) {
         swiglu_clamped(g, limit, a);
     }
     let mut y = vec![0f32; m * w.down.rows];
-    w.down.forward(&act, m, &mut y, simd)?;
+    w.down.forward(&act, m, &mut y, &mut LinearScratch::default(), simd)?;
     Ok(y)
 }
 
@@ -64,7 +65,7 @@ pub fn moe(c: &Glm5Config, w: &Moe, x: &[f32], m: usize, simd: bool) -> Result<V
     let d = c.hidden_size;
     let e = c.n_routed_experts;
     let mut logits = vec![0f32; m * e];
-    w.router.forward(x, m, &mut logits, simd)?;
+    w.router.forward(x, m, &mut logits, &mut LinearScratch::default(), simd)?;
     let routes: Vec<Vec<(usize, f32)>> = logits.chunks(e).map(|l| route(c, l, &w.correction_bias)).collect();
     // (row, slot in the row's route) per expert.
     let mut assigned: Vec<Vec<(usize, usize)>> = vec![Vec::new(); e];

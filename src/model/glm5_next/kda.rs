@@ -4,6 +4,7 @@
 //! RMSNorm and `o_proj`. Prefill and decode run the same per-token recurrence (transformers' decode
 //! kernel), so a token's output is bitwise the same however its sequence was chunked.
 
+use crate::backend::cpu::linear::LinearScratch;
 use rayon::prelude::*;
 
 use super::cache::{Glm5Cache, KdaSlots};
@@ -20,7 +21,7 @@ fn project(
     simd: bool,
 ) -> Result<Vec<f32>, BackendError> {
     let mut y = vec![0f32; m * l.rows];
-    l.forward(x, m, &mut y, simd)?;
+    l.forward(x, m, &mut y, &mut LinearScratch::default(), simd)?;
     Ok(y)
 }
 

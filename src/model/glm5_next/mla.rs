@@ -8,6 +8,7 @@
 //! Each query reads only cache positions `≤` itself and sums over them in ascending order, so its
 //! output does not depend on chunking or batch company.
 
+use crate::backend::cpu::linear::LinearScratch;
 use rayon::prelude::*;
 
 use super::cache::{DsaSlots, Glm5Cache};
@@ -20,7 +21,7 @@ use crate::backend::BackendError;
 
 fn project(l: &CpuLinear, x: &[f32], m: usize, simd: bool) -> Result<Vec<f32>, BackendError> {
     let mut y = vec![0f32; m * l.rows];
-    l.forward(x, m, &mut y, simd)?;
+    l.forward(x, m, &mut y, &mut LinearScratch::default(), simd)?;
     Ok(y)
 }
 

@@ -21,6 +21,7 @@ pub mod mla;
 pub mod ops;
 pub mod weights;
 
+use crate::backend::cpu::linear::LinearScratch;
 use std::path::Path;
 
 use rayon::prelude::*;
@@ -132,7 +133,7 @@ fn hc_site(
     xn.par_chunks_mut(m * d).zip(x.par_chunks(m * d)).for_each(|(o, xr)| hc_normalize(xr, c.rms_norm_eps, o));
     let n = (2 + m) * m;
     let mut mix = vec![0f32; rows * n];
-    hc.proj.forward(&xn, rows, &mut mix, simd)?;
+    hc.proj.forward(&xn, rows, &mut mix, &mut LinearScratch::default(), simd)?;
     let mut u = vec![0f32; rows * d];
     let hcw = u
         .par_chunks_mut(d)
@@ -261,7 +262,13 @@ impl Glm5Model {
             rms_norm(hr, &self.weights.norm, c.rms_norm_eps);
         }
         let mut data = vec![0f32; rows.len() * c.vocab_size];
-        self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed).forward(&h, rows.len(), &mut data, simd)?;
+        self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed).forward(
+            &h,
+            rows.len(),
+            &mut data,
+            &mut LinearScratch::default(),
+            simd,
+        )?;
         Ok(StepLogits { vocab: c.vocab_size, data, offsets })
     }
 }
