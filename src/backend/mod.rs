@@ -122,23 +122,3 @@ pub fn validate_batch(batch: &[SeqStep<'_>], geom: KvGeometry) -> Result<(), Bac
     }
     Ok(())
 }
-
-/// Check a KV image request: every block in range and the image `blocks.len()` blocks long.
-pub fn validate_kv_image_len(
-    blocks: &[u32],
-    image_len: usize,
-    block_bytes: usize,
-    geom: KvGeometry,
-) -> Result<(), BackendError> {
-    if let Some(b) = blocks.iter().find(|&&b| b as usize >= geom.num_blocks) {
-        return Err(BackendError::InvalidStep(format!("block {b} is out of range, store has {}", geom.num_blocks)));
-    }
-    if image_len != blocks.len() * block_bytes {
-        return Err(BackendError::InvalidStep(format!(
-            "KV image is {image_len} bytes, {} blocks of {block_bytes} bytes need {}",
-            blocks.len(),
-            blocks.len() * block_bytes
-        )));
-    }
-    Ok(())
-}

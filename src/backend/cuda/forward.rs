@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use super::gpu::{cfg, grid_for, DevBuf, DeviceRepr, Gpu, Precision};
 use super::plan::{StepLayout, ROWS_PER_ITEM};
 use super::CudaBackend;
-use crate::backend::{validate_kv_image_len, BackendError, SeqStep};
+use crate::backend::{BackendError, KvGeometry, SeqStep};
 use crate::launch;
 
 /// Named device buffers that only ever grow.
@@ -281,4 +281,19 @@ pub fn measure_ceilings(gpu: &mut Gpu, bytes: usize, n: usize, reps: usize) -> R
     }
     let gemm_s = timed(gpu, &mut || gpu.gemm(Precision::Bf16, n, n, n, a.ptr(), b.ptr(), y.ptr(), false))?;
     Ok((2.0 * bytes as f64 / copy_s, 2.0 * (n as f64).powi(3) / gemm_s))
+}
+
+/// Check a KV image request: every block in range and the image `blocks.len()` blocks long.
+fn validate_kv_image_len(blocks: &[u32], image_len: usize, block_bytes: usize, geom: KvGeometry) -> Result<(), BackendError> {
+    if let Some(b) = blocks.iter().find(|&&b| b as usize >= geom.num_blocks) {
+        return Err(BackendError::InvalidStep(format!("block {b} is out of range, store has {}", geom.num_blocks)));
+    }
+    if image_len != blocks.len() * block_bytes {
+        return Err(BackendError::InvalidStep(format!(
+            "KV image is {image_len} bytes, {} blocks of {block_bytes} bytes need {}",
+            blocks.len(),
+            blocks.len() * block_bytes
+        )));
+    }
+    Ok(())
 }

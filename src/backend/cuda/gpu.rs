@@ -76,6 +76,13 @@ pub fn device_count() -> Result<usize, String> {
     Ok(n.max(0) as usize)
 }
 
+/// Free and total bytes of device `ordinal`.
+pub fn device_memory(ordinal: usize) -> Result<(usize, usize), BackendError> {
+    device_count().map_err(|reason| BackendError::Unavailable { device: format!("cuda:{ordinal}"), reason })?;
+    let ctx = CudaContext::new(ordinal).map_err(|e| dev_err("creating the context", e))?;
+    ctx.mem_get_info().map_err(|e| dev_err("reading free memory", e))
+}
+
 /// Compile one kernel module (with the shared header prepended) to PTX for `sm_{major}{minor}`.
 pub fn compile_module(module: &str, src: &str, (major, minor): (i32, i32)) -> Result<cudarc::nvrtc::Ptx, BackendError> {
     let opts = cudarc::nvrtc::CompileOptions {

@@ -10,7 +10,7 @@ pub mod gpu;
 pub mod plan;
 mod weights;
 
-pub use gpu::{device_count, Precision};
+pub use gpu::{device_count, device_memory, Precision};
 
 use self::gpu::{DevBuf, Gpu};
 use self::plan::KvLayout;
@@ -140,6 +140,16 @@ impl CudaBackend {
 
     /// Wait for queued device work (benchmarks time with this).
     pub fn synchronize(&self) -> Result<(), BackendError> {
+        self.gpu.sync()
+    }
+
+    /// Fill the whole KV store with seeded random values (benchmarks decode at long contexts
+    /// without prefilling them first; the values only need to be finite and not zero).
+    pub fn fill_kv_random(&mut self, seed: u64) -> Result<(), BackendError> {
+        self.gpu.bind()?;
+        let f = self.gpu.func("llama", &format!("fill_uniform_{}", self.prec.suffix()))?;
+        let (p, n, c, s) = (self.kv.ptr(), (self.kv.bytes() / self.prec.bytes()) as i64, 0f32, 1f32);
+        crate::launch!(self.gpu, f, gpu::cfg((8192, 1), 256, 0), &p, &n, &seed, &c, &s)?;
         self.gpu.sync()
     }
 
