@@ -20,6 +20,22 @@ struct AttnDims {
     float scale;
 };
 
+__device__ __forceinline__ void load8(const bf16* p, float* o) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        o[2 * j] = __uint_as_float(w[j] << 16);
+        o[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ void load8(const float* p, float* o) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+    o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+}
+
 // Work item: seq, first token (global index), token count, kv head, key begin, key end, split.
 #define ITEM_INTS 8
 
@@ -57,6 +73,8 @@ __device__ void attn_partial_impl(const int* items, const float* q, const T* k_c
             const int r = threadIdx.x;
             pos_s[r] = r < prow ? positions[tok0 + (pass0 + r) / group] : -1;
         }
+        // Rows r·WARPS + warp of this pass belong to this warp; `nr` of them are real.
+        const int nr = prow > warp ? (prow - warp + WARPS - 1) / WARPS : 0;
         float m[ROWS_PER_WARP], l[ROWS_PER_WARP], acc[ROWS_PER_WARP][C];
 #pragma unroll
         for (int r = 0; r < ROWS_PER_WARP; ++r) {
@@ -72,17 +90,39 @@ __device__ void attn_partial_impl(const int* items, const float* q, const T* k_c
                 off_s[threadIdx.x] = p < key1 ? table[p / d.block_size] * d.block_stride + (i64)(p % d.block_size) * kvd : -1;
             }
             __syncthreads();
-            for (int i = threadIdx.x; i < KT * hd; i += blockDim.x) {
-                const int k = i / hd, c = i % hd;
-                const i64 row = off_s[k];
-                float kv = 0.f, vv = 0.f;
-                if (row >= 0) {
-                    const i64 off = row + kvh * hd + c;
-                    kv = to_f(k_cache[off]);
-                    vv = to_f(v_cache[off]);
+            if ((hd & 7) == 0) {
+                // 16-byte loads of 8 elements (rows start at multiples of 8 elements).
+                const int vec = hd >> 3;
+                for (int i = threadIdx.x; i < KT * vec; i += blockDim.x) {
+                    const int k = i / vec, c = (i - k * vec) * 8;
+                    const i64 row = off_s[k];
+                    float kv[8], vv[8];
+                    if (row >= 0) {
+                        load8(k_cache + row + kvh * hd + c, kv);
+                        load8(v_cache + row + kvh * hd + c, vv);
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) kv[j] = vv[j] = 0.f;
+                    }
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        ks[k * ld + c + j] = kv[j];
+                        vs[k * ld + c + j] = vv[j];
+                    }
                 }
-                ks[k * ld + c] = kv;
-                vs[k * ld + c] = vv;
+            } else {
+                for (int i = threadIdx.x; i < KT * hd; i += blockDim.x) {
+                    const int k = i / hd, c = i % hd;
+                    const i64 row = off_s[k];
+                    float kv = 0.f, vv = 0.f;
+                    if (row >= 0) {
+                        const i64 off = row + kvh * hd + c;
+                        kv = to_f(k_cache[off]);
+                        vv = to_f(v_cache[off]);
+                    }
+                    ks[k * ld + c] = kv;
+                    vs[k * ld + c] = vv;
+                }
             }
             __syncthreads();
             const int p = kt0 + lane;
@@ -93,18 +133,19 @@ __device__ void attn_partial_impl(const int* items, const float* q, const T* k_c
             for (int c = 0; c < hd; ++c) {
                 const float kv = kr[c];
 #pragma unroll
-                for (int r = 0; r < ROWS_PER_WARP; ++r) s[r] += qs[(warp * ROWS_PER_WARP + r) * hd + c] * kv;
+                for (int r = 0; r < ROWS_PER_WARP; ++r)
+                    if (r < nr) s[r] += qs[(r * WARPS + warp) * hd + c] * kv;
             }
             float pr[ROWS_PER_WARP];
 #pragma unroll
             for (int r = 0; r < ROWS_PER_WARP; ++r) {
-                const int qp = pos_s[warp * ROWS_PER_WARP + r];
+                const int qp = pos_s[r * WARPS + warp];
                 const int lo = d.window > 0 ? qp + 1 - d.window : 0;
                 const bool valid = qp >= 0 && p < key1 && p <= qp && p >= lo;
                 const float sc = valid ? s[r] * d.scale : -INFINITY;
                 const float tmax = warp_max(sc);
                 pr[r] = 0.f;
-                if (tmax == -INFINITY) continue;  // every key of this tile is masked for the row
+                if (r >= nr || tmax == -INFINITY) continue;  // every key of this tile is masked for the row
                 const float nm = fmaxf(m[r], tmax);
                 const float corr = expf(m[r] - nm);
                 pr[r] = valid ? expf(sc - nm) : 0.f;
@@ -120,6 +161,7 @@ __device__ void attn_partial_impl(const int* items, const float* q, const T* k_c
                 for (int c = 0; c < C; ++c) vv[c] = (lane + 32 * c) < hd ? vr[lane + 32 * c] : 0.f;
 #pragma unroll
                 for (int r = 0; r < ROWS_PER_WARP; ++r) {
+                    if (r >= nr) break;
                     const float pk = __shfl_sync(0xffffffffu, pr[r], k);
 #pragma unroll
                     for (int c = 0; c < C; ++c) acc[r][c] += pk * vv[c];
@@ -128,7 +170,7 @@ __device__ void attn_partial_impl(const int* items, const float* q, const T* k_c
         }
 #pragma unroll
         for (int r = 0; r < ROWS_PER_WARP; ++r) {
-            const int pr_ = warp * ROWS_PER_WARP + r;
+            const int pr_ = r * WARPS + warp;
             if (pr_ >= prow) continue;
             const int row = pass0 + pr_, tok = tok0 + row / group, head = kvh * group + row % group;
             const long long pidx = ((long long)split * d.total_tokens + tok) * d.nh + head;

@@ -2,8 +2,10 @@
 //! device machine; in CI these are ignored with the reason, never passed). References: the CPU
 //! backend in f32 (itself golden-tested against transformers) and the transformers logits and
 //! greedy continuations stored with the tiny HF fixtures. Tolerances: max relative logit error
-//! (|Δ| / max(|a|, |b|, 1)) under 1e-4 in the f32 mode and 1e-2 in bf16; greedy continuations
-//! identical in f32. Also reports, without asserting, which exactness rules hold bitwise.
+//! (|Δ| / max(|a|, |b|, 1)) under 1e-4 in the f32 mode and 1e-2 in bf16 (on the tiny fixtures,
+//! within 1.25× of transformers' own bf16 error: see `TRANSFORMERS_BF16_ERR`); greedy
+//! continuations identical in f32. Also reports, without asserting, which exactness rules hold
+//! bitwise.
 
 mod common;
 
@@ -22,6 +24,26 @@ use shelfserve::model::{DType, WeightSource};
 use shelfserve::sampling::SamplingParams;
 
 const NEEDS_GPU: &str = "needs a CUDA device; run scripts/gpu_validate.sh";
+
+/// transformers' own bf16 error against its f32 goldens on each tiny fixture, by
+/// `scripts/bf16_peer_error.py` (torch 2.x, transformers 5.x, CPU). These random-init models are
+/// ill-conditioned: bf16 storage alone moves their logits 5-20 %, so there the bf16 mode must stay
+/// within 1.25× of what transformers itself gets in bf16; the 1e-2 bound applies to the mid-size
+/// config.
+const TRANSFORMERS_BF16_ERR: &[(&str, f32)] = &[
+    ("llama3-tiny", 0.2246),
+    ("qwen2-tiny", 0.2095),
+    ("qwen3-tiny", 0.09285),
+    ("mistral-tiny", 0.2221),
+    ("llama-tok", 0.05726),
+];
+
+fn tiny_tol(name: &str, p: Precision) -> f32 {
+    match p {
+        Precision::F32 => tol(p),
+        Precision::Bf16 => TRANSFORMERS_BF16_ERR.iter().find(|(n, _)| *n == name).map_or(tol(p), |&(_, e)| 1.25 * e),
+    }
+}
 
 fn tol(p: Precision) -> f32 {
     match p {
@@ -55,7 +77,10 @@ fn greedy(max_tokens: usize, chunk: usize) -> GenerateOptions {
 fn tiny_checkpoints_match_cpu_and_transformers() {
     let _ = NEEDS_GPU;
     let mut failures = Vec::new();
-    println!("{:<14} {:<5} {:>6} {:>12} {:>12} {:>8}", "model", "prec", "prompt", "rel vs cpu", "rel vs hf", "greedy");
+    println!(
+        "{:<14} {:<5} {:>6} {:>12} {:>12} {:>8}  (bf16 bound: 1.25 × transformers' own bf16 error)",
+        "model", "prec", "prompt", "rel vs cpu", "rel vs hf", "greedy"
+    );
     for name in ["llama3-tiny", "qwen2-tiny", "qwen3-tiny", "mistral-tiny", "llama-tok"] {
         let dir = common::fixture(&format!("hf/{name}"));
         let bundle = shelfserve::model::open(dir.to_str().unwrap(), &CacheDir::from_env()).unwrap();
@@ -88,7 +113,7 @@ fn tiny_checkpoints_match_cpu_and_transformers() {
                     same
                 );
                 for (what, e) in [("cpu", Some(rel_cpu)), ("transformers", rel_hf)] {
-                    if let Some(e) = e.filter(|&e| e >= tol(prec) || e.is_nan()) {
+                    if let Some(e) = e.filter(|&e| e >= tiny_tol(name, prec) || e.is_nan()) {
                         failures.push(format!("{name} {prec:?} prompt {i}: rel err vs {what} {e:.3e}"));
                     }
                 }

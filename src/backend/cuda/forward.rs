@@ -153,7 +153,7 @@ impl CudaBackend {
             let vbase = kbase + (self.kv_layout.plane_elems() * eb) as u64;
             let w = lw.input_norm.ptr();
             launch!(gpu, norm_f.clone(), cfg((t as u32, 1), 256, 0), &x, &null, &w, &xn, &h32, &eps)?;
-            gpu.gemm(prec, t, qd + 2 * kvd, h, xn, lw.qkv.ptr(), qkv, false)?;
+            gpu.matmul(prec, t, qd + 2 * kvd, h, xn, lw.qkv.ptr(), qkv, false)?;
             add_bias(gpu, qkv, &lw.qkv_bias, qd + 2 * kvd)?;
             let (qn, kn) = (lw.q_norm.as_ref().map_or(0, DevBuf::ptr), lw.k_norm.as_ref().map_or(0, DevBuf::ptr));
             launch!(
@@ -168,22 +168,22 @@ impl CudaBackend {
                 gpu, combine_f.clone(), cfg((t as u32, nh as u32), hd.next_multiple_of(32) as u32, 0),
                 &part_acc, &part_ml, &token_splits, &attn, &dims
             )?;
-            gpu.gemm(prec, t, h, qd, attn, lw.o.ptr(), x, true)?;
+            gpu.matmul(prec, t, h, qd, attn, lw.o.ptr(), x, true)?;
             add_bias(gpu, x, &lw.o_bias, h)?;
             let w = lw.post_norm.ptr();
             launch!(gpu, norm_f.clone(), cfg((t as u32, 1), 256, 0), &x, &null, &w, &xn, &h32, &eps)?;
-            gpu.gemm(prec, t, 2 * inter, h, xn, lw.gate_up.ptr(), gu, false)?;
+            gpu.matmul(prec, t, 2 * inter, h, xn, lw.gate_up.ptr(), gu, false)?;
             add_bias(gpu, gu, &lw.gate_up_bias, 2 * inter)?;
             let n = (t * inter) as i64;
             launch!(gpu, swiglu_f.clone(), cfg((grid_for(t * inter, 256), 1), 256, 0), &gu, &act, &inter32, &n)?;
-            gpu.gemm(prec, t, h, inter, act, lw.down.ptr(), x, true)?;
+            gpu.matmul(prec, t, h, inter, act, lw.down.ptr(), x, true)?;
             add_bias(gpu, x, &lw.down_bias, h)?;
         }
         if m > 0 {
             let w = self.weights.final_norm.ptr();
             launch!(gpu, norm_f, cfg((m as u32, 1), 256, 0), &x, &logit_rows, &w, &xs, &h32, &eps)?;
             let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed).ptr();
-            gpu.gemm(prec, m, c.vocab_size, h, xs, head, logits, false)?;
+            gpu.matmul(prec, m, c.vocab_size, h, xs, head, logits, false)?;
         }
         Ok(layout)
     }

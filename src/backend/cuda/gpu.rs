@@ -126,6 +126,9 @@ impl Drop for DevBuf {
     }
 }
 
+/// Most rows [`Gpu::matmul`] sends to the skinny kernel (`GEMV_MAX_ROWS` in cuda/llama.cu).
+pub const GEMV_MAX_ROWS: usize = 8;
+
 /// Launch dimensions.
 pub fn cfg(grid: (u32, u32), block: u32, smem: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: (grid.0.max(1), grid.1.max(1), 1), block_dim: (block, 1, 1), shared_mem_bytes: smem }
@@ -249,6 +252,28 @@ impl Gpu {
 
     pub fn sync(&self) -> Result<(), BackendError> {
         self.stream.synchronize().map_err(|e| dev_err("stream synchronize", e))
+    }
+
+    /// `y[m, n] (+)= x[m, k] · w[n, k]ᵀ` like [`Gpu::gemm`], through our skinny kernel when
+    /// `m ≤ GEMV_MAX_ROWS` (decode steps: memory-bound, and batch-invariant), else cuBLAS.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(
+        &mut self,
+        prec: Precision,
+        m: usize,
+        n: usize,
+        k: usize,
+        x: u64,
+        w: u64,
+        y: u64,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        if m == 0 || m > GEMV_MAX_ROWS || k % 8 != 0 {
+            return self.gemm(prec, m, n, k, x, w, y, accumulate);
+        }
+        let f = self.func("llama", &format!("gemv_{}", prec.suffix()))?;
+        let (m32, n32, k32, acc) = (m as i32, n as i32, k as i32, i32::from(accumulate));
+        crate::launch!(self, f, cfg((n.div_ceil(8) as u32, 1), 256, 0), &x, &w, &y, &m32, &n32, &k32, &acc)
     }
 
     /// `y[m, n] (+)= x[m, k] · w[n, k]ᵀ` with row-major `x` (`prec`), row-major `w` (`prec`) and
