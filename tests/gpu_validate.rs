@@ -258,14 +258,15 @@ fn ragged_run(backends: &mut [&mut dyn Backend], seed: u64, vocab: usize, blocks
 #[ignore = "needs a CUDA device; run scripts/gpu_validate.sh"]
 fn paged_attention_on_random_ragged_batches_matches_the_naive_cpu_reference() {
     let mut failures = Vec::new();
-    println!("{:<20} {:<5} {:>6} {:>12}", "config", "prec", "rows", "rel vs cpu");
+    println!("{:<20} {:<5} {:<4} {:>6} {:>12}", "config", "prec", "attn", "rows", "rel vs cpu");
     for (name, mut cfg) in variants() {
         cfg.num_hidden_layers = 2;
         let w = SyntheticWeights::new(&cfg, DType::F32, 9);
         let geom = KvGeometry { block_size: 16, num_blocks: 200 };
-        for prec in [Precision::F32, Precision::Bf16] {
+        for (prec, tensor_cores) in [(Precision::F32, false), (Precision::Bf16, false), (Precision::Bf16, true)] {
             let mut a = cpu(&cfg, &w, geom);
             let mut b = cuda(&cfg, &w, geom, prec);
+            b.set_tensor_core_attention(tensor_cores);
             let out = ragged_run(&mut [&mut a, &mut b], 5, cfg.vocab_size, geom.num_blocks, geom.block_size);
             let (mut rows, mut worst) = (0, 0f32);
             for (x, y) in out[0].iter().zip(&out[1]) {
@@ -274,7 +275,8 @@ fn paged_attention_on_random_ragged_batches_matches_the_naive_cpu_reference() {
                     worst = worst.max(compare(x, y, cfg.vocab_size).max_rel_logit_err);
                 }
             }
-            println!("{:<20} {:<5} {:>6} {:>12.3e}", name, prec.suffix(), rows, worst);
+            let kernel = if tensor_cores { "mma" } else { "fma" };
+            println!("{:<20} {:<5} {:<4} {:>6} {:>12.3e}", name, prec.suffix(), kernel, rows, worst);
             if worst >= tol(prec) || worst.is_nan() {
                 failures.push(format!("{name} {prec:?}: rel err {worst:.3e}"));
             }

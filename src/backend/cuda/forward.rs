@@ -58,21 +58,22 @@ struct AttnDims {
 unsafe impl DeviceRepr for AttnDims {}
 
 /// Pack several i32/i64 host arrays into one upload; returns each array's device address.
-fn upload_layout(gpu: &Gpu, scratch: &mut Scratch, l: &StepLayout) -> Result<[u64; 8], BackendError> {
-    let parts: [&[i32]; 7] = [&l.ids, &l.positions, &l.tables, &l.table_off, &l.items, &l.token_splits, &l.logit_rows];
+fn upload_layout(gpu: &Gpu, scratch: &mut Scratch, l: &StepLayout) -> Result<[u64; 9], BackendError> {
+    let parts: [&[i32]; 8] =
+        [&l.ids, &l.positions, &l.tables, &l.table_off, &l.items, &l.token_splits, &l.logit_rows, &l.mma_items];
     let mut words: Vec<i32> = Vec::new();
     // i64 row offsets first (8-byte aligned), as pairs of i32 words.
     for &o in &l.row_off {
         words.extend([(o & 0xffff_ffff) as u32 as i32, (o >> 32) as i32]);
     }
-    let mut starts = [0usize; 8];
+    let mut starts = [0usize; 9];
     for (i, p) in parts.iter().enumerate() {
         starts[i + 1] = words.len();
         words.extend_from_slice(p);
     }
     let base = scratch.get(gpu, "layout", words.len().max(1) * 4)?;
     gpu.copy_htod(base, &words)?;
-    let mut ptrs = [0u64; 8];
+    let mut ptrs = [0u64; 9];
     for (p, s) in ptrs.iter_mut().zip(starts) {
         *p = base + 4 * s as u64;
     }
@@ -87,12 +88,14 @@ impl CudaBackend {
             (c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size);
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
         let group = nh / nkv;
-        let layout = StepLayout::new(batch, self.kv_layout, c.vocab_size, nkv, group)?;
+        let mma = self.prec == Precision::Bf16 && (hd == 64 || hd == 128) && self.tensor_cores;
+        let layout = StepLayout::new(batch, self.kv_layout, c.vocab_size, nkv, group, mma)?;
         let t = layout.tokens();
         let (prec, sfx, eb) = (self.prec, self.prec.suffix(), self.prec.bytes());
         let gpu = &mut self.gpu;
         let s = &mut self.scratch;
-        let [row_off, ids, positions, tables, table_off, items, token_splits, logit_rows] = upload_layout(gpu, s, &layout)?;
+        let [row_off, ids, positions, tables, table_off, items, token_splits, logit_rows, mma_items] =
+            upload_layout(gpu, s, &layout)?;
         let x = s.get(gpu, "x", t * h * 4)?;
         let xn = s.get(gpu, "xn", t * h.max(qd) * eb)?;
         let qkv = s.get(gpu, "qkv", t * (qd + 2 * kvd) * 4)?;
@@ -114,6 +117,7 @@ impl CudaBackend {
         let chunks = hd.div_ceil(32).next_power_of_two();
         let partial_f = gpu.func("attention", &format!("attn_partial_c{chunks}_{sfx}"))?;
         let combine_f = gpu.func("attention", &format!("attn_combine_{sfx}"))?;
+        let mma_f = if mma { Some(gpu.func("attention_mma", &format!("attn_prefill_mma_d{hd}"))?) } else { None };
         let attn_smem = ((2 * 32 * (hd + 1) + ROWS_PER_ITEM * hd) * 4) as u32;
         if attn_smem > 48 * 1024 {
             partial_f
@@ -160,10 +164,18 @@ impl CudaBackend {
                 gpu, rope_f.clone(), cfg((t as u32, 1), 256, 0),
                 &qkv, &q, &kbase, &vbase, &row_off, &positions, &qn, &kn, &freqs, &rope_p, &eps, &nh32, &nkv32, &hd32
             )?;
-            launch!(
-                gpu, partial_f.clone(), cfg((layout.num_items() as u32, 1), 128, attn_smem),
-                &items, &q, &kbase, &vbase, &tables, &table_off, &positions, &dims, &part_acc, &part_ml
-            )?;
+            if layout.num_items() > 0 {
+                launch!(
+                    gpu, partial_f.clone(), cfg((layout.num_items() as u32, 1), 128, attn_smem),
+                    &items, &q, &kbase, &vbase, &tables, &table_off, &positions, &dims, &part_acc, &part_ml
+                )?;
+            }
+            if let (Some(f), true) = (&mma_f, layout.num_mma_items() > 0) {
+                launch!(
+                    gpu, f.clone(), cfg((layout.num_mma_items() as u32, 1), 128, 0),
+                    &mma_items, &q, &kbase, &vbase, &tables, &table_off, &positions, &dims, &part_acc, &part_ml
+                )?;
+            }
             launch!(
                 gpu, combine_f.clone(), cfg((t as u32, nh as u32), hd.next_multiple_of(32) as u32, 0),
                 &part_acc, &part_ml, &token_splits, &attn, &dims

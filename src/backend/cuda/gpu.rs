@@ -17,6 +17,7 @@ const COMMON: &str = include_str!("../../../cuda/common.cuh");
 pub const MODULES: &[(&str, &str)] = &[
     ("llama", include_str!("../../../cuda/llama.cu")),
     ("attention", include_str!("../../../cuda/attention.cu")),
+    ("attention_mma", include_str!("../../../cuda/attention_mma.cu")),
     ("sampling", include_str!("../../../cuda/sampling.cu")),
 ];
 

@@ -65,6 +65,9 @@ pub struct CudaBackend {
     /// `[block][layer][K|V][slot][kv_dim]` in `prec`.
     kv: DevBuf,
     scratch: forward::Scratch,
+    /// Prefill attention on the tensor cores (bf16, sm_80+); `false` keeps every step on the
+    /// FMA kernel (`SHELFSERVE_CUDA_MMA_ATTENTION=0`).
+    tensor_cores: bool,
 }
 
 impl CudaBackend {
@@ -89,6 +92,7 @@ impl CudaBackend {
         let kv_bytes = opts.kv.num_blocks * kv_layout.block_elems() * opts.precision.bytes();
         let kv = gpu.alloc(kv_bytes)?;
         let rope = Rope::new(&gpu, cfg)?;
+        let gpu_cc = gpu.compute_capability;
         tracing::info!(
             device = %format!("cuda:{} ({}, sm_{}{})", gpu.ordinal, gpu.name, gpu.compute_capability.0, gpu.compute_capability.1),
             precision = ?opts.precision,
@@ -106,6 +110,7 @@ impl CudaBackend {
             kv_layout,
             kv,
             scratch: forward::Scratch::default(),
+            tensor_cores: gpu_cc.0 >= 8 && std::env::var("SHELFSERVE_CUDA_MMA_ATTENTION").map_or(true, |v| v != "0"),
         })
     }
 
@@ -115,6 +120,11 @@ impl CudaBackend {
 
     pub fn kv_bytes(&self) -> usize {
         self.kv.bytes()
+    }
+
+    /// Use (or not) the tensor-core prefill attention kernel where it applies.
+    pub fn set_tensor_core_attention(&mut self, on: bool) {
+        self.tensor_cores = on && self.gpu.compute_capability.0 >= 8;
     }
 
     pub fn precision(&self) -> Precision {

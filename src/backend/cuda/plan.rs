@@ -10,6 +10,8 @@ use crate::backend::{BackendError, SeqStep};
 
 /// Query rows (token × q head of one kv head's group) one attention work item covers per pass.
 pub const ROWS_PER_ITEM: usize = 16;
+/// Query rows per work item of the tensor-core prefill kernel (`cuda/attention_mma.cu`).
+pub const MMA_ROWS_PER_ITEM: usize = 64;
 /// Key split length for decode and short verification steps: long contexts are spread over
 /// many blocks and merged by the combine kernel.
 pub const DECODE_SPLIT: usize = 256;
@@ -61,6 +63,8 @@ pub struct StepLayout {
     pub table_off: Vec<i32>,
     /// `ITEM_INTS` per work item: seq, first token, tokens, kv head, key begin, key end, split, 0.
     pub items: Vec<i32>,
+    /// Prefill work items for the tensor-core kernel (same format, `MMA_ROWS_PER_ITEM` rows).
+    pub mma_items: Vec<i32>,
     /// Per token: how many key splits its tile has.
     pub token_splits: Vec<i32>,
     pub max_splits: usize,
@@ -78,16 +82,21 @@ impl StepLayout {
         self.items.len() / ITEM_INTS
     }
 
-    /// Lay out `batch` (already checked by `validate_batch`). `group` = q heads per kv head.
+    pub fn num_mma_items(&self) -> usize {
+        self.mma_items.len() / ITEM_INTS
+    }
+
+    /// Lay out `batch` (already checked by `validate_batch`). `group` = q heads per kv head;
+    /// `mma`: prefill chunks go to the tensor-core kernel's item list.
     pub fn new(
         batch: &[SeqStep<'_>],
         kv: KvLayout,
         vocab: usize,
         n_kv_heads: usize,
         group: usize,
+        mma: bool,
     ) -> Result<Self, BackendError> {
         let mut l = StepLayout { offsets: vec![0], max_splits: 1, ..Default::default() };
-        let tile_tokens = (ROWS_PER_ITEM / group.max(1)).max(1);
         for (si, s) in batch.iter().enumerate() {
             let tok_base = l.ids.len();
             l.table_off.push(l.tables.len() as i32);
@@ -105,7 +114,11 @@ impl StepLayout {
                 l.positions.push(pos as i32);
                 l.row_off.push(kv.row_offset(s.block_table, pos));
             }
-            let split = if s.tokens.len() <= DECODE_MAX_TOKENS { DECODE_SPLIT } else { usize::MAX };
+            let decode = s.tokens.len() <= DECODE_MAX_TOKENS;
+            let split = if decode { DECODE_SPLIT } else { usize::MAX };
+            let to_mma = mma && !decode;
+            let rows = if to_mma { MMA_ROWS_PER_ITEM } else { ROWS_PER_ITEM };
+            let tile_tokens = (rows / group.max(1)).max(1);
             for t0 in (0..s.tokens.len()).step_by(tile_tokens) {
                 let nt = tile_tokens.min(s.tokens.len() - t0);
                 let keys = s.start_pos + t0 + nt; // keys 0..=last position of the tile
@@ -116,7 +129,8 @@ impl StepLayout {
                     for sp in 0..splits {
                         let k0 = sp.saturating_mul(split);
                         let k1 = (k0.saturating_add(split)).min(keys);
-                        l.items.extend([si as i32, (tok_base + t0) as i32, nt as i32, kvh as i32, k0 as i32, k1 as i32, sp as i32, 0]);
+                        let list = if to_mma { &mut l.mma_items } else { &mut l.items };
+                        list.extend([si as i32, (tok_base + t0) as i32, nt as i32, kvh as i32, k0 as i32, k1 as i32, sp as i32, 0]);
                     }
                 }
             }
@@ -142,7 +156,7 @@ mod tests {
     fn rows_land_in_their_blocks() {
         let table = [5u32, 2, 9];
         let s = SeqStep { tokens: &[1, 2, 3], start_pos: 3, block_table: &table, logits_rows: 1 };
-        let l = StepLayout::new(&[s], KV, 10, 2, 2).unwrap();
+        let l = StepLayout::new(&[s], KV, 10, 2, 2, false).unwrap();
         assert_eq!(l.positions, vec![3, 4, 5]);
         let be = KV.block_elems() as i64;
         assert_eq!(l.row_off, vec![5 * be + 3 * 8, 2 * be, 2 * be + 8]);
@@ -155,7 +169,7 @@ mod tests {
     fn decode_splits_long_contexts_at_fixed_boundaries() {
         let table: Vec<u32> = (0..200).collect();
         let s = SeqStep { tokens: &[1], start_pos: 600, block_table: &table, logits_rows: 1 };
-        let l = StepLayout::new(&[s], KV, 10, 2, 4).unwrap();
+        let l = StepLayout::new(&[s], KV, 10, 2, 4, true).unwrap();
         let it = items(&l);
         assert_eq!(it.len(), 2 * 3, "2 kv heads × 3 splits of 256 over 601 keys");
         assert_eq!((it[0][4], it[0][5], it[2][4], it[2][5]), (0, 256, 512, 601));
@@ -168,9 +182,12 @@ mod tests {
         let table: Vec<u32> = (0..200).collect();
         let toks: Vec<u32> = vec![1; 40];
         let s = SeqStep { tokens: &toks, start_pos: 500, block_table: &table, logits_rows: 40 };
-        let l = StepLayout::new(&[s], KV, 10, 1, 4).unwrap();
+        let l = StepLayout::new(&[s], KV, 10, 1, 4, false).unwrap();
         let it = items(&l);
         assert_eq!(it.len(), 10, "40 tokens in tiles of 16/4 = 4");
+        let m = StepLayout::new(&[s], KV, 10, 1, 4, true).unwrap();
+        assert!(m.items.is_empty());
+        assert_eq!(m.num_mma_items(), 3, "40 tokens in tensor-core tiles of 64/4 = 16");
         assert!(it.iter().all(|i| i[4] == 0 && i[6] == 0));
         assert_eq!(it[9][5], 540);
         assert_eq!(l.max_splits, 1);
@@ -183,8 +200,8 @@ mod tests {
         let tb: Vec<u32> = (100..200).collect();
         let a = SeqStep { tokens: &[7], start_pos: 300, block_table: &ta, logits_rows: 1 };
         let b = SeqStep { tokens: &[1, 2, 3, 4, 5], start_pos: 10, block_table: &tb, logits_rows: 2 };
-        let solo = StepLayout::new(&[a], KV, 10, 2, 3).unwrap();
-        let both = StepLayout::new(&[b, a], KV, 10, 2, 3).unwrap();
+        let solo = StepLayout::new(&[a], KV, 10, 2, 3, true).unwrap();
+        let both = StepLayout::new(&[b, a], KV, 10, 2, 3, true).unwrap();
         let strip = |v: Vec<[i32; ITEM_INTS]>, seq: i32, tok: i32| -> Vec<[i32; 6]> {
             v.into_iter().filter(|i| i[0] == seq).map(|i| [i[1] - tok, i[2], i[3], i[4], i[5], i[6]]).collect()
         };
@@ -195,7 +212,7 @@ mod tests {
     #[test]
     fn out_of_vocabulary_ids_are_refused() {
         let s = SeqStep { tokens: &[10], start_pos: 0, block_table: &[0], logits_rows: 1 };
-        let e = StepLayout::new(&[s], KV, 10, 1, 1).unwrap_err();
+        let e = StepLayout::new(&[s], KV, 10, 1, 1, false).unwrap_err();
         assert!(e.to_string().contains("outside the vocabulary"));
     }
 }
