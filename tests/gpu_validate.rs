@@ -1,11 +1,12 @@
 //! The CUDA backend against references on a real GPU (run by `scripts/gpu_validate.sh` on the
 //! device machine; in CI these are ignored with the reason, never passed). References: the CPU
 //! backend in f32 (itself golden-tested against transformers) and the transformers logits and
-//! greedy continuations stored with the tiny HF fixtures. Tolerances: max relative logit error
-//! (|Δ| / max(|a|, |b|, 1)) under 1e-4 in the f32 mode and 1e-2 in bf16 (on the tiny fixtures,
-//! within 1.25× of transformers' own bf16 error: see `TRANSFORMERS_BF16_ERR`); greedy
-//! continuations identical in f32. Also reports, without asserting, which exactness rules hold
-//! bitwise.
+//! greedy continuations stored with the tiny HF fixtures. Tolerances: in the f32 mode the max
+//! elementwise relative logit error (|Δ| / max(|a|, |b|, 1)) under 1e-4 and greedy continuations
+//! identical; in bf16 the per-position relative L2 error ‖Δ‖ / ‖ref‖ under 1e-2 (the elementwise
+//! maximum is printed too), and on the tiny fixtures, which bf16 storage alone moves 5-20 %,
+//! within 1.25× of transformers' own bf16 error (`TRANSFORMERS_BF16_ERR`). Also reports, without
+//! asserting, which exactness rules hold bitwise.
 
 mod common;
 
@@ -37,6 +38,29 @@ const TRANSFORMERS_BF16_ERR: &[(&str, f32)] = &[
     ("mistral-tiny", 0.2221),
     ("llama-tok", 0.05726),
 ];
+
+/// Largest per-position relative L2 error ‖a − b‖ / ‖a‖ (the bf16 measure: elementwise maxima
+/// over thousands of logits per position mostly measure bf16's 2⁻⁹ rounding of the largest ones).
+fn rel_l2(reference: &[f32], ours: &[f32], vocab: usize) -> f32 {
+    reference
+        .chunks_exact(vocab)
+        .zip(ours.chunks_exact(vocab))
+        .map(|(a, b)| {
+            let d: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+            let n: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum();
+            (d / n.max(1e-30)).sqrt() as f32
+        })
+        .fold(0.0, f32::max)
+}
+
+/// The error a precision is held to: elementwise max relative error in f32, per-position
+/// relative L2 error in bf16 (both reported).
+fn held_error(p: Precision, reference: &[f32], ours: &[f32], vocab: usize) -> f32 {
+    match p {
+        Precision::F32 => compare(reference, ours, vocab).max_rel_logit_err,
+        Precision::Bf16 => rel_l2(reference, ours, vocab),
+    }
+}
 
 fn tiny_tol(name: &str, p: Precision) -> f32 {
     match p {
@@ -163,7 +187,7 @@ fn variants() -> Vec<(&'static str, LlamaConfig)> {
 #[ignore = "needs a CUDA device; run scripts/gpu_validate.sh"]
 fn midsize_synthetic_matches_cpu() {
     let mut failures = Vec::new();
-    println!("{:<20} {:<5} {:>12} {:>8}", "config", "prec", "rel vs cpu", "greedy");
+    println!("{:<20} {:<5} {:>12} {:>12} {:>8}", "config", "prec", "max rel err", "rel L2", "greedy");
     for (name, cfg) in variants() {
         let w = SyntheticWeights::new(&cfg, DType::F32, 7);
         let geom = single_sequence_geometry(700, 16);
@@ -175,9 +199,11 @@ fn midsize_synthetic_matches_cpu() {
         for prec in [Precision::F32, Precision::Bf16] {
             let mut ours = Runner::new(cuda(&cfg, &w, geom, prec));
             let got = ours.score(&ids, 128).unwrap();
-            let rel = compare(&want, &got, cfg.vocab_size).max_rel_logit_err;
+            let max_rel = compare(&want, &got, cfg.vocab_size).max_rel_logit_err;
+            let l2 = rel_l2(&want, &got, cfg.vocab_size);
+            let rel = held_error(prec, &want, &got, cfg.vocab_size);
             let cont = ours.generate(&ids, &greedy(24, 256), |_| true).unwrap().ids();
-            println!("{:<20} {:<5} {:>12.3e} {:>8}", name, prec.suffix(), rel, cont == want_cont);
+            println!("{:<20} {:<5} {:>12.3e} {:>12.3e} {:>8}", name, prec.suffix(), max_rel, l2, cont == want_cont);
             if rel >= tol(prec) || rel.is_nan() {
                 failures.push(format!("{name} {prec:?}: rel err {rel:.3e}"));
             }
@@ -258,7 +284,7 @@ fn ragged_run(backends: &mut [&mut dyn Backend], seed: u64, vocab: usize, blocks
 #[ignore = "needs a CUDA device; run scripts/gpu_validate.sh"]
 fn paged_attention_on_random_ragged_batches_matches_the_naive_cpu_reference() {
     let mut failures = Vec::new();
-    println!("{:<20} {:<5} {:<4} {:>6} {:>12}", "config", "prec", "attn", "rows", "rel vs cpu");
+    println!("{:<20} {:<5} {:<4} {:>6} {:>12}", "config", "prec", "attn", "rows", "held error");
     for (name, mut cfg) in variants() {
         cfg.num_hidden_layers = 2;
         let w = SyntheticWeights::new(&cfg, DType::F32, 9);
@@ -272,7 +298,7 @@ fn paged_attention_on_random_ragged_batches_matches_the_naive_cpu_reference() {
             for (x, y) in out[0].iter().zip(&out[1]) {
                 rows += x.len() / cfg.vocab_size;
                 if !x.is_empty() {
-                    worst = worst.max(compare(x, y, cfg.vocab_size).max_rel_logit_err);
+                    worst = worst.max(held_error(prec, x, y, cfg.vocab_size));
                 }
             }
             let kernel = if tensor_cores { "mma" } else { "fma" };
