@@ -127,7 +127,11 @@ impl DeviceSelection {
 
 /// Build the backend the selection names, for a model, with KV geometry `kv`. Call on the
 /// thread that will use it (device contexts belong to their thread).
-pub fn make_backend(bundle: &ModelBundle, sel: &DeviceSelection, kv: KvGeometry) -> Result<Box<dyn Backend>, BackendError> {
+pub fn make_backend(
+    bundle: &ModelBundle,
+    sel: &DeviceSelection,
+    kv: KvGeometry,
+) -> Result<Box<dyn Backend>, BackendError> {
     let started = std::time::Instant::now();
     let b: Box<dyn Backend> = match sel.resolve() {
         DeviceKind::Cuda => {

@@ -224,7 +224,13 @@ struct Seq {
 
 /// Run the same random ragged schedule (prefill chunks, decodes, multi-token verification) on
 /// two backends and collect each sequence's logits rows in order.
-fn ragged_run(backends: &mut [&mut dyn Backend], seed: u64, vocab: usize, blocks: usize, bs: usize) -> Vec<Vec<Vec<f32>>> {
+fn ragged_run(
+    backends: &mut [&mut dyn Backend],
+    seed: u64,
+    vocab: usize,
+    blocks: usize,
+    bs: usize,
+) -> Vec<Vec<Vec<f32>>> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut free: Vec<u32> = (0..blocks as u32).collect();
     free.shuffle(&mut rng);
@@ -320,7 +326,11 @@ fn decode_rows(b: &mut CudaBackend, ids: &[u32], split: usize, table: &[u32]) ->
     b.forward(&[SeqStep { tokens: &ids[..split], start_pos: 0, block_table: table, logits_rows: 0 }]).unwrap();
     let mut out = Vec::new();
     for p in split..ids.len() {
-        out.extend(b.forward(&[SeqStep { tokens: &ids[p..p + 1], start_pos: p, block_table: table, logits_rows: 1 }]).unwrap().data);
+        out.extend(
+            b.forward(&[SeqStep { tokens: &ids[p..p + 1], start_pos: p, block_table: table, logits_rows: 1 }])
+                .unwrap()
+                .data,
+        );
     }
     out
 }
@@ -351,7 +361,12 @@ fn exactness_rules_on_cuda_are_reported() {
         for p in 300..320 {
             let r = b
                 .forward(&[
-                    SeqStep { tokens: &other[37 + p - 300..38 + p - 300], start_pos: 37 + p - 300, block_table: &tc, logits_rows: 1 },
+                    SeqStep {
+                        tokens: &other[37 + p - 300..38 + p - 300],
+                        start_pos: 37 + p - 300,
+                        block_table: &tc,
+                        logits_rows: 1,
+                    },
                     SeqStep { tokens: &ids[p..p + 1], start_pos: p, block_table: &tb, logits_rows: 1 },
                 ])
                 .unwrap();
@@ -363,12 +378,18 @@ fn exactness_rules_on_cuda_are_reported() {
         b.forward(&[SeqStep { tokens: &ids[256..300], start_pos: 256, block_table: &tc, logits_rows: 0 }]).unwrap();
         let mut resumed = Vec::new();
         for p in 300..320 {
-            resumed.extend(b.forward(&[SeqStep { tokens: &ids[p..p + 1], start_pos: p, block_table: &tc, logits_rows: 1 }]).unwrap().data);
+            resumed.extend(
+                b.forward(&[SeqStep { tokens: &ids[p..p + 1], start_pos: p, block_table: &tc, logits_rows: 1 }])
+                    .unwrap()
+                    .data,
+            );
         }
         // Rule 1: the 20 tokens verified in one step (as after a draft), logits for each.
         b.forward(&[SeqStep { tokens: &ids[..300], start_pos: 0, block_table: &tb, logits_rows: 0 }]).unwrap();
-        let verified =
-            b.forward(&[SeqStep { tokens: &ids[300..320], start_pos: 300, block_table: &tb, logits_rows: 20 }]).unwrap().data;
+        let verified = b
+            .forward(&[SeqStep { tokens: &ids[300..320], start_pos: 300, block_table: &tb, logits_rows: 20 }])
+            .unwrap()
+            .data;
         // The KV image round trip: copy ta's blocks elsewhere and decode from the copy.
         let image = b.read_kv_blocks(&ta).unwrap();
         b.write_kv_blocks(&tb, &image).unwrap();

@@ -104,17 +104,27 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
 
     eprintln!("bench: measuring ceilings (2 GiB copy, 8192³ bf16 GEMM)");
     let (copy_bw, gemm_rate) = b.measure_ceilings(2 << 30, 8192, 10).map_err(device)?;
-    println!("device {}   copy bandwidth {:.0} GB/s   bf16 GEMM {:.0} TFLOP/s", b.gpu_name(), copy_bw / 1e9, gemm_rate / 1e12);
+    println!(
+        "device {}   copy bandwidth {:.0} GB/s   bf16 GEMM {:.0} TFLOP/s",
+        b.gpu_name(),
+        copy_bw / 1e9,
+        gemm_rate / 1e12
+    );
     report.emit(serde_json::json!({"kind": "ceiling", "copy_bytes_per_s": copy_bw, "gemm_flops": gemm_rate, "gpu": b.gpu_name()}))?;
 
-    println!("{:<10} {:>6} {:>6} {:>10} {:>10} {:>10} {:>8}", "decode", "batch", "ctx", "ms/step", "tok/s", "GB/s", "÷copy");
+    println!(
+        "{:<10} {:>6} {:>6} {:>10} {:>10} {:>10} {:>8}",
+        "decode", "batch", "ctx", "ms/step", "tok/s", "GB/s", "÷copy"
+    );
     let vocab = cfg.vocab_size as u32;
     for &ctx in &args.contexts {
         for &batch in &args.batches {
             let per_seq = (ctx + args.steps + 4).div_ceil(args.block_size);
             if per_seq * batch > geom.num_blocks {
                 println!("{:<10} {:>6} {:>6} {:>10}", name, batch, ctx, "KV does not fit");
-                report.emit(serde_json::json!({"kind": "decode", "batch": batch, "ctx": ctx, "skipped": "kv does not fit"}))?;
+                report.emit(
+                    serde_json::json!({"kind": "decode", "batch": batch, "ctx": ctx, "skipped": "kv does not fit"}),
+                )?;
                 continue;
             }
             let tables: Vec<Vec<u32>> =
@@ -125,7 +135,12 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
                 let batch_steps: Vec<SeqStep<'_>> = ids
                     .iter()
                     .zip(&tables)
-                    .map(|(id, t)| SeqStep { tokens: std::slice::from_ref(id), start_pos: pos, block_table: t, logits_rows: 1 })
+                    .map(|(id, t)| SeqStep {
+                        tokens: std::slice::from_ref(id),
+                        start_pos: pos,
+                        block_table: t,
+                        logits_rows: 1,
+                    })
                     .collect();
                 let next = b.forward_greedy(&batch_steps)?;
                 *ids = next;

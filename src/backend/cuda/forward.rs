@@ -132,7 +132,8 @@ impl CudaBackend {
         let null = 0u64;
         let embed_ptr = self.weights.embed.ptr();
         launch!(gpu, embed_f, cfg((t as u32, 1), 256, 0), &ids, &embed_ptr, &x, &h32)?;
-        let rope_p = RopeParams { mode: self.rope.mode, theta_scale: self.rope.theta_scale, freq_scale: self.rope.freq_scale };
+        let rope_p =
+            RopeParams { mode: self.rope.mode, theta_scale: self.rope.theta_scale, freq_scale: self.rope.freq_scale };
         let freqs = self.rope.table.as_ref().map_or(0, DevBuf::ptr);
         let dims = AttnDims {
             block_stride: self.kv_layout.block_elems() as i64,
@@ -161,24 +162,67 @@ impl CudaBackend {
             add_bias(gpu, qkv, &lw.qkv_bias, qd + 2 * kvd)?;
             let (qn, kn) = (lw.q_norm.as_ref().map_or(0, DevBuf::ptr), lw.k_norm.as_ref().map_or(0, DevBuf::ptr));
             launch!(
-                gpu, rope_f.clone(), cfg((t as u32, 1), 256, 0),
-                &qkv, &q, &kbase, &vbase, &row_off, &positions, &qn, &kn, &freqs, &rope_p, &eps, &nh32, &nkv32, &hd32
+                gpu,
+                rope_f.clone(),
+                cfg((t as u32, 1), 256, 0),
+                &qkv,
+                &q,
+                &kbase,
+                &vbase,
+                &row_off,
+                &positions,
+                &qn,
+                &kn,
+                &freqs,
+                &rope_p,
+                &eps,
+                &nh32,
+                &nkv32,
+                &hd32
             )?;
             if layout.num_items() > 0 {
                 launch!(
-                    gpu, partial_f.clone(), cfg((layout.num_items() as u32, 1), 128, attn_smem),
-                    &items, &q, &kbase, &vbase, &tables, &table_off, &positions, &dims, &part_acc, &part_ml
+                    gpu,
+                    partial_f.clone(),
+                    cfg((layout.num_items() as u32, 1), 128, attn_smem),
+                    &items,
+                    &q,
+                    &kbase,
+                    &vbase,
+                    &tables,
+                    &table_off,
+                    &positions,
+                    &dims,
+                    &part_acc,
+                    &part_ml
                 )?;
             }
             if let (Some(f), true) = (&mma_f, layout.num_mma_items() > 0) {
                 launch!(
-                    gpu, f.clone(), cfg((layout.num_mma_items() as u32, 1), 128, 0),
-                    &mma_items, &q, &kbase, &vbase, &tables, &table_off, &positions, &dims, &part_acc, &part_ml
+                    gpu,
+                    f.clone(),
+                    cfg((layout.num_mma_items() as u32, 1), 128, 0),
+                    &mma_items,
+                    &q,
+                    &kbase,
+                    &vbase,
+                    &tables,
+                    &table_off,
+                    &positions,
+                    &dims,
+                    &part_acc,
+                    &part_ml
                 )?;
             }
             launch!(
-                gpu, combine_f.clone(), cfg((t as u32, nh as u32), hd.next_multiple_of(32) as u32, 0),
-                &part_acc, &part_ml, &token_splits, &attn, &dims
+                gpu,
+                combine_f.clone(),
+                cfg((t as u32, nh as u32), hd.next_multiple_of(32) as u32, 0),
+                &part_acc,
+                &part_ml,
+                &token_splits,
+                &attn,
+                &dims
             )?;
             gpu.matmul(prec, t, h, qd, attn, lw.o.ptr(), x, true)?;
             add_bias(gpu, x, &lw.o_bias, h)?;
@@ -296,7 +340,12 @@ pub fn measure_ceilings(gpu: &mut Gpu, bytes: usize, n: usize, reps: usize) -> R
 }
 
 /// Check a KV image request: every block in range and the image `blocks.len()` blocks long.
-fn validate_kv_image_len(blocks: &[u32], image_len: usize, block_bytes: usize, geom: KvGeometry) -> Result<(), BackendError> {
+fn validate_kv_image_len(
+    blocks: &[u32],
+    image_len: usize,
+    block_bytes: usize,
+    geom: KvGeometry,
+) -> Result<(), BackendError> {
     if let Some(b) = blocks.iter().find(|&&b| b as usize >= geom.num_blocks) {
         return Err(BackendError::InvalidStep(format!("block {b} is out of range, store has {}", geom.num_blocks)));
     }

@@ -154,8 +154,8 @@ pub struct Gpu {
 impl Gpu {
     /// Open device `ordinal` and compile every kernel module for its architecture.
     pub fn open(ordinal: usize) -> Result<Self, BackendError> {
-        let count = device_count()
-            .map_err(|reason| BackendError::Unavailable { device: format!("cuda:{ordinal}"), reason })?;
+        let count =
+            device_count().map_err(|reason| BackendError::Unavailable { device: format!("cuda:{ordinal}"), reason })?;
         if ordinal >= count {
             return Err(BackendError::Unavailable {
                 device: format!("cuda:{ordinal}"),
@@ -170,8 +170,16 @@ impl Gpu {
         let blas = CudaBlas::new(stream.clone()).map_err(|e| dev_err("creating the cuBLAS handle", e))?;
         let compute_capability = ctx.compute_capability().map_err(|e| dev_err("reading compute capability", e))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
-        let mut gpu =
-            Gpu { ctx, stream, blas, modules: HashMap::new(), functions: HashMap::new(), name, ordinal, compute_capability };
+        let mut gpu = Gpu {
+            ctx,
+            stream,
+            blas,
+            modules: HashMap::new(),
+            functions: HashMap::new(),
+            name,
+            ordinal,
+            compute_capability,
+        };
         for (module, src) in MODULES {
             gpu.compile(module, src)?;
         }
@@ -183,7 +191,12 @@ impl Gpu {
         let started = std::time::Instant::now();
         let ptx = compile_module(module, src, self.compute_capability)?;
         let m = self.ctx.load_module(ptx).map_err(|e| dev_err(&format!("loading module {module}"), e))?;
-        tracing::debug!(module, arch = format!("sm_{major}{minor}"), ms = started.elapsed().as_millis() as u64, "kernels compiled");
+        tracing::debug!(
+            module,
+            arch = format!("sm_{major}{minor}"),
+            ms = started.elapsed().as_millis() as u64,
+            "kernels compiled"
+        );
         self.modules.insert(module, m);
         Ok(())
     }
@@ -338,7 +351,8 @@ macro_rules! launch {
         let mut b = $gpu.stream.launch_builder(&f);
         $( b.arg($arg); )+
         // SAFETY: every kernel's parameter list matches the arguments pushed here (see cuda/*.cu).
-        unsafe { b.launch($cfg) }.map(|_| ()).map_err(|e| $crate::backend::cuda::gpu::dev_err("kernel launch", e))
+        let launch_cfg = $cfg;
+        unsafe { b.launch(launch_cfg) }.map(|_| ()).map_err(|e| $crate::backend::cuda::gpu::dev_err("kernel launch", e))
     }};
 }
 

@@ -39,12 +39,19 @@ struct Rope {
 impl Rope {
     fn new(gpu: &Gpu, c: &LlamaConfig) -> Result<Self, BackendError> {
         if !c.rope_ggml_style {
-            return Ok(Rope { mode: 0, theta_scale: 0.0, freq_scale: 1.0, table: Some(gpu.upload(&c.rope_inv_freq())?) });
+            return Ok(Rope {
+                mode: 0,
+                theta_scale: 0.0,
+                freq_scale: 1.0,
+                table: Some(gpu.upload(&c.rope_inv_freq())?),
+            });
         }
         let theta_scale = c.rope_theta.powf(-2.0 / c.head_dim as f32);
         Ok(match &c.rope_scaling {
             None => Rope { mode: 1, theta_scale, freq_scale: 1.0, table: None },
-            Some(RopeScaling::Linear { factor }) => Rope { mode: 1, theta_scale, freq_scale: 1.0 / factor, table: None },
+            Some(RopeScaling::Linear { factor }) => {
+                Rope { mode: 1, theta_scale, freq_scale: 1.0 / factor, table: None }
+            }
             Some(RopeScaling::Llama3 { .. }) => {
                 let plain = LlamaConfig { rope_scaling: None, ..c.clone() }.rope_inv_freq();
                 let factors: Vec<f32> = plain.iter().zip(c.rope_inv_freq()).map(|(p, s)| p / s).collect();

@@ -130,7 +130,16 @@ impl StepLayout {
                         let k0 = sp.saturating_mul(split);
                         let k1 = (k0.saturating_add(split)).min(keys);
                         let list = if to_mma { &mut l.mma_items } else { &mut l.items };
-                        list.extend([si as i32, (tok_base + t0) as i32, nt as i32, kvh as i32, k0 as i32, k1 as i32, sp as i32, 0]);
+                        list.extend([
+                            si as i32,
+                            (tok_base + t0) as i32,
+                            nt as i32,
+                            kvh as i32,
+                            k0 as i32,
+                            k1 as i32,
+                            sp as i32,
+                            0,
+                        ]);
                     }
                 }
             }

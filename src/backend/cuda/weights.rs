@@ -86,7 +86,8 @@ impl DeviceWeights {
             }
             Ok(Some(gpu.upload(&all)?))
         };
-        let vector = |name: &str, len: usize| -> Result<DevBuf, BackendError> { gpu.upload(&to_f32(&w.expect(name, &[len])?)) };
+        let vector =
+            |name: &str, len: usize| -> Result<DevBuf, BackendError> { gpu.upload(&to_f32(&w.expect(name, &[len])?)) };
         let mut layers = Vec::with_capacity(spec.layers.len());
         for l in &spec.layers {
             layers.push(LayerWeights {
@@ -116,16 +117,17 @@ impl DeviceWeights {
         let spec = LlamaSpec::new(c);
         let h = c.hidden_size;
         let mut f = Filler { counter: seed.wrapping_mul(1_000_003) };
-        let lin = |gpu: &mut Gpu, f: &mut Filler, parts: &[&LinearSpec]| -> Result<(DevBuf, Option<DevBuf>), BackendError> {
-            let n: usize = parts.iter().map(|p| p.out * p.inp).sum();
-            let w = f.fill(gpu, n, prec, 0.0, 1.0 / (parts[0].inp as f32).sqrt())?;
-            let b = if parts[0].bias {
-                Some(f.fill(gpu, parts.iter().map(|p| p.out).sum(), Precision::F32, 0.0, 0.1)?)
-            } else {
-                None
+        let lin =
+            |gpu: &mut Gpu, f: &mut Filler, parts: &[&LinearSpec]| -> Result<(DevBuf, Option<DevBuf>), BackendError> {
+                let n: usize = parts.iter().map(|p| p.out * p.inp).sum();
+                let w = f.fill(gpu, n, prec, 0.0, 1.0 / (parts[0].inp as f32).sqrt())?;
+                let b = if parts[0].bias {
+                    Some(f.fill(gpu, parts.iter().map(|p| p.out).sum(), Precision::F32, 0.0, 0.1)?)
+                } else {
+                    None
+                };
+                Ok((w, b))
             };
-            Ok((w, b))
-        };
         let mut layers = Vec::with_capacity(spec.layers.len());
         for l in &spec.layers {
             let (qkv, qkv_bias) = lin(gpu, &mut f, &[&l.q, &l.k, &l.v])?;
