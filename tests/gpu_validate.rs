@@ -401,6 +401,13 @@ fn exactness_rules_on_cuda_are_reported() {
             .forward(&[SeqStep { tokens: &ids[319..320], start_pos: 319, block_table: &ta, logits_rows: 1 }])
             .unwrap()
             .data;
+        // Decode steps replayed from captured CUDA graphs equal direct launches bitwise.
+        b.set_cuda_graphs(false);
+        let direct = decode_rows(&mut b, &ids, 300, &tc);
+        b.set_cuda_graphs(true);
+        let graphs_ok = bitwise(&solo, &direct);
+        println!("{:<5} {:<44} {:>8}", prec.suffix(), "CUDA graph replay = direct launches", graphs_ok);
+        assert!(graphs_ok, "{prec:?}: decode from CUDA graphs differs from direct launches");
         // Greedy on the device agrees with the host argmax of the same logits.
         let verify = [SeqStep { tokens: &ids[300..304], start_pos: 300, block_table: &ta, logits_rows: 4 }];
         let ids_dev = b.forward_greedy(&verify).unwrap();

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use super::gpu::{cfg, grid_for, DevBuf, DeviceRepr, Gpu, Precision};
+use super::gpu::{cfg, grid_for, DevBuf, DeviceRepr, Gpu, Precision, GEMV_MAX_ROWS};
 use super::plan::{StepLayout, ROWS_PER_ITEM};
 use super::CudaBackend;
 use crate::backend::{BackendError, KvGeometry, SeqStep};
@@ -14,6 +14,8 @@ use crate::launch;
 #[derive(Default)]
 pub struct Scratch {
     bufs: HashMap<&'static str, DevBuf>,
+    /// Bumped whenever a buffer moves (captured graphs hold its old address).
+    pub generation: u64,
 }
 
 impl Scratch {
@@ -23,6 +25,7 @@ impl Scratch {
             // Drop the old one first so peak memory is one copy; 1/8 headroom limits regrowth.
             self.bufs.remove(name);
             self.bufs.insert(name, gpu.alloc(bytes + bytes / 8)?);
+            self.generation += 1;
         }
         Ok(self.bufs[name].ptr())
     }
@@ -31,6 +34,29 @@ impl Scratch {
         self.bufs.get("logits").map_or(0, DevBuf::ptr)
     }
 }
+
+/// Captured decode graphs kept at once (a decode batch needs a new one every 256 tokens of
+/// context, when its key splits change, or when a scratch buffer grows).
+const MAX_GRAPHS: usize = 32;
+
+/// Everything a captured step's launches depend on besides values in device memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GraphKey {
+    tokens: usize,
+    logit_rows: usize,
+    seqs: usize,
+    items: usize,
+    max_splits: usize,
+    generation: u64,
+}
+
+/// A captured graph owned by the backend.
+pub struct StepGraph(cudarc::driver::CudaGraph);
+
+// SAFETY: graph and executable-graph handles are plain driver handles, valid from any thread
+// once the context is current; the backend binds its context before every use and is used by
+// one thread at a time (`&mut self`).
+unsafe impl Send for StepGraph {}
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -59,8 +85,9 @@ unsafe impl DeviceRepr for AttnDims {}
 
 /// Pack several i32/i64 host arrays into one upload; returns each array's device address.
 fn upload_layout(gpu: &Gpu, scratch: &mut Scratch, l: &StepLayout) -> Result<[u64; 9], BackendError> {
+    // Block tables last: they grow every few tokens, and nothing after them moves when they do.
     let parts: [&[i32]; 8] =
-        [&l.ids, &l.positions, &l.tables, &l.table_off, &l.items, &l.token_splits, &l.logit_rows, &l.mma_items];
+        [&l.ids, &l.positions, &l.table_off, &l.items, &l.token_splits, &l.logit_rows, &l.mma_items, &l.tables];
     let mut words: Vec<i32> = Vec::new();
     // i64 row offsets first (8-byte aligned), as pairs of i32 words.
     for &o in &l.row_off {
@@ -94,7 +121,7 @@ impl CudaBackend {
         let (prec, sfx, eb) = (self.prec, self.prec.suffix(), self.prec.bytes());
         let gpu = &mut self.gpu;
         let s = &mut self.scratch;
-        let [row_off, ids, positions, tables, table_off, items, token_splits, logit_rows, mma_items] =
+        let [row_off, ids, positions, table_off, items, token_splits, logit_rows, mma_items, tables] =
             upload_layout(gpu, s, &layout)?;
         let x = s.get(gpu, "x", t * h * 4)?;
         let xn = s.get(gpu, "xn", t * h.max(qd) * eb)?;
@@ -109,137 +136,180 @@ impl CudaBackend {
         let xs = s.get(gpu, "final_x", m.max(1) * h * eb)?;
         let logits = s.get(gpu, "logits", m.max(1) * c.vocab_size * 4)?;
 
-        let embed_f = gpu.func("llama", &format!("embed_{sfx}"))?;
-        let norm_f = gpu.func("llama", &format!("rmsnorm_{sfx}"))?;
-        let rope_f = gpu.func("llama", &format!("qkv_rope_store_{sfx}"))?;
-        let swiglu_f = gpu.func("llama", &format!("swiglu_{sfx}"))?;
-        let bias_f = gpu.func("llama", "add_bias")?;
-        let chunks = hd.div_ceil(32).next_power_of_two();
-        let partial_f = gpu.func("attention", &format!("attn_partial_c{chunks}_{sfx}"))?;
-        let combine_f = gpu.func("attention", &format!("attn_combine_{sfx}"))?;
-        let mma_f = if mma { Some(gpu.func("attention_mma", &format!("attn_prefill_mma_d{hd}"))?) } else { None };
-        let attn_smem = ((2 * 32 * (hd + 1) + ROWS_PER_ITEM * hd) * 4) as u32;
-        if attn_smem > 48 * 1024 {
-            partial_f
-                .set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    attn_smem as i32,
-                )
-                .map_err(|e| super::gpu::dev_err("raising the attention kernel's shared memory", e))?;
+        // Decode-sized steps (every matmul on our GEMV kernel, no cuBLAS, no tensor-core items)
+        // replay a captured CUDA graph: same shapes and buffers, same launches, no launch gaps.
+        let graph_key = (self.cuda_graphs
+            && t <= GEMV_MAX_ROWS
+            && layout.mma_items.is_empty()
+            && [h, qd, inter].iter().all(|d| d % 8 == 0))
+        .then(|| GraphKey {
+            tokens: t,
+            logit_rows: m,
+            seqs: layout.table_off.len(),
+            items: layout.items.len(),
+            max_splits: layout.max_splits,
+            generation: s.generation,
+        });
+        if let Some(g) = graph_key.as_ref().and_then(|k| self.graphs.get(k)) {
+            g.0.launch().map_err(|e| super::gpu::dev_err("graph launch", e))?;
+            return Ok(layout);
         }
+        if graph_key.is_some() {
+            gpu.stream
+                .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| super::gpu::dev_err("begin graph capture", e))?;
+        }
+        let enqueued = (|| -> Result<(), BackendError> {
+            let embed_f = gpu.func("llama", &format!("embed_{sfx}"))?;
+            let norm_f = gpu.func("llama", &format!("rmsnorm_{sfx}"))?;
+            let rope_f = gpu.func("llama", &format!("qkv_rope_store_{sfx}"))?;
+            let swiglu_f = gpu.func("llama", &format!("swiglu_{sfx}"))?;
+            let bias_f = gpu.func("llama", "add_bias")?;
+            let chunks = hd.div_ceil(32).next_power_of_two();
+            let partial_f = gpu.func("attention", &format!("attn_partial_c{chunks}_{sfx}"))?;
+            let combine_f = gpu.func("attention", &format!("attn_combine_{sfx}"))?;
+            let mma_f = if mma { Some(gpu.func("attention_mma", &format!("attn_prefill_mma_d{hd}"))?) } else { None };
+            let attn_smem = ((2 * 32 * (hd + 1) + ROWS_PER_ITEM * hd) * 4) as u32;
+            if attn_smem > 48 * 1024 {
+                partial_f
+                    .set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        attn_smem as i32,
+                    )
+                    .map_err(|e| super::gpu::dev_err("raising the attention kernel's shared memory", e))?;
+            }
 
-        let (h32, eps) = (h as i32, c.rms_norm_eps);
-        let null = 0u64;
-        let embed_ptr = self.weights.embed.ptr();
-        launch!(gpu, embed_f, cfg((t as u32, 1), 256, 0), &ids, &embed_ptr, &x, &h32)?;
-        let rope_p =
-            RopeParams { mode: self.rope.mode, theta_scale: self.rope.theta_scale, freq_scale: self.rope.freq_scale };
-        let freqs = self.rope.table.as_ref().map_or(0, DevBuf::ptr);
-        let dims = AttnDims {
-            block_stride: self.kv_layout.block_elems() as i64,
-            nh: nh as i32,
-            nkv: nkv as i32,
-            hd: hd as i32,
-            block_size: self.kv_layout.block_size as i32,
-            window: c.sliding_window.unwrap_or(0) as i32,
-            total_tokens: t as i32,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
-        let (nh32, nkv32, hd32, inter32) = (nh as i32, nkv as i32, hd as i32, inter as i32);
-        let add_bias = |gpu: &Gpu, y: u64, b: &Option<DevBuf>, cols: usize| -> Result<(), BackendError> {
-            if let Some(b) = b {
-                let (bp, cols32, n) = (b.ptr(), cols as i32, (t * cols) as i64);
-                launch!(gpu, bias_f.clone(), cfg((grid_for(t * cols, 256), 1), 256, 0), &y, &bp, &cols32, &n)?;
+            let (h32, eps) = (h as i32, c.rms_norm_eps);
+            let null = 0u64;
+            let embed_ptr = self.weights.embed.ptr();
+            launch!(gpu, embed_f, cfg((t as u32, 1), 256, 0), &ids, &embed_ptr, &x, &h32)?;
+            let rope_p = RopeParams {
+                mode: self.rope.mode,
+                theta_scale: self.rope.theta_scale,
+                freq_scale: self.rope.freq_scale,
+            };
+            let freqs = self.rope.table.as_ref().map_or(0, DevBuf::ptr);
+            let dims = AttnDims {
+                block_stride: self.kv_layout.block_elems() as i64,
+                nh: nh as i32,
+                nkv: nkv as i32,
+                hd: hd as i32,
+                block_size: self.kv_layout.block_size as i32,
+                window: c.sliding_window.unwrap_or(0) as i32,
+                total_tokens: t as i32,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let (nh32, nkv32, hd32, inter32) = (nh as i32, nkv as i32, hd as i32, inter as i32);
+            let add_bias = |gpu: &Gpu, y: u64, b: &Option<DevBuf>, cols: usize| -> Result<(), BackendError> {
+                if let Some(b) = b {
+                    let (bp, cols32, n) = (b.ptr(), cols as i32, (t * cols) as i64);
+                    launch!(gpu, bias_f.clone(), cfg((grid_for(t * cols, 256), 1), 256, 0), &y, &bp, &cols32, &n)?;
+                }
+                Ok(())
+            };
+            for (li, lw) in self.weights.layers.iter().enumerate() {
+                let kbase = self.kv.at(self.kv_layout.layer_offset(li) * eb);
+                let vbase = kbase + (self.kv_layout.plane_elems() * eb) as u64;
+                let w = lw.input_norm.ptr();
+                launch!(gpu, norm_f.clone(), cfg((t as u32, 1), 256, 0), &x, &null, &w, &xn, &h32, &eps)?;
+                gpu.matmul(prec, t, qd + 2 * kvd, h, xn, lw.qkv.ptr(), qkv, false)?;
+                add_bias(gpu, qkv, &lw.qkv_bias, qd + 2 * kvd)?;
+                let (qn, kn) = (lw.q_norm.as_ref().map_or(0, DevBuf::ptr), lw.k_norm.as_ref().map_or(0, DevBuf::ptr));
+                launch!(
+                    gpu,
+                    rope_f.clone(),
+                    cfg((t as u32, 1), 256, 0),
+                    &qkv,
+                    &q,
+                    &kbase,
+                    &vbase,
+                    &row_off,
+                    &positions,
+                    &qn,
+                    &kn,
+                    &freqs,
+                    &rope_p,
+                    &eps,
+                    &nh32,
+                    &nkv32,
+                    &hd32
+                )?;
+                if layout.num_items() > 0 {
+                    launch!(
+                        gpu,
+                        partial_f.clone(),
+                        cfg((layout.num_items() as u32, 1), 128, attn_smem),
+                        &items,
+                        &q,
+                        &kbase,
+                        &vbase,
+                        &tables,
+                        &table_off,
+                        &positions,
+                        &dims,
+                        &part_acc,
+                        &part_ml
+                    )?;
+                }
+                if let (Some(f), true) = (&mma_f, layout.num_mma_items() > 0) {
+                    launch!(
+                        gpu,
+                        f.clone(),
+                        cfg((layout.num_mma_items() as u32, 1), 128, 0),
+                        &mma_items,
+                        &q,
+                        &kbase,
+                        &vbase,
+                        &tables,
+                        &table_off,
+                        &positions,
+                        &dims,
+                        &part_acc,
+                        &part_ml
+                    )?;
+                }
+                launch!(
+                    gpu,
+                    combine_f.clone(),
+                    cfg((t as u32, nh as u32), hd.next_multiple_of(32) as u32, 0),
+                    &part_acc,
+                    &part_ml,
+                    &token_splits,
+                    &attn,
+                    &dims
+                )?;
+                gpu.matmul(prec, t, h, qd, attn, lw.o.ptr(), x, true)?;
+                add_bias(gpu, x, &lw.o_bias, h)?;
+                let w = lw.post_norm.ptr();
+                launch!(gpu, norm_f.clone(), cfg((t as u32, 1), 256, 0), &x, &null, &w, &xn, &h32, &eps)?;
+                gpu.matmul(prec, t, 2 * inter, h, xn, lw.gate_up.ptr(), gu, false)?;
+                add_bias(gpu, gu, &lw.gate_up_bias, 2 * inter)?;
+                let n = (t * inter) as i64;
+                launch!(gpu, swiglu_f.clone(), cfg((grid_for(t * inter, 256), 1), 256, 0), &gu, &act, &inter32, &n)?;
+                gpu.matmul(prec, t, h, inter, act, lw.down.ptr(), x, true)?;
+                add_bias(gpu, x, &lw.down_bias, h)?;
+            }
+            if m > 0 {
+                let w = self.weights.final_norm.ptr();
+                launch!(gpu, norm_f, cfg((m as u32, 1), 256, 0), &x, &logit_rows, &w, &xs, &h32, &eps)?;
+                let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed).ptr();
+                gpu.matmul(prec, m, c.vocab_size, h, xs, head, logits, false)?;
             }
             Ok(())
-        };
-        for (li, lw) in self.weights.layers.iter().enumerate() {
-            let kbase = self.kv.at(self.kv_layout.layer_offset(li) * eb);
-            let vbase = kbase + (self.kv_layout.plane_elems() * eb) as u64;
-            let w = lw.input_norm.ptr();
-            launch!(gpu, norm_f.clone(), cfg((t as u32, 1), 256, 0), &x, &null, &w, &xn, &h32, &eps)?;
-            gpu.matmul(prec, t, qd + 2 * kvd, h, xn, lw.qkv.ptr(), qkv, false)?;
-            add_bias(gpu, qkv, &lw.qkv_bias, qd + 2 * kvd)?;
-            let (qn, kn) = (lw.q_norm.as_ref().map_or(0, DevBuf::ptr), lw.k_norm.as_ref().map_or(0, DevBuf::ptr));
-            launch!(
-                gpu,
-                rope_f.clone(),
-                cfg((t as u32, 1), 256, 0),
-                &qkv,
-                &q,
-                &kbase,
-                &vbase,
-                &row_off,
-                &positions,
-                &qn,
-                &kn,
-                &freqs,
-                &rope_p,
-                &eps,
-                &nh32,
-                &nkv32,
-                &hd32
-            )?;
-            if layout.num_items() > 0 {
-                launch!(
-                    gpu,
-                    partial_f.clone(),
-                    cfg((layout.num_items() as u32, 1), 128, attn_smem),
-                    &items,
-                    &q,
-                    &kbase,
-                    &vbase,
-                    &tables,
-                    &table_off,
-                    &positions,
-                    &dims,
-                    &part_acc,
-                    &part_ml
-                )?;
+        })();
+        if let Some(key) = graph_key {
+            let captured = gpu.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+            enqueued?;
+            let graph = captured
+                .map_err(|e| super::gpu::dev_err("end graph capture", e))?
+                .ok_or_else(|| BackendError::Device("graph capture produced no graph".into()))?;
+            graph.launch().map_err(|e| super::gpu::dev_err("graph launch", e))?;
+            if self.graphs.len() >= MAX_GRAPHS {
+                self.graphs.clear();
             }
-            if let (Some(f), true) = (&mma_f, layout.num_mma_items() > 0) {
-                launch!(
-                    gpu,
-                    f.clone(),
-                    cfg((layout.num_mma_items() as u32, 1), 128, 0),
-                    &mma_items,
-                    &q,
-                    &kbase,
-                    &vbase,
-                    &tables,
-                    &table_off,
-                    &positions,
-                    &dims,
-                    &part_acc,
-                    &part_ml
-                )?;
-            }
-            launch!(
-                gpu,
-                combine_f.clone(),
-                cfg((t as u32, nh as u32), hd.next_multiple_of(32) as u32, 0),
-                &part_acc,
-                &part_ml,
-                &token_splits,
-                &attn,
-                &dims
-            )?;
-            gpu.matmul(prec, t, h, qd, attn, lw.o.ptr(), x, true)?;
-            add_bias(gpu, x, &lw.o_bias, h)?;
-            let w = lw.post_norm.ptr();
-            launch!(gpu, norm_f.clone(), cfg((t as u32, 1), 256, 0), &x, &null, &w, &xn, &h32, &eps)?;
-            gpu.matmul(prec, t, 2 * inter, h, xn, lw.gate_up.ptr(), gu, false)?;
-            add_bias(gpu, gu, &lw.gate_up_bias, 2 * inter)?;
-            let n = (t * inter) as i64;
-            launch!(gpu, swiglu_f.clone(), cfg((grid_for(t * inter, 256), 1), 256, 0), &gu, &act, &inter32, &n)?;
-            gpu.matmul(prec, t, h, inter, act, lw.down.ptr(), x, true)?;
-            add_bias(gpu, x, &lw.down_bias, h)?;
-        }
-        if m > 0 {
-            let w = self.weights.final_norm.ptr();
-            launch!(gpu, norm_f, cfg((m as u32, 1), 256, 0), &x, &logit_rows, &w, &xs, &h32, &eps)?;
-            let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed).ptr();
-            gpu.matmul(prec, m, c.vocab_size, h, xs, head, logits, false)?;
+            self.graphs.insert(key, StepGraph(graph));
+        } else {
+            enqueued?;
         }
         Ok(layout)
     }

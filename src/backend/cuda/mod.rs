@@ -75,6 +75,9 @@ pub struct CudaBackend {
     /// Prefill attention on the tensor cores (bf16, sm_80+); `false` keeps every step on the
     /// FMA kernel (`SHELFSERVE_CUDA_MMA_ATTENTION=0`).
     tensor_cores: bool,
+    /// Replay decode steps as CUDA graphs (`SHELFSERVE_CUDA_GRAPHS=0` turns it off).
+    cuda_graphs: bool,
+    graphs: std::collections::HashMap<forward::GraphKey, forward::StepGraph>,
 }
 
 impl CudaBackend {
@@ -118,6 +121,8 @@ impl CudaBackend {
             kv,
             scratch: forward::Scratch::default(),
             tensor_cores: gpu_cc.0 >= 8 && std::env::var("SHELFSERVE_CUDA_MMA_ATTENTION").map_or(true, |v| v != "0"),
+            cuda_graphs: std::env::var("SHELFSERVE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            graphs: std::collections::HashMap::new(),
         })
     }
 
@@ -132,6 +137,12 @@ impl CudaBackend {
     /// Use (or not) the tensor-core prefill attention kernel where it applies.
     pub fn set_tensor_core_attention(&mut self, on: bool) {
         self.tensor_cores = on && self.gpu.compute_capability.0 >= 8;
+    }
+
+    /// Replay decode steps as CUDA graphs (or not).
+    pub fn set_cuda_graphs(&mut self, on: bool) {
+        self.cuda_graphs = on;
+        self.graphs.clear();
     }
 
     pub fn precision(&self) -> Precision {
