@@ -130,6 +130,7 @@ __device__ void attn_partial_impl(const int* items, const float* q, const T* k_c
 #pragma unroll
             for (int r = 0; r < ROWS_PER_WARP; ++r) s[r] = 0.f;
             const float* kr = ks + lane * ld;
+#pragma unroll 8
             for (int c = 0; c < hd; ++c) {
                 const float kv = kr[c];
 #pragma unroll
@@ -154,6 +155,7 @@ __device__ void attn_partial_impl(const int* items, const float* q, const T* k_c
 #pragma unroll
                 for (int c = 0; c < C; ++c) acc[r][c] *= corr;
             }
+#pragma unroll 4
             for (int k = 0; k < KT; ++k) {
                 const float* vr = vs + k * ld;
                 float vv[C];

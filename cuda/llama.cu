@@ -17,6 +17,7 @@ __device__ void rmsnorm_impl(const float* x, const int* rows, const float* w, T*
     const int src = rows ? rows[blockIdx.x] : blockIdx.x;
     const float* xr = x + (i64)src * h;
     float ss = 0.f;
+#pragma unroll 4
     for (int i = threadIdx.x; i < h; i += blockDim.x) ss += xr[i] * xr[i];
     ss = block_sum(ss);
     const float inv = 1.0f / sqrtf(ss / (float)h + eps);

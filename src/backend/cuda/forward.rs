@@ -1,6 +1,7 @@
-//! The llama forward pass as a sequence of launches on the backend's stream, the step's
-//! scratch buffers (grown on demand, reused across steps), greedy picking on the device, KV
-//! images, and the ceiling measurements the benchmark divides by.
+//! The llama forward pass as a sequence of launches on the backend's stream (decode-sized steps
+//! captured once as CUDA graphs and replayed), the step's scratch buffers (grown on demand,
+//! reused across steps), greedy picking on the device, KV images, and the ceiling measurements
+//! the benchmark divides by.
 
 use std::collections::HashMap;
 
@@ -34,6 +35,10 @@ impl Scratch {
         self.bufs.get("logits").map_or(0, DevBuf::ptr)
     }
 }
+
+/// Threads per row for RMSNorm and the q/k/v RoPE kernel: one block per token row, so at decode
+/// sizes the whole launch is one or a few blocks and its loads must all be in flight at once.
+const NORM_THREADS: u32 = 1024;
 
 /// Captured decode graphs kept at once (a decode batch needs a new one every 256 tokens of
 /// context, when its key splits change, or when a scratch buffer grows).
@@ -211,14 +216,14 @@ impl CudaBackend {
                 let kbase = self.kv.at(self.kv_layout.layer_offset(li) * eb);
                 let vbase = kbase + (self.kv_layout.plane_elems() * eb) as u64;
                 let w = lw.input_norm.ptr();
-                launch!(gpu, norm_f.clone(), cfg((t as u32, 1), 256, 0), &x, &null, &w, &xn, &h32, &eps)?;
+                launch!(gpu, norm_f.clone(), cfg((t as u32, 1), NORM_THREADS, 0), &x, &null, &w, &xn, &h32, &eps)?;
                 gpu.matmul(prec, t, qd + 2 * kvd, h, xn, lw.qkv.ptr(), qkv, false)?;
                 add_bias(gpu, qkv, &lw.qkv_bias, qd + 2 * kvd)?;
                 let (qn, kn) = (lw.q_norm.as_ref().map_or(0, DevBuf::ptr), lw.k_norm.as_ref().map_or(0, DevBuf::ptr));
                 launch!(
                     gpu,
                     rope_f.clone(),
-                    cfg((t as u32, 1), 256, 0),
+                    cfg((t as u32, 1), NORM_THREADS, 0),
                     &qkv,
                     &q,
                     &kbase,
@@ -281,7 +286,7 @@ impl CudaBackend {
                 gpu.matmul(prec, t, h, qd, attn, lw.o.ptr(), x, true)?;
                 add_bias(gpu, x, &lw.o_bias, h)?;
                 let w = lw.post_norm.ptr();
-                launch!(gpu, norm_f.clone(), cfg((t as u32, 1), 256, 0), &x, &null, &w, &xn, &h32, &eps)?;
+                launch!(gpu, norm_f.clone(), cfg((t as u32, 1), NORM_THREADS, 0), &x, &null, &w, &xn, &h32, &eps)?;
                 gpu.matmul(prec, t, 2 * inter, h, xn, lw.gate_up.ptr(), gu, false)?;
                 add_bias(gpu, gu, &lw.gate_up_bias, 2 * inter)?;
                 let n = (t * inter) as i64;
@@ -291,7 +296,7 @@ impl CudaBackend {
             }
             if m > 0 {
                 let w = self.weights.final_norm.ptr();
-                launch!(gpu, norm_f, cfg((m as u32, 1), 256, 0), &x, &logit_rows, &w, &xs, &h32, &eps)?;
+                launch!(gpu, norm_f, cfg((m as u32, 1), NORM_THREADS, 0), &x, &logit_rows, &w, &xs, &h32, &eps)?;
                 let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed).ptr();
                 gpu.matmul(prec, m, c.vocab_size, h, xs, head, logits, false)?;
             }

@@ -13,8 +13,9 @@ pub const ROWS_PER_ITEM: usize = 16;
 /// Query rows per work item of the tensor-core prefill kernel (`cuda/attention_mma.cu`).
 pub const MMA_ROWS_PER_ITEM: usize = 64;
 /// Key split length for decode and short verification steps: long contexts are spread over
-/// many blocks and merged by the combine kernel.
-pub const DECODE_SPLIT: usize = 256;
+/// many blocks (two 32-key tiles each: a decode block is latency-bound, so short splits and
+/// many blocks beat long loops) and merged by the combine kernel.
+pub const DECODE_SPLIT: usize = 64;
 /// Steps of at most this many tokens of one sequence count as decode/verify (split keys);
 /// longer prefill chunks have enough query tiles to fill the device without splitting.
 pub const DECODE_MAX_TOKENS: usize = 16;
@@ -180,10 +181,13 @@ mod tests {
         let s = SeqStep { tokens: &[1], start_pos: 600, block_table: &table, logits_rows: 1 };
         let l = StepLayout::new(&[s], KV, 10, 2, 4, true).unwrap();
         let it = items(&l);
-        assert_eq!(it.len(), 2 * 3, "2 kv heads × 3 splits of 256 over 601 keys");
-        assert_eq!((it[0][4], it[0][5], it[2][4], it[2][5]), (0, 256, 512, 601));
-        assert_eq!(l.token_splits, vec![3]);
-        assert_eq!(l.max_splits, 3);
+        let splits = 601usize.div_ceil(DECODE_SPLIT);
+        assert_eq!(it.len(), 2 * splits, "2 kv heads × splits over 601 keys");
+        let last = &it[splits - 1];
+        assert_eq!((it[0][4], it[0][5]), (0, DECODE_SPLIT as i32));
+        assert_eq!((last[4], last[5]), (((splits - 1) * DECODE_SPLIT) as i32, 601));
+        assert_eq!(l.token_splits, vec![splits as i32]);
+        assert_eq!(l.max_splits, splits);
     }
 
     #[test]
