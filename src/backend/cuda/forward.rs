@@ -147,7 +147,7 @@ impl CudaBackend {
             && t <= GEMV_MAX_ROWS
             && layout.mma_items.is_empty()
             && [h, qd, inter].iter().all(|d| d % 8 == 0))
-        .then(|| GraphKey {
+        .then_some(GraphKey {
             tokens: t,
             logit_rows: m,
             seqs: layout.table_off.len(),
