@@ -270,9 +270,13 @@ fn start_local(args: &Args) -> Result<(Local, [Target; 2]), String> {
     cfg.lanes.iter_mut().for_each(|l| l.port = 0);
     let name = served_name(args);
     let (engine, servers, addrs) = rt.block_on(async {
-        let engine = start_engine(bundle, cfg.clone(), EngineOptions { threads: 0, served_model_name: name.clone() })
-            .await
-            .map_err(|e| e.to_string())?;
+        let engine = start_engine(
+            bundle,
+            cfg.clone(),
+            EngineOptions { device: Default::default(), served_model_name: name.clone() },
+        )
+        .await
+        .map_err(|e| e.to_string())?;
         let dyn_engine: Arc<dyn InferenceEngine> = engine.clone();
         let bound = bind_all(dyn_engine, &cfg, ApiOptions::new(name)).map_err(|e| e.to_string())?;
         let addrs: Vec<(String, std::net::SocketAddr)> = bound.iter().map(|s| (s.lane.clone(), s.addrs[0])).collect();

@@ -4,7 +4,8 @@
 //! gets its block tables from the KV pool instead.
 
 use crate::backend::cpu::{CpuBackend, CpuOptions};
-use crate::backend::{Backend, BackendError, KvGeometry, SeqStep};
+use crate::backend::cuda::{CudaBackend, CudaOptions, Precision};
+use crate::backend::{Backend, BackendError, KvGeometry, SeqStep, StepLogits};
 use crate::model::{ModelBundle, ModelError};
 use crate::sampling::{sample, PenaltyState, Sampled, SamplingParams};
 
@@ -89,35 +90,149 @@ pub fn any_cpu_backend(
     Ok((Box::new(b), info))
 }
 
-/// A boxed backend is a backend (the CLI and engine pick the architecture at run time).
-impl Backend for Box<dyn Backend> {
+/// Which device to run on, as given by `--device`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    Cpu,
+    Cuda,
+    /// CUDA when a device is present, else the CPU.
+    Auto,
+}
+
+impl std::str::FromStr for DeviceKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(DeviceKind::Cpu),
+            "cuda" => Ok(DeviceKind::Cuda),
+            "auto" => Ok(DeviceKind::Auto),
+            other => Err(format!("--device must be cpu, cuda or auto, not `{other}`")),
+        }
+    }
+}
+
+/// Device choice plus what each backend needs to be built.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceSelection {
+    pub kind: DeviceKind,
+    /// CPU worker threads (0 = one per core).
+    pub threads: usize,
+    pub cuda_ordinal: usize,
+    pub cuda_precision: Precision,
+}
+
+impl Default for DeviceSelection {
+    fn default() -> Self {
+        DeviceSelection { kind: DeviceKind::Cpu, threads: 0, cuda_ordinal: 0, cuda_precision: Precision::Bf16 }
+    }
+}
+
+impl DeviceSelection {
+    /// Settle `auto`: CUDA when the driver sees a device, else the CPU, logging which and why.
+    pub fn resolve(&self) -> DeviceKind {
+        match self.kind {
+            DeviceKind::Auto => match crate::backend::cuda::device_count() {
+                Ok(n) if n > self.cuda_ordinal => {
+                    tracing::info!(devices = n, "device auto: using cuda:{} (CUDA device found)", self.cuda_ordinal);
+                    DeviceKind::Cuda
+                }
+                Ok(n) => {
+                    tracing::info!("device auto: using the CPU (the CUDA driver sees {n} device(s))");
+                    DeviceKind::Cpu
+                }
+                Err(reason) => {
+                    tracing::info!("device auto: using the CPU ({reason})");
+                    DeviceKind::Cpu
+                }
+            },
+            k => k,
+        }
+    }
+}
+
+/// Build the backend the selection names, for a model, with KV geometry `kv`. Call on the
+/// thread that will use it (device contexts belong to their thread).
+pub fn make_backend(
+    bundle: &ModelBundle,
+    sel: &DeviceSelection,
+    kv: KvGeometry,
+) -> Result<Box<dyn Backend>, BackendError> {
+    let started = std::time::Instant::now();
+    let b: Box<dyn Backend> = match sel.resolve() {
+        DeviceKind::Cuda => {
+            if crate::model::glm5_next::MODEL_TYPES.contains(&bundle.config.model_type.as_str()) {
+                return Err(BackendError::Unavailable {
+                    device: format!("cuda:{}", sel.cuda_ordinal),
+                    reason: format!("`{}` models have no CUDA kernels yet; use --device cpu", bundle.config.model_type),
+                });
+            }
+            let opts = CudaOptions { ordinal: sel.cuda_ordinal, kv, precision: sel.cuda_precision };
+            let b = CudaBackend::new(&bundle.config, bundle.weights.as_ref(), opts)?;
+            tracing::info!(
+                weights_mib = b.weight_bytes() / (1 << 20),
+                kv_mib = b.kv_bytes() / (1 << 20),
+                kv_tokens = kv.capacity_tokens(),
+                secs = format!("{:.2}", started.elapsed().as_secs_f64()),
+                "model loaded on {}",
+                b.device_name()
+            );
+            Box::new(b)
+        }
+        _ => {
+            let (b, info) = any_cpu_backend(bundle, sel.threads, kv)?;
+            tracing::info!(
+                weights_mib = info.weight_bytes / (1 << 20),
+                kv_mib = info.kv_bytes / (1 << 20),
+                kv_tokens = kv.capacity_tokens(),
+                threads = info.threads,
+                secs = format!("{:.2}", started.elapsed().as_secs_f64()),
+                "model loaded on cpu"
+            );
+            b
+        }
+    };
+    Ok(b)
+}
+
+/// A boxed backend is a backend (the CLI and executor pick the device at run time).
+impl<B: Backend + ?Sized> Backend for Box<B> {
     fn device_name(&self) -> String {
         (**self).device_name()
     }
+
     fn kv_geometry(&self) -> KvGeometry {
         (**self).kv_geometry()
     }
+
     fn vocab_size(&self) -> usize {
         (**self).vocab_size()
     }
-    fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<crate::backend::StepLogits, BackendError> {
+
+    fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {
         (**self).forward(batch)
     }
+
     fn kv_block_bytes(&self) -> usize {
         (**self).kv_block_bytes()
     }
+
     fn read_kv_blocks(&mut self, blocks: &[u32]) -> Result<Vec<u8>, BackendError> {
         (**self).read_kv_blocks(blocks)
     }
+
     fn write_kv_blocks(&mut self, blocks: &[u32], image: &[u8]) -> Result<(), BackendError> {
         (**self).write_kv_blocks(blocks, image)
     }
+
     fn state_slot_bytes(&self) -> usize {
         (**self).state_slot_bytes()
     }
+
     fn read_state_slot(&mut self, slot: u32) -> Result<Vec<u8>, BackendError> {
         (**self).read_state_slot(slot)
     }
+
     fn write_state_slot(&mut self, slot: u32, image: &[u8]) -> Result<(), BackendError> {
         (**self).write_state_slot(slot, image)
     }

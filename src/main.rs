@@ -2,6 +2,7 @@
 //! Errors become one readable message and a non-zero exit status.
 
 use clap::Parser;
+use shelfserve::cli::bench::run_bench;
 use shelfserve::cli::serve::run_serve;
 use shelfserve::cli::{run_fetch_default, run_generate, run_kld, run_score, Cli, Command};
 
@@ -19,6 +20,7 @@ fn main() -> anyhow::Result<()> {
         Some(Command::Kld(a)) => run_kld(a),
         Some(Command::FetchDefault) => run_fetch_default(),
         Some(Command::Serve(a)) => run_serve(a),
+        Some(Command::Bench(a)) => run_bench(a),
         // No command: serve the default model with flags taken from the environment.
         None => match Cli::parse_from(["shelfserve", "serve"]).command {
             Some(Command::Serve(a)) => run_serve(&a),

@@ -66,9 +66,13 @@ impl Harness {
         let path = common::default_gguf()?;
         let bundle = shelfserve::model::open(path.to_str().expect("utf-8 model path"), &CacheDir::from_env())
             .expect("open the default model");
-        let engine = start_engine(bundle, cfg.clone(), EngineOptions { threads: 0, served_model_name: MODEL.into() })
-            .await
-            .expect("start the engine");
+        let engine = start_engine(
+            bundle,
+            cfg.clone(),
+            EngineOptions { device: Default::default(), served_model_name: MODEL.into() },
+        )
+        .await
+        .expect("start the engine");
         let mut opts = ApiOptions::new(MODEL);
         opts.workers = 2;
         let dyn_engine: Arc<dyn InferenceEngine> = engine.clone();

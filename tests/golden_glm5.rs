@@ -13,7 +13,7 @@
 mod common;
 
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
-use shelfserve::generate::{any_cpu_backend, GenerateOptions, Runner};
+use shelfserve::generate::{any_cpu_backend, DeviceSelection, GenerateOptions, Runner};
 use shelfserve::model::default_model::CacheDir;
 use shelfserve::model::glm5_next::{read_config, Glm5Backend};
 use shelfserve::model::ModelBundle;
@@ -296,7 +296,10 @@ async fn engine_serves_glm5_by_token_ids() {
     let mut cfg = EngineConfig::builtin();
     cfg.scheduler.kv_pool_tokens = 512;
     let lane = cfg.lanes[0].name.clone();
-    let opts = EngineOptions { threads: 2, served_model_name: "glm5-tiny".into() };
+    let opts = EngineOptions {
+        device: DeviceSelection { threads: 2, ..Default::default() },
+        served_model_name: "glm5-tiny".into(),
+    };
     let engine = start_engine(open_tiny(), cfg, opts).await.unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     while !engine.is_ready() {

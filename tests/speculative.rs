@@ -52,9 +52,10 @@ async fn start(cfg: EngineConfig) -> Option<(std::sync::Arc<Engine>, Vec<Vec<u32
         shelfserve::model::open(path.to_str().unwrap(), &CacheDir::from_env()).expect("open the default model");
     let tok = bundle.tokenizer.clone().expect("tokenizer");
     let prompts = PROMPTS.iter().map(|p| tok.encode(p, true).expect("tokenize")).collect();
-    let engine = start_engine(bundle, cfg, EngineOptions { threads: 0, served_model_name: "default".into() })
-        .await
-        .expect("start the engine");
+    let engine =
+        start_engine(bundle, cfg, EngineOptions { device: Default::default(), served_model_name: "default".into() })
+            .await
+            .expect("start the engine");
     let t0 = std::time::Instant::now();
     while !engine.is_ready() {
         assert!(t0.elapsed() < Duration::from_secs(300), "model did not load");

@@ -13,7 +13,7 @@ use super::handle::{EngineError, EventStream, GenerationRequest, InferenceEngine
 use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg, SchedulerStats, SharedCounters};
 use crate::backend::KvGeometry;
 use crate::config::engine::EngineConfig;
-use crate::generate::any_cpu_backend;
+use crate::generate::{make_backend, DeviceSelection};
 use crate::model::ModelBundle;
 use crate::sched::PolicyConfig;
 use crate::spec::SpeculativeMethod;
@@ -23,8 +23,8 @@ const EVENT_BUFFER: usize = 256;
 
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
-    /// CPU worker threads (0 = all cores).
-    pub threads: usize,
+    /// Which device the executor runs on (and its CPU threads / CUDA settings).
+    pub device: DeviceSelection,
     /// Name clients use in `model`.
     pub served_model_name: String,
 }
@@ -110,20 +110,8 @@ pub async fn start_engine(
     )
     .await
     .map_err(|e| EngineError::Executor(e.to_string()))?;
-    let threads = opts.threads;
-    let make_backend = Box::new(move || {
-        let started = std::time::Instant::now();
-        let (b, info) = any_cpu_backend(&bundle, threads, kv).map_err(|e| e.to_string())?;
-        tracing::info!(
-            weights_mib = info.weight_bytes / (1 << 20),
-            kv_mib = info.kv_bytes / (1 << 20),
-            kv_tokens = kv.capacity_tokens(),
-            threads = info.threads,
-            secs = format!("{:.2}", started.elapsed().as_secs_f64()),
-            "model loaded on cpu"
-        );
-        Ok(b)
-    });
+    let device = opts.device;
+    let make_backend = Box::new(move || make_backend(&bundle, &device, kv).map_err(|e| e.to_string()));
     let (executor, _) =
         Actor::spawn(None, ExecutorActor, ExecutorArgs { make_backend, scheduler: scheduler.clone(), rank: 0 })
             .await

@@ -5,6 +5,7 @@
 //! scheduler's and the KV pool's job.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::model::ModelError;
 

@@ -8,11 +8,16 @@ use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand};
 
+pub mod bench;
 pub mod serve;
 
-use crate::backend::KvGeometry;
+use crate::backend::cuda::Precision;
+use crate::backend::{Backend, KvGeometry};
 use crate::fidelity::{compare, LogitsFile};
-use crate::generate::{any_cpu_backend, single_sequence_geometry, GenerateOptions, Runner, DEFAULT_PREFILL_CHUNK};
+use crate::generate::{
+    make_backend, single_sequence_geometry, DeviceKind, DeviceSelection, GenerateError, GenerateOptions, Runner,
+    DEFAULT_PREFILL_CHUNK,
+};
 use crate::model::default_model::{fetch_default, CacheDir};
 use crate::model::ModelBundle;
 use crate::sampling::SamplingParams;
@@ -38,6 +43,9 @@ pub enum Command {
     Kld(KldArgs),
     /// Download and verify the embedded default model into the cache.
     FetchDefault,
+    /// Benchmark the CUDA backend on seeded random weights for a config file, against the
+    /// device's measured copy bandwidth and GEMM rate.
+    Bench(bench::BenchArgs),
 }
 
 #[derive(Args, Debug, Clone)]
@@ -51,6 +59,12 @@ pub struct ModelArgs {
     /// CPU worker threads (0 = one per core).
     #[arg(long, env = "SHELFSERVE_THREADS", default_value_t = 0)]
     pub threads: usize,
+    /// CUDA device ordinal (with --device cuda or auto).
+    #[arg(long, env = "SHELFSERVE_CUDA_DEVICE", default_value_t = 0)]
+    pub cuda_device: usize,
+    /// CUDA storage precision of weights and KV cache: bf16, or f32 (validation).
+    #[arg(long, env = "SHELFSERVE_CUDA_PRECISION", default_value = "bf16")]
+    pub cuda_precision: String,
     /// Tokens per KV block.
     #[arg(long, env = "SHELFSERVE_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: usize,
@@ -134,15 +148,7 @@ pub enum CliError {
 
 impl ModelArgs {
     pub fn open(&self) -> Result<ModelBundle, CliError> {
-        match self.device.as_str() {
-            "cpu" | "auto" => {}
-            "cuda" => {
-                return Err(CliError::Usage(
-                    "--device cuda: this build has no CUDA backend yet; use --device cpu".into(),
-                ))
-            }
-            other => return Err(CliError::Usage(format!("--device must be cpu, cuda or auto, not `{other}`"))),
-        }
+        self.device_selection()?;
         if self.block_size == 0 {
             return Err(CliError::Usage("--block-size must be positive".into()));
         }
@@ -151,13 +157,21 @@ impl ModelArgs {
         Ok(bundle)
     }
 
-    fn runner(
-        &self,
-        bundle: &ModelBundle,
-        tokens: usize,
-    ) -> Result<Runner<Box<dyn crate::backend::Backend>>, CliError> {
+    /// The device flags, checked.
+    pub fn device_selection(&self) -> Result<DeviceSelection, CliError> {
+        let kind: DeviceKind = self.device.parse().map_err(CliError::Usage)?;
+        let cuda_precision = match self.cuda_precision.as_str() {
+            "bf16" => Precision::Bf16,
+            "f32" => Precision::F32,
+            other => return Err(CliError::Usage(format!("--cuda-precision must be bf16 or f32, not `{other}`"))),
+        };
+        Ok(DeviceSelection { kind, threads: self.threads, cuda_ordinal: self.cuda_device, cuda_precision })
+    }
+
+    fn runner(&self, bundle: &ModelBundle, tokens: usize) -> Result<Runner<Box<dyn Backend>>, CliError> {
         let geom: KvGeometry = single_sequence_geometry(tokens, self.block_size);
-        Ok(Runner::new(any_cpu_backend(bundle, self.threads, geom)?.0))
+        let backend = make_backend(bundle, &self.device_selection()?, geom).map_err(GenerateError::from)?;
+        Ok(Runner::new(backend))
     }
 }
 

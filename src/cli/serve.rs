@@ -106,7 +106,7 @@ pub fn run_serve(args: &ServeArgs) -> Result<(), CliError> {
         let engine = start_engine(
             bundle,
             cfg.clone(),
-            EngineOptions { threads: args.model.threads, served_model_name: served.clone() },
+            EngineOptions { device: args.model.device_selection()?, served_model_name: served.clone() },
         )
         .await
         .map_err(|e| CliError::Usage(e.to_string()))?;

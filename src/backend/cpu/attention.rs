@@ -475,7 +475,8 @@ mod tests {
         let (hd, nh, len) = (16, 4, 29);
         let table = [3u32, 1, 4, 0, 2];
         let mut seed = 4;
-        let mut kv = PagedKv::new(KvGeometry { block_size: 8, num_blocks: 5, state_slots: 0 }, 1, 2 * hd, KvPrecision::F16);
+        let mut kv =
+            PagedKv::new(KvGeometry { block_size: 8, num_blocks: 5, state_slots: 0 }, 1, 2 * hd, KvPrecision::F16);
         for p in 0..len {
             let k: Vec<f32> = (0..2 * hd).map(|_| 3.0 * lcg(&mut seed)).collect();
             let v: Vec<f32> = (0..2 * hd).map(|_| lcg(&mut seed)).collect();

@@ -1,0 +1,51 @@
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+// Shared helpers for every kernel module: prepended to each module's source before NVRTC
+// compiles it, so no CUDA headers are needed at run time. bf16 is handled as raw bits
+// (round-to-nearest-even on store), which keeps the conversion identical to the host's `half`.
+typedef unsigned short bf16;
+typedef long long i64;
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(bf16 x) { return __uint_as_float(((unsigned)x) << 16); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) {
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+// The reduction tree is fixed by the block size, so the result does not depend on other rows.
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = threadIdx.x < nwarps ? partial[threadIdx.x] : 0.f;
+    if (warp == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) partial[0] = v;
+    __syncthreads();
+    const float r = partial[0];
+    __syncthreads();
+    return r;
+}
+
+// Instantiate `name_f32` and `name_bf16` from a template `name_impl<T>` whose storage type is T.
+#define FOR_STORAGE_TYPES(X) X(float, f32) X(bf16, bf16)

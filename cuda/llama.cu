@@ -1,0 +1,209 @@
+// Llama-family layer kernels other than attention and GEMMs: embedding gather, RMSNorm,
+// q/k norm + RoPE + KV-cache store, SwiGLU, bias add, and seeded random fill for benchmark
+// weights. The residual stream is f32; `T` is the storage type of weights, KV cache and GEMM
+// inputs (f32 in the validation mode, bf16 otherwise). Each output row is computed by one block
+// with a fixed reduction order, so a row never depends on the other rows of the batch.
+
+template <typename T>
+__device__ void embed_impl(const int* ids, const T* table, float* x, int h) {
+    const T* row = table + (i64)ids[blockIdx.x] * h;
+    float* out = x + (i64)blockIdx.x * h;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) out[i] = to_f(row[i]);
+}
+
+// out[r] = w · x[src] / sqrt(mean(x[src]²) + eps), src = rows ? rows[r] : r.
+template <typename T>
+__device__ void rmsnorm_impl(const float* x, const int* rows, const float* w, T* out, int h, float eps) {
+    const int src = rows ? rows[blockIdx.x] : blockIdx.x;
+    const float* xr = x + (i64)src * h;
+    float ss = 0.f;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < h; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    T* o = out + (i64)blockIdx.x * h;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) o[i] = from_f<T>(w[i] * (xr[i] * inv));
+}
+
+// silu(gate) · up, gate and up side by side in each row of `gu` ([rows, 2·inter]).
+template <typename T>
+__device__ void swiglu_impl(const float* gu, T* out, int inter, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 r = i / inter, c = i % inter;
+        const float g = gu[r * 2 * inter + c], u = gu[r * 2 * inter + inter + c];
+        out[i] = from_f<T>(g / (1.0f + expf(-g)) * u);
+    }
+}
+
+struct RopeParams {
+    int mode;           // 0: angle = pos · inv_freq[j] (HF); 1: GGML's iterated θ (llama.cpp)
+    float theta_scale;  // GGML: base^(−2/d)
+    float freq_scale;   // GGML: 1 / linear factor
+};
+
+// One block per token; one warp per head. q heads are normed (optional), rotated and written to
+// `q_out` (f32); k heads likewise but stored into the paged cache at element offset `row_off[t]`
+// from this layer's K (and V) base; v is copied.
+template <typename T>
+__device__ void qkv_rope_store_impl(const float* qkv, float* q_out, T* k_cache, T* v_cache, const i64* row_off,
+                                    const int* pos, const float* q_norm, const float* k_norm, const float* freqs,
+                                    RopeParams rp, float eps, int nh, int nkv, int hd) {
+    const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const int qd = nh * hd, kvd = nkv * hd, width = qd + 2 * kvd, half = hd / 2;
+    const float* row = qkv + (i64)t * width;
+    const i64 slot = row_off[t];
+    const float p = (float)pos[t];
+    for (int h = warp; h < nh + nkv; h += nwarps) {
+        const float* x = row + h * hd;
+        const float* nw = h < nh ? q_norm : k_norm;
+        float inv = 1.f;
+        if (nw) {
+            float ss = 0.f;
+            for (int j = lane; j < hd; j += 32) ss += x[j] * x[j];
+            ss = warp_sum(ss);
+            inv = 1.0f / sqrtf(ss / (float)hd + eps);
+        }
+        for (int j = lane; j < half; j += 32) {
+            float a = x[j], b = x[j + half];
+            if (nw) {
+                a = nw[j] * (a * inv);
+                b = nw[j + half] * (b * inv);
+            }
+            float ang;
+            if (rp.mode == 0) {
+                ang = p * freqs[j];
+            } else {
+                float theta = p;
+                for (int k = 0; k < j; ++k) theta *= rp.theta_scale;
+                ang = rp.freq_scale * (freqs ? theta / freqs[j] : theta);
+            }
+            const float c = cosf(ang), s = sinf(ang);
+            const float na = fmaf(a, c, -(b * s)), nb = fmaf(a, s, b * c);
+            if (h < nh) {
+                q_out[(i64)t * qd + h * hd + j] = na;
+                q_out[(i64)t * qd + h * hd + j + half] = nb;
+            } else {
+                T* k = k_cache + slot + (h - nh) * hd;
+                k[j] = from_f<T>(na);
+                k[j + half] = from_f<T>(nb);
+            }
+        }
+    }
+    const float* v = row + qd + kvd;
+    for (int i = threadIdx.x; i < kvd; i += blockDim.x) v_cache[slot + i] = from_f<T>(v[i]);
+}
+
+// splitmix64 of (seed, index) → uniform in [−1, 1): benchmark weights made on the device.
+__device__ __forceinline__ float uniform_pm1(unsigned long long seed, unsigned long long i) {
+    unsigned long long z = seed * 0x9E3779B97F4A7C15ull + i + 1;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+template <typename T>
+__device__ void fill_uniform_impl(T* p, i64 n, unsigned long long seed, float center, float scale) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        p[i] = from_f<T>(center + scale * uniform_pm1(seed, (unsigned long long)i));
+}
+
+#define LLAMA_KERNELS(T, S)                                                                                  \
+    extern "C" __global__ void embed_##S(const int* ids, const T* table, float* x, int h) {                  \
+        embed_impl<T>(ids, table, x, h);                                                                     \
+    }                                                                                                        \
+    extern "C" __global__ void rmsnorm_##S(const float* x, const int* rows, const float* w, T* out, int h,   \
+                                           float eps) {                                                      \
+        rmsnorm_impl<T>(x, rows, w, out, h, eps);                                                            \
+    }                                                                                                        \
+    extern "C" __global__ void swiglu_##S(const float* gu, T* out, int inter, i64 n) {                       \
+        swiglu_impl<T>(gu, out, inter, n);                                                                   \
+    }                                                                                                        \
+    extern "C" __global__ void qkv_rope_store_##S(const float* qkv, float* q_out, T* k_cache, T* v_cache,    \
+                                                  const i64* row_off, const int* pos, const float* q_norm,     \
+                                                  const float* k_norm, const float* freqs, RopeParams rp,    \
+                                                  float eps, int nh, int nkv, int hd) {                      \
+        qkv_rope_store_impl<T>(qkv, q_out, k_cache, v_cache, row_off, pos, q_norm, k_norm, freqs, rp, eps, nh, \
+                               nkv, hd);                                                                     \
+    }                                                                                                        \
+    extern "C" __global__ void fill_uniform_##S(T* p, i64 n, unsigned long long seed, float center,          \
+                                                float scale) {                                               \
+        fill_uniform_impl<T>(p, n, seed, center, scale);                                                     \
+    }
+FOR_STORAGE_TYPES(LLAMA_KERNELS)
+
+// y[r, c] += bias[c] for a row-major [rows, cols] f32 matrix.
+extern "C" __global__ void add_bias(float* y, const float* bias, int cols, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        y[i] += bias[i % cols];
+}
+
+// Copy whole KV blocks (contiguous, every layer's K and V) between the cache and a staging
+// buffer, for KV images: `dir` 0 gathers cache → staging, 1 scatters staging → cache.
+extern "C" __global__ void copy_blocks(unsigned char* cache, unsigned char* staging, const int* blocks,
+                                       i64 block_bytes, int dir) {
+    const i64 b = blockIdx.y;
+    unsigned char* c = cache + (i64)blocks[b] * block_bytes;
+    unsigned char* s = staging + b * block_bytes;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < block_bytes; i += (i64)gridDim.x * blockDim.x) {
+        if (dir == 0) s[i] = c[i]; else c[i] = s[i];
+    }
+}
+
+// Skinny GEMM for decode steps (m ≤ 8 rows): y[m, n] (+)= x[m, k] · w[n, k]ᵀ, one warp per output
+// column, 16-byte weight loads, f32 accumulation. Memory-bound like decode itself; each output's
+// reduction order is fixed by k alone, so a row's result does not depend on m (batch company).
+#define GEMV_MAX_ROWS 8
+__device__ __forceinline__ void load8w(const bf16* p, float* o) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        o[2 * j] = __uint_as_float(w[j] << 16);
+        o[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void load8w(const float* p, float* o) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+    o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+}
+
+template <typename T>
+__device__ void gemv_impl(const T* x, const T* w, float* y, int m, int n, int k, int accumulate) {
+    const int lane = threadIdx.x & 31;
+    const int col = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (col >= n) return;
+    const T* wr = w + (i64)col * k;
+    float acc[GEMV_MAX_ROWS];
+#pragma unroll
+    for (int r = 0; r < GEMV_MAX_ROWS; ++r) acc[r] = 0.f;
+#pragma unroll 4
+    for (int c = lane * 8; c < k; c += 256) {
+        float wv[8];
+        load8w(wr + c, wv);
+#pragma unroll
+        for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+            if (r >= m) break;
+            float xv[8];
+            load8w(x + (i64)r * k + c, xv);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[r] = fmaf(wv[j], xv[j], acc[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+        if (r >= m) break;
+        const float v = warp_sum(acc[r]);
+        if (lane == 0) {
+            float* o = y + (i64)r * n + col;
+            *o = accumulate ? *o + v : v;
+        }
+    }
+}
+
+#define GEMV_KERNELS(T, S)                                                                                     \
+    extern "C" __global__ void gemv_##S(const T* x, const T* w, float* y, int m, int n, int k, int acc) {     \
+        gemv_impl<T>(x, w, y, m, n, k, acc);                                                                   \
+    }
+FOR_STORAGE_TYPES(GEMV_KERNELS)

@@ -1,0 +1,415 @@
+//! The llama forward pass as a sequence of launches on the backend's stream (decode-sized steps
+//! captured once as CUDA graphs and replayed), the step's scratch buffers (grown on demand,
+//! reused across steps), greedy picking on the device, KV images, and the ceiling measurements
+//! the benchmark divides by.
+
+use std::collections::HashMap;
+
+use super::gpu::{cfg, grid_for, DevBuf, DeviceRepr, Gpu, Precision, GEMV_MAX_ROWS};
+use super::plan::{StepLayout, ROWS_PER_ITEM};
+use super::CudaBackend;
+use crate::backend::{BackendError, SeqStep};
+use crate::launch;
+
+/// Named device buffers that only ever grow.
+#[derive(Default)]
+pub struct Scratch {
+    bufs: HashMap<&'static str, DevBuf>,
+    /// Bumped whenever a buffer moves (captured graphs hold its old address).
+    pub generation: u64,
+}
+
+impl Scratch {
+    fn get(&mut self, gpu: &Gpu, name: &'static str, bytes: usize) -> Result<u64, BackendError> {
+        let grow = self.bufs.get(name).is_none_or(|b| b.bytes() < bytes);
+        if grow {
+            // Drop the old one first so peak memory is one copy; 1/8 headroom limits regrowth.
+            self.bufs.remove(name);
+            self.bufs.insert(name, gpu.alloc(bytes + bytes / 8)?);
+            self.generation += 1;
+        }
+        Ok(self.bufs[name].ptr())
+    }
+
+    pub fn logits_ptr(&self) -> u64 {
+        self.bufs.get("logits").map_or(0, DevBuf::ptr)
+    }
+}
+
+/// Threads per row for RMSNorm and the q/k/v RoPE kernel: one block per token row, so at decode
+/// sizes the whole launch is one or a few blocks and its loads must all be in flight at once.
+const NORM_THREADS: u32 = 1024;
+
+/// Captured decode graphs kept at once (a decode batch needs a new one every 256 tokens of
+/// context, when its key splits change, or when a scratch buffer grows).
+const MAX_GRAPHS: usize = 32;
+
+/// Everything a captured step's launches depend on besides values in device memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GraphKey {
+    tokens: usize,
+    logit_rows: usize,
+    seqs: usize,
+    items: usize,
+    max_splits: usize,
+    generation: u64,
+}
+
+/// A captured graph owned by the backend.
+pub struct StepGraph(cudarc::driver::CudaGraph);
+
+// SAFETY: graph and executable-graph handles are plain driver handles, valid from any thread
+// once the context is current; the backend binds its context before every use and is used by
+// one thread at a time (`&mut self`).
+unsafe impl Send for StepGraph {}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RopeParams {
+    mode: i32,
+    theta_scale: f32,
+    freq_scale: f32,
+}
+// SAFETY: plain `#[repr(C)]` data matching `RopeParams` in cuda/llama.cu.
+unsafe impl DeviceRepr for RopeParams {}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AttnDims {
+    block_stride: i64,
+    nh: i32,
+    nkv: i32,
+    hd: i32,
+    block_size: i32,
+    window: i32,
+    total_tokens: i32,
+    scale: f32,
+}
+// SAFETY: plain `#[repr(C)]` data matching `AttnDims` in cuda/attention.cu.
+unsafe impl DeviceRepr for AttnDims {}
+
+/// Pack several i32/i64 host arrays into one upload; returns each array's device address.
+fn upload_layout(gpu: &Gpu, scratch: &mut Scratch, l: &StepLayout) -> Result<[u64; 9], BackendError> {
+    // Block tables last: they grow every few tokens, and nothing after them moves when they do.
+    let parts: [&[i32]; 8] =
+        [&l.ids, &l.positions, &l.table_off, &l.items, &l.token_splits, &l.logit_rows, &l.mma_items, &l.tables];
+    let mut words: Vec<i32> = Vec::new();
+    // i64 row offsets first (8-byte aligned), as pairs of i32 words.
+    for &o in &l.row_off {
+        words.extend([(o & 0xffff_ffff) as u32 as i32, (o >> 32) as i32]);
+    }
+    let mut starts = [0usize; 9];
+    for (i, p) in parts.iter().enumerate() {
+        starts[i + 1] = words.len();
+        words.extend_from_slice(p);
+    }
+    let base = scratch.get(gpu, "layout", words.len().max(1) * 4)?;
+    gpu.copy_htod(base, &words)?;
+    let mut ptrs = [0u64; 9];
+    for (p, s) in ptrs.iter_mut().zip(starts) {
+        *p = base + 4 * s as u64;
+    }
+    Ok(ptrs)
+}
+
+impl CudaBackend {
+    /// Run the step; leaves the logits rows in the `logits` scratch buffer (f32, row-major).
+    pub(super) fn forward_device(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLayout, BackendError> {
+        let c = self.cfg.clone();
+        let (h, hd, nh, nkv, inter) =
+            (c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size);
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let group = nh / nkv;
+        let mma = self.prec == Precision::Bf16 && (hd == 64 || hd == 128) && self.tensor_cores;
+        let layout = StepLayout::new(batch, self.kv_layout, c.vocab_size, nkv, group, mma)?;
+        let t = layout.tokens();
+        let (prec, sfx, eb) = (self.prec, self.prec.suffix(), self.prec.bytes());
+        let gpu = &mut self.gpu;
+        let s = &mut self.scratch;
+        let [row_off, ids, positions, table_off, items, token_splits, logit_rows, mma_items, tables] =
+            upload_layout(gpu, s, &layout)?;
+        let x = s.get(gpu, "x", t * h * 4)?;
+        let xn = s.get(gpu, "xn", t * h.max(qd) * eb)?;
+        let qkv = s.get(gpu, "qkv", t * (qd + 2 * kvd) * 4)?;
+        let q = s.get(gpu, "q", t * qd * 4)?;
+        let attn = s.get(gpu, "attn", t * qd * eb)?;
+        let gu = s.get(gpu, "gate_up", t * 2 * inter * 4)?;
+        let act = s.get(gpu, "act", t * inter * eb)?;
+        let part_acc = s.get(gpu, "part_acc", layout.max_splits * t * nh * hd * 4)?;
+        let part_ml = s.get(gpu, "part_ml", layout.max_splits * t * nh * 2 * 4)?;
+        let m = layout.logit_rows.len();
+        let xs = s.get(gpu, "final_x", m.max(1) * h * eb)?;
+        let logits = s.get(gpu, "logits", m.max(1) * c.vocab_size * 4)?;
+
+        // Decode-sized steps (every matmul on our GEMV kernel, no cuBLAS, no tensor-core items)
+        // replay a captured CUDA graph: same shapes and buffers, same launches, no launch gaps.
+        let graph_key = (self.cuda_graphs
+            && t <= GEMV_MAX_ROWS
+            && layout.mma_items.is_empty()
+            && [h, qd, inter].iter().all(|d| d % 8 == 0))
+        .then_some(GraphKey {
+            tokens: t,
+            logit_rows: m,
+            seqs: layout.table_off.len(),
+            items: layout.items.len(),
+            max_splits: layout.max_splits,
+            generation: s.generation,
+        });
+        if let Some(g) = graph_key.as_ref().and_then(|k| self.graphs.get(k)) {
+            g.0.launch().map_err(|e| super::gpu::dev_err("graph launch", e))?;
+            return Ok(layout);
+        }
+        if graph_key.is_some() {
+            gpu.stream
+                .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| super::gpu::dev_err("begin graph capture", e))?;
+        }
+        let enqueued = (|| -> Result<(), BackendError> {
+            let embed_f = gpu.func("llama", &format!("embed_{sfx}"))?;
+            let norm_f = gpu.func("llama", &format!("rmsnorm_{sfx}"))?;
+            let rope_f = gpu.func("llama", &format!("qkv_rope_store_{sfx}"))?;
+            let swiglu_f = gpu.func("llama", &format!("swiglu_{sfx}"))?;
+            let bias_f = gpu.func("llama", "add_bias")?;
+            let chunks = hd.div_ceil(32).next_power_of_two();
+            let partial_f = gpu.func("attention", &format!("attn_partial_c{chunks}_{sfx}"))?;
+            let combine_f = gpu.func("attention", &format!("attn_combine_{sfx}"))?;
+            let mma_f = if mma { Some(gpu.func("attention_mma", &format!("attn_prefill_mma_d{hd}"))?) } else { None };
+            let attn_smem = ((2 * 32 * (hd + 1) + ROWS_PER_ITEM * hd) * 4) as u32;
+            if attn_smem > 48 * 1024 {
+                partial_f
+                    .set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        attn_smem as i32,
+                    )
+                    .map_err(|e| super::gpu::dev_err("raising the attention kernel's shared memory", e))?;
+            }
+
+            let (h32, eps) = (h as i32, c.rms_norm_eps);
+            let null = 0u64;
+            let embed_ptr = self.weights.embed.ptr();
+            launch!(gpu, embed_f, cfg((t as u32, 1), 256, 0), &ids, &embed_ptr, &x, &h32)?;
+            let rope_p = RopeParams {
+                mode: self.rope.mode,
+                theta_scale: self.rope.theta_scale,
+                freq_scale: self.rope.freq_scale,
+            };
+            let freqs = self.rope.table.as_ref().map_or(0, DevBuf::ptr);
+            let dims = AttnDims {
+                block_stride: self.kv_layout.block_elems() as i64,
+                nh: nh as i32,
+                nkv: nkv as i32,
+                hd: hd as i32,
+                block_size: self.kv_layout.block_size as i32,
+                window: c.sliding_window.unwrap_or(0) as i32,
+                total_tokens: t as i32,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let (nh32, nkv32, hd32, inter32) = (nh as i32, nkv as i32, hd as i32, inter as i32);
+            let add_bias = |gpu: &Gpu, y: u64, b: &Option<DevBuf>, cols: usize| -> Result<(), BackendError> {
+                if let Some(b) = b {
+                    let (bp, cols32, n) = (b.ptr(), cols as i32, (t * cols) as i64);
+                    launch!(gpu, bias_f.clone(), cfg((grid_for(t * cols, 256), 1), 256, 0), &y, &bp, &cols32, &n)?;
+                }
+                Ok(())
+            };
+            for (li, lw) in self.weights.layers.iter().enumerate() {
+                let kbase = self.kv.at(self.kv_layout.layer_offset(li) * eb);
+                let vbase = kbase + (self.kv_layout.plane_elems() * eb) as u64;
+                let w = lw.input_norm.ptr();
+                launch!(gpu, norm_f.clone(), cfg((t as u32, 1), NORM_THREADS, 0), &x, &null, &w, &xn, &h32, &eps)?;
+                gpu.matmul(prec, t, qd + 2 * kvd, h, xn, lw.qkv.ptr(), qkv, false)?;
+                add_bias(gpu, qkv, &lw.qkv_bias, qd + 2 * kvd)?;
+                let (qn, kn) = (lw.q_norm.as_ref().map_or(0, DevBuf::ptr), lw.k_norm.as_ref().map_or(0, DevBuf::ptr));
+                launch!(
+                    gpu,
+                    rope_f.clone(),
+                    cfg((t as u32, 1), NORM_THREADS, 0),
+                    &qkv,
+                    &q,
+                    &kbase,
+                    &vbase,
+                    &row_off,
+                    &positions,
+                    &qn,
+                    &kn,
+                    &freqs,
+                    &rope_p,
+                    &eps,
+                    &nh32,
+                    &nkv32,
+                    &hd32
+                )?;
+                if layout.num_items() > 0 {
+                    launch!(
+                        gpu,
+                        partial_f.clone(),
+                        cfg((layout.num_items() as u32, 1), 128, attn_smem),
+                        &items,
+                        &q,
+                        &kbase,
+                        &vbase,
+                        &tables,
+                        &table_off,
+                        &positions,
+                        &dims,
+                        &part_acc,
+                        &part_ml
+                    )?;
+                }
+                if let (Some(f), true) = (&mma_f, layout.num_mma_items() > 0) {
+                    launch!(
+                        gpu,
+                        f.clone(),
+                        cfg((layout.num_mma_items() as u32, 1), 128, 0),
+                        &mma_items,
+                        &q,
+                        &kbase,
+                        &vbase,
+                        &tables,
+                        &table_off,
+                        &positions,
+                        &dims,
+                        &part_acc,
+                        &part_ml
+                    )?;
+                }
+                launch!(
+                    gpu,
+                    combine_f.clone(),
+                    cfg((t as u32, nh as u32), hd.next_multiple_of(32) as u32, 0),
+                    &part_acc,
+                    &part_ml,
+                    &token_splits,
+                    &attn,
+                    &dims
+                )?;
+                gpu.matmul(prec, t, h, qd, attn, lw.o.ptr(), x, true)?;
+                add_bias(gpu, x, &lw.o_bias, h)?;
+                let w = lw.post_norm.ptr();
+                launch!(gpu, norm_f.clone(), cfg((t as u32, 1), NORM_THREADS, 0), &x, &null, &w, &xn, &h32, &eps)?;
+                gpu.matmul(prec, t, 2 * inter, h, xn, lw.gate_up.ptr(), gu, false)?;
+                add_bias(gpu, gu, &lw.gate_up_bias, 2 * inter)?;
+                let n = (t * inter) as i64;
+                launch!(gpu, swiglu_f.clone(), cfg((grid_for(t * inter, 256), 1), 256, 0), &gu, &act, &inter32, &n)?;
+                gpu.matmul(prec, t, h, inter, act, lw.down.ptr(), x, true)?;
+                add_bias(gpu, x, &lw.down_bias, h)?;
+            }
+            if m > 0 {
+                let w = self.weights.final_norm.ptr();
+                launch!(gpu, norm_f, cfg((m as u32, 1), NORM_THREADS, 0), &x, &logit_rows, &w, &xs, &h32, &eps)?;
+                let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed).ptr();
+                gpu.matmul(prec, m, c.vocab_size, h, xs, head, logits, false)?;
+            }
+            Ok(())
+        })();
+        if let Some(key) = graph_key {
+            let captured = gpu.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+            enqueued?;
+            let graph = captured
+                .map_err(|e| super::gpu::dev_err("end graph capture", e))?
+                .ok_or_else(|| BackendError::Device("graph capture produced no graph".into()))?;
+            graph.launch().map_err(|e| super::gpu::dev_err("graph launch", e))?;
+            if self.graphs.len() >= MAX_GRAPHS {
+                self.graphs.clear();
+            }
+            self.graphs.insert(key, StepGraph(graph));
+        } else {
+            enqueued?;
+        }
+        Ok(layout)
+    }
+
+    /// Greedy token of each logits row left by `forward_device`.
+    pub(super) fn argmax(&mut self, layout: StepLayout) -> Result<Vec<u32>, BackendError> {
+        let m = layout.logit_rows.len();
+        if m == 0 {
+            return Ok(Vec::new());
+        }
+        let out = self.scratch.get(&self.gpu, "argmax", m * 4)?;
+        let f = self.gpu.func("sampling", "argmax_rows")?;
+        let (logits, vocab) = (self.scratch.logits_ptr(), self.cfg.vocab_size as i32);
+        launch!(self.gpu, f, cfg((m as u32, 1), 1024, 0), &logits, &vocab, &out)?;
+        let mut ids = vec![0i32; m];
+        self.gpu.copy_dtoh(&mut ids, out)?;
+        Ok(ids.into_iter().map(|i| i as u32).collect())
+    }
+
+    /// Bytes of one block's KV image (every layer's K and V, in the storage precision).
+    pub fn kv_block_bytes(&self) -> usize {
+        self.kv_layout.block_elems() * self.prec.bytes()
+    }
+
+    /// The KV contents of `blocks`, block after block.
+    pub fn read_kv_blocks(&mut self, blocks: &[u32]) -> Result<Vec<u8>, BackendError> {
+        let bb = self.kv_block_bytes();
+        crate::backend::validate_kv_image(blocks, blocks.len() * bb, bb, self.geom)?;
+        self.gpu.bind()?;
+        let staging = self.copy_blocks(blocks, None)?;
+        let mut image = vec![0u8; blocks.len() * bb];
+        self.gpu.copy_dtoh(&mut image, staging)?;
+        Ok(image)
+    }
+
+    /// Write an image from `read_kv_blocks` into `blocks`.
+    pub fn write_kv_blocks(&mut self, blocks: &[u32], image: &[u8]) -> Result<(), BackendError> {
+        let bb = self.kv_block_bytes();
+        crate::backend::validate_kv_image(blocks, image.len(), bb, self.geom)?;
+        self.gpu.bind()?;
+        self.copy_blocks(blocks, Some(image))?;
+        self.gpu.sync()
+    }
+
+    /// Gather `blocks` into the staging buffer, or (with `image`) scatter the image into them.
+    fn copy_blocks(&mut self, blocks: &[u32], image: Option<&[u8]>) -> Result<u64, BackendError> {
+        let bb = self.kv_block_bytes();
+        if blocks.is_empty() {
+            return Ok(0);
+        }
+        let staging = self.scratch.get(&self.gpu, "kv_staging", blocks.len() * bb)?;
+        let ids = self.scratch.get(&self.gpu, "kv_block_ids", blocks.len() * 4)?;
+        self.gpu.copy_htod(ids, blocks)?;
+        if let Some(img) = image {
+            self.gpu.copy_htod(staging, img)?;
+        }
+        let f = self.gpu.func("llama", "copy_blocks")?;
+        let (cache, bb64, dir) = (self.kv.ptr(), bb as i64, i32::from(image.is_some()));
+        let grid = (grid_for(bb, 256).min(1024), blocks.len() as u32);
+        launch!(self.gpu, f, cfg(grid, 256, 0), &cache, &staging, &ids, &bb64, &dir)?;
+        Ok(staging)
+    }
+}
+
+/// Copy bandwidth (bytes read + written per second) and bf16 GEMM rate (FLOP/s), medians.
+pub fn measure_ceilings(gpu: &mut Gpu, bytes: usize, n: usize, reps: usize) -> Result<(f64, f64), BackendError> {
+    gpu.bind()?;
+    let timed = |gpu: &Gpu, f: &mut dyn FnMut() -> Result<(), BackendError>| -> Result<f64, BackendError> {
+        let mut times = Vec::with_capacity(reps);
+        f()?;
+        gpu.sync()?;
+        for _ in 0..reps {
+            let t0 = std::time::Instant::now();
+            f()?;
+            gpu.sync()?;
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    };
+    let (src, dst) = (gpu.alloc(bytes)?, gpu.alloc(bytes)?);
+    // Random bits, not zeros: zeros can run faster than real data.
+    let fill = gpu.func("llama", "fill_uniform_f32")?;
+    for (b, seed) in [(&src, 1u64), (&dst, 2)] {
+        let (p, n, c, sc) = (b.ptr(), (bytes / 4) as i64, 0f32, 1f32);
+        launch!(gpu, fill.clone(), cfg((8192, 1), 256, 0), &p, &n, &seed, &c, &sc)?;
+    }
+    let copy_s = timed(gpu, &mut || gpu.copy_dtod(dst.ptr(), src.ptr(), bytes))?;
+    drop((src, dst));
+    let (a, b, y) = (gpu.alloc(n * n * 2)?, gpu.alloc(n * n * 2)?, gpu.alloc(n * n * 4)?);
+    let fill = gpu.func("llama", "fill_uniform_bf16")?;
+    for (buf, seed) in [(&a, 3u64), (&b, 4)] {
+        let (p, cnt, c, sc) = (buf.ptr(), (n * n) as i64, 0f32, 1f32);
+        launch!(gpu, fill.clone(), cfg((8192, 1), 256, 0), &p, &cnt, &seed, &c, &sc)?;
+    }
+    let gemm_s = timed(gpu, &mut || gpu.gemm(Precision::Bf16, n, n, n, a.ptr(), b.ptr(), y.ptr(), false))?;
+    Ok((2.0 * bytes as f64 / copy_s, 2.0 * (n as f64).powi(3) / gemm_s))
+}

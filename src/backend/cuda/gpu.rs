@@ -1,0 +1,378 @@
+//! The device layer under the CUDA backend: one context and stream, raw device buffers with RAII,
+//! NVRTC-compiled kernel modules (compiled once per backend for the device's compute capability
+//! and cached by module name), typed launches, and cuBLAS GEMMs. Knows nothing of models.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::cublas::sys as cublas_sys;
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
+
+use crate::backend::BackendError;
+
+/// Kernel sources, embedded so the binary needs no files at run time.
+const COMMON: &str = include_str!("../../../cuda/common.cuh");
+pub const MODULES: &[(&str, &str)] = &[
+    ("llama", include_str!("../../../cuda/llama.cu")),
+    ("attention", include_str!("../../../cuda/attention.cu")),
+    ("attention_mma", include_str!("../../../cuda/attention_mma.cu")),
+    ("sampling", include_str!("../../../cuda/sampling.cu")),
+];
+
+pub fn dev_err(what: &str, e: impl std::fmt::Debug) -> BackendError {
+    BackendError::Device(format!("{what}: {e:?}"))
+}
+
+/// Storage precision of weights, KV cache and GEMM inputs. The residual stream and GEMM
+/// accumulation are f32 in both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    Bf16,
+    /// Everything f32 (cuBLAS in pedantic f32): the tight validation mode.
+    F32,
+}
+
+impl Precision {
+    pub fn bytes(self) -> usize {
+        match self {
+            Precision::Bf16 => 2,
+            Precision::F32 => 4,
+        }
+    }
+
+    /// Kernel name suffix.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Precision::Bf16 => "bf16",
+            Precision::F32 => "f32",
+        }
+    }
+
+    fn cuda_type(self) -> cublas_sys::cudaDataType {
+        match self {
+            Precision::Bf16 => cublas_sys::cudaDataType::CUDA_R_16BF,
+            Precision::F32 => cublas_sys::cudaDataType::CUDA_R_32F,
+        }
+    }
+}
+
+/// Whether the CUDA driver, NVRTC and cuBLAS libraries can be loaded, and how many devices the
+/// driver sees. `Err` says why CUDA is not usable.
+pub fn device_count() -> Result<usize, String> {
+    // SAFETY: these only try to open the shared libraries.
+    let libs = unsafe {
+        [
+            ("driver (libcuda)", cudarc::driver::sys::is_culib_present()),
+            ("NVRTC (libnvrtc)", cudarc::nvrtc::sys::is_culib_present()),
+            ("cuBLAS (libcublas)", cudarc::cublas::sys::is_culib_present()),
+        ]
+    };
+    if let Some((name, _)) = libs.iter().find(|(_, ok)| !ok) {
+        return Err(format!("the CUDA {name} library was not found"));
+    }
+    drv::init().map_err(|e| format!("cuInit failed: {e:?}"))?;
+    let n = drv::device::get_count().map_err(|e| format!("counting devices failed: {e:?}"))?;
+    Ok(n.max(0) as usize)
+}
+
+/// Free and total bytes of device `ordinal`.
+pub fn device_memory(ordinal: usize) -> Result<(usize, usize), BackendError> {
+    device_count().map_err(|reason| BackendError::Unavailable { device: format!("cuda:{ordinal}"), reason })?;
+    let ctx = CudaContext::new(ordinal).map_err(|e| dev_err("creating the context", e))?;
+    ctx.mem_get_info().map_err(|e| dev_err("reading free memory", e))
+}
+
+/// Compile one kernel module (with the shared header prepended) to PTX for `sm_{major}{minor}`.
+pub fn compile_module(module: &str, src: &str, (major, minor): (i32, i32)) -> Result<cudarc::nvrtc::Ptx, BackendError> {
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: vec![format!("--gpu-architecture=sm_{major}{minor}"), "--std=c++17".into()],
+        name: Some(format!("{module}.cu")),
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(format!("{COMMON}\n{src}"), opts)
+        .map_err(|e| BackendError::Device(format!("NVRTC failed on cuda/{module}.cu: {e}")))
+}
+
+/// A device allocation, freed on drop.
+pub struct DevBuf {
+    ptr: CUdeviceptr,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DevBuf {
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Address `offset` bytes in.
+    pub fn at(&self, offset: usize) -> u64 {
+        debug_assert!(offset <= self.bytes);
+        self.ptr + offset as u64
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        if self.bytes > 0 && self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from `malloc_sync` in this context and is freed once.
+            let _ = unsafe { drv::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// Most rows [`Gpu::matmul`] sends to the skinny kernel (which takes up to 8, `GEMV_MAX_ROWS`
+/// in cuda/llama.cu). Measured on the H200 (8B shapes): at 8 rows it re-reads the activations
+/// from L1 once per row and loses to cuBLAS (16.3 ms/step at batch 8 vs 13.3 ms for cuBLAS at
+/// batch 32), so steps of more than 4 rows go to cuBLAS.
+pub const GEMV_MAX_ROWS: usize = 4;
+
+/// Launch dimensions.
+pub fn cfg(grid: (u32, u32), block: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (grid.0.max(1), grid.1.max(1), 1), block_dim: (block, 1, 1), shared_mem_bytes: smem }
+}
+
+/// Grid size for a grid-stride loop over `n` elements.
+pub fn grid_for(n: usize, block: u32) -> u32 {
+    (n.div_ceil(block as usize)).clamp(1, 65_535) as u32
+}
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    modules: HashMap<&'static str, Arc<CudaModule>>,
+    functions: HashMap<String, CudaFunction>,
+    pub name: String,
+    pub ordinal: usize,
+    pub compute_capability: (i32, i32),
+}
+
+impl Gpu {
+    /// Open device `ordinal` and compile every kernel module for its architecture.
+    pub fn open(ordinal: usize) -> Result<Self, BackendError> {
+        let count =
+            device_count().map_err(|reason| BackendError::Unavailable { device: format!("cuda:{ordinal}"), reason })?;
+        if ordinal >= count {
+            return Err(BackendError::Unavailable {
+                device: format!("cuda:{ordinal}"),
+                reason: format!("the driver sees {count} device(s)"),
+            });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| dev_err("creating the context", e))?;
+        // We order all work on one stream ourselves and pass raw pointers to kernels.
+        // SAFETY: nothing in this backend uses more than one stream.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| dev_err("creating a stream", e))?;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| dev_err("creating the cuBLAS handle", e))?;
+        let compute_capability = ctx.compute_capability().map_err(|e| dev_err("reading compute capability", e))?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown".into());
+        let mut gpu = Gpu {
+            ctx,
+            stream,
+            blas,
+            modules: HashMap::new(),
+            functions: HashMap::new(),
+            name,
+            ordinal,
+            compute_capability,
+        };
+        for (module, src) in MODULES {
+            gpu.compile(module, src)?;
+        }
+        Ok(gpu)
+    }
+
+    fn compile(&mut self, module: &'static str, src: &str) -> Result<(), BackendError> {
+        let (major, minor) = self.compute_capability;
+        let started = std::time::Instant::now();
+        let ptx = compile_module(module, src, self.compute_capability)?;
+        let m = self.ctx.load_module(ptx).map_err(|e| dev_err(&format!("loading module {module}"), e))?;
+        tracing::debug!(
+            module,
+            arch = format!("sm_{major}{minor}"),
+            ms = started.elapsed().as_millis() as u64,
+            "kernels compiled"
+        );
+        self.modules.insert(module, m);
+        Ok(())
+    }
+
+    /// A kernel by name, looked up once and cached.
+    pub fn func(&mut self, module: &'static str, name: &str) -> Result<CudaFunction, BackendError> {
+        if let Some(f) = self.functions.get(name) {
+            return Ok(f.clone());
+        }
+        let m = self.modules.get(module).ok_or_else(|| BackendError::Device(format!("no kernel module {module}")))?;
+        let f = m.load_function(name).map_err(|e| dev_err(&format!("kernel {name}"), e))?;
+        self.functions.insert(name.to_string(), f.clone());
+        Ok(f)
+    }
+
+    pub fn bind(&self) -> Result<(), BackendError> {
+        self.ctx.bind_to_thread().map_err(|e| dev_err("binding the context", e))
+    }
+
+    pub fn alloc(&self, bytes: usize) -> Result<DevBuf, BackendError> {
+        self.bind()?;
+        let ptr = if bytes == 0 {
+            0
+        } else {
+            // SAFETY: plain device allocation; freed by `DevBuf::drop`.
+            unsafe { drv::malloc_sync(bytes) }
+                .map_err(|e| dev_err(&format!("allocating {:.1} MiB", bytes as f64 / 1048576.0), e))?
+        };
+        Ok(DevBuf { ptr, bytes, ctx: self.ctx.clone() })
+    }
+
+    /// Allocate and fill from the host.
+    pub fn upload<T: Copy>(&self, data: &[T]) -> Result<DevBuf, BackendError> {
+        let b = self.alloc(std::mem::size_of_val(data))?;
+        self.copy_htod(b.ptr(), data)?;
+        Ok(b)
+    }
+
+    pub fn copy_htod<T: Copy>(&self, dst: u64, data: &[T]) -> Result<(), BackendError> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `dst` points to at least `size_of_val(data)` bytes (callers size buffers); the
+        // copy completes before we return, so `data` outlives it.
+        unsafe {
+            drv::memcpy_htod_async(dst, data, self.stream.cu_stream()).map_err(|e| dev_err("host→device copy", e))?;
+        }
+        self.sync()
+    }
+
+    pub fn copy_dtoh<T: Copy>(&self, dst: &mut [T], src: u64) -> Result<(), BackendError> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: as above; synchronised before `dst` is read.
+        unsafe {
+            drv::memcpy_dtoh_async(dst, src, self.stream.cu_stream()).map_err(|e| dev_err("device→host copy", e))?;
+        }
+        self.sync()
+    }
+
+    pub fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<(), BackendError> {
+        // SAFETY: both ranges are `bytes` long inside live allocations (callers check).
+        unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(|e| dev_err("device→device copy", e))
+    }
+
+    pub fn sync(&self) -> Result<(), BackendError> {
+        self.stream.synchronize().map_err(|e| dev_err("stream synchronize", e))
+    }
+
+    /// `y[m, n] (+)= x[m, k] · w[n, k]ᵀ` like [`Gpu::gemm`], through our skinny kernel when
+    /// `m ≤ GEMV_MAX_ROWS` (decode steps: memory-bound, and batch-invariant), else cuBLAS.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(
+        &mut self,
+        prec: Precision,
+        m: usize,
+        n: usize,
+        k: usize,
+        x: u64,
+        w: u64,
+        y: u64,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        if m == 0 || m > GEMV_MAX_ROWS || k % 8 != 0 {
+            return self.gemm(prec, m, n, k, x, w, y, accumulate);
+        }
+        let f = self.func("llama", &format!("gemv_{}", prec.suffix()))?;
+        let (m32, n32, k32, acc) = (m as i32, n as i32, k as i32, i32::from(accumulate));
+        crate::launch!(self, f, cfg((n.div_ceil(8) as u32, 1), 256, 0), &x, &w, &y, &m32, &n32, &k32, &acc)
+    }
+
+    /// `y[m, n] (+)= x[m, k] · w[n, k]ᵀ` with row-major `x` (`prec`), row-major `w` (`prec`) and
+    /// f32 `y`, accumulating in f32. `accumulate` adds into `y` (fused residual add).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        prec: Precision,
+        m: usize,
+        n: usize,
+        k: usize,
+        x: u64,
+        w: u64,
+        y: u64,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        if m == 0 {
+            return Ok(());
+        }
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+        let compute = match prec {
+            Precision::Bf16 => cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            Precision::F32 => cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+        };
+        let dt = prec.cuda_type();
+        // Column-major view: yᵀ[n, m] = w[n, k] (wᵀ stored col-major, so op T) · xᵀ[k, m].
+        // SAFETY: pointers are live device buffers of the stated shapes (callers size them).
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                m as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                w as *const _,
+                dt,
+                k as i32,
+                x as *const _,
+                dt,
+                k as i32,
+                &beta as *const f32 as *const _,
+                y as *mut _,
+                cublas_sys::cudaDataType::CUDA_R_32F,
+                n as i32,
+                compute,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| dev_err(&format!("cuBLAS GEMM {m}×{n}×{k}"), e))
+    }
+}
+
+/// Launch `f` with the given arguments (each pushed by reference).
+#[macro_export]
+macro_rules! launch {
+    ($gpu:expr, $f:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
+        use cudarc::driver::PushKernelArg as _;
+        let f = $f;
+        let mut b = $gpu.stream.launch_builder(&f);
+        $( b.arg($arg); )+
+        // SAFETY: every kernel's parameter list matches the arguments pushed here (see cuda/*.cu).
+        let launch_cfg = $cfg;
+        unsafe { b.launch(launch_cfg) }.map(|_| ()).map_err(|e| $crate::backend::cuda::gpu::dev_err("kernel launch", e))
+    }};
+}
+
+pub use cudarc::driver::DeviceRepr;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[ignore = "needs the NVRTC library (libnvrtc); run scripts/gpu_validate.sh"]
+    fn every_kernel_module_compiles_for_hopper_and_ampere() {
+        for cc in [(9, 0), (8, 0)] {
+            for (module, src) in MODULES {
+                let ptx = compile_module(module, src, cc).unwrap_or_else(|e| panic!("{e}"));
+                assert!(ptx.to_src().contains(".entry"), "{module}: no kernels in the PTX");
+            }
+        }
+    }
+}

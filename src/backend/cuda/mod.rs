@@ -1,0 +1,241 @@
+//! The CUDA backend: llama-family forward passes on one NVIDIA GPU over ragged batches with a
+//! paged KV store, validated against the CPU reference (`scripts/gpu_validate.sh`). cudarc loads
+//! the CUDA libraries at run time, so this module builds and its host-side parts test on
+//! machines without CUDA; kernels (`cuda/*.cu`) are compiled by NVRTC when a backend opens.
+//! Owns the device, its weights and KV memory; makes no scheduling decisions and never touches
+//! the CPU backend.
+
+mod forward;
+pub mod gpu;
+pub mod plan;
+mod weights;
+
+pub use gpu::{device_count, device_memory, Precision};
+
+use self::gpu::{DevBuf, Gpu};
+use self::plan::KvLayout;
+use self::weights::DeviceWeights;
+use super::{validate_batch, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
+use crate::config::{LlamaConfig, RopeScaling};
+use crate::model::WeightSource;
+
+#[derive(Clone, Copy, Debug)]
+pub struct CudaOptions {
+    pub ordinal: usize,
+    pub kv: KvGeometry,
+    pub precision: Precision,
+}
+
+/// How RoPE angles are computed on the device (mirrors the CPU backend's `RopeAngles`).
+struct Rope {
+    /// 0: `pos · inv_freq[j]` (HF); 1: GGML's iterated θ with optional per-pair factors.
+    mode: i32,
+    theta_scale: f32,
+    freq_scale: f32,
+    /// HF: inverse frequencies; GGML: Llama 3 factors (or none).
+    table: Option<DevBuf>,
+}
+
+impl Rope {
+    fn new(gpu: &Gpu, c: &LlamaConfig) -> Result<Self, BackendError> {
+        if !c.rope_ggml_style {
+            return Ok(Rope {
+                mode: 0,
+                theta_scale: 0.0,
+                freq_scale: 1.0,
+                table: Some(gpu.upload(&c.rope_inv_freq())?),
+            });
+        }
+        let theta_scale = c.rope_theta.powf(-2.0 / c.head_dim as f32);
+        Ok(match &c.rope_scaling {
+            None => Rope { mode: 1, theta_scale, freq_scale: 1.0, table: None },
+            Some(RopeScaling::Linear { factor }) => {
+                Rope { mode: 1, theta_scale, freq_scale: 1.0 / factor, table: None }
+            }
+            Some(RopeScaling::Llama3 { .. }) => {
+                let plain = LlamaConfig { rope_scaling: None, ..c.clone() }.rope_inv_freq();
+                let factors: Vec<f32> = plain.iter().zip(c.rope_inv_freq()).map(|(p, s)| p / s).collect();
+                Rope { mode: 1, theta_scale, freq_scale: 1.0, table: Some(gpu.upload(&factors)?) }
+            }
+        })
+    }
+}
+
+pub struct CudaBackend {
+    cfg: LlamaConfig,
+    gpu: Gpu,
+    prec: Precision,
+    weights: DeviceWeights,
+    rope: Rope,
+    geom: KvGeometry,
+    kv_layout: KvLayout,
+    /// `[block][layer][K|V][slot][kv_dim]` in `prec`.
+    kv: DevBuf,
+    scratch: forward::Scratch,
+    /// Prefill attention on the tensor cores (bf16, sm_80+); `false` keeps every step on the
+    /// FMA kernel (`SHELFSERVE_CUDA_MMA_ATTENTION=0`).
+    tensor_cores: bool,
+    /// Replay decode steps as CUDA graphs (`SHELFSERVE_CUDA_GRAPHS=0` turns it off).
+    cuda_graphs: bool,
+    graphs: std::collections::HashMap<forward::GraphKey, forward::StepGraph>,
+}
+
+impl CudaBackend {
+    /// Open device `opts.ordinal` and load `w` onto it.
+    pub fn new(cfg: &LlamaConfig, w: &dyn WeightSource, opts: CudaOptions) -> Result<Self, BackendError> {
+        let gpu = Gpu::open(opts.ordinal)?;
+        let weights = DeviceWeights::load(&gpu, cfg, w, opts.precision)?;
+        Self::assemble(cfg, gpu, weights, opts)
+    }
+
+    /// Seeded random weights generated on the device (benchmarks of any model size).
+    pub fn synthetic(cfg: &LlamaConfig, seed: u64, opts: CudaOptions) -> Result<Self, BackendError> {
+        let mut gpu = Gpu::open(opts.ordinal)?;
+        let weights = DeviceWeights::synthetic(&mut gpu, cfg, opts.precision, seed)?;
+        Self::assemble(cfg, gpu, weights, opts)
+    }
+
+    fn assemble(cfg: &LlamaConfig, gpu: Gpu, weights: DeviceWeights, opts: CudaOptions) -> Result<Self, BackendError> {
+        check_shapes(cfg)?;
+        let kv_layout =
+            KvLayout { block_size: opts.kv.block_size, layers: cfg.num_hidden_layers, kv_dim: cfg.kv_dim() };
+        let kv_bytes = opts.kv.num_blocks * kv_layout.block_elems() * opts.precision.bytes();
+        let kv = gpu.alloc(kv_bytes)?;
+        let rope = Rope::new(&gpu, cfg)?;
+        let gpu_cc = gpu.compute_capability;
+        tracing::info!(
+            device = %format!("cuda:{} ({}, sm_{}{})", gpu.ordinal, gpu.name, gpu.compute_capability.0, gpu.compute_capability.1),
+            precision = ?opts.precision,
+            weights_mib = weights.bytes() / (1 << 20),
+            kv_mib = kv_bytes / (1 << 20),
+            "CUDA backend ready"
+        );
+        Ok(CudaBackend {
+            cfg: cfg.clone(),
+            gpu,
+            prec: opts.precision,
+            weights,
+            rope,
+            geom: opts.kv,
+            kv_layout,
+            kv,
+            scratch: forward::Scratch::default(),
+            tensor_cores: gpu_cc.0 >= 8 && std::env::var("SHELFSERVE_CUDA_MMA_ATTENTION").map_or(true, |v| v != "0"),
+            cuda_graphs: std::env::var("SHELFSERVE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            graphs: std::collections::HashMap::new(),
+        })
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        self.weights.bytes()
+    }
+
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.bytes()
+    }
+
+    /// Use (or not) the tensor-core prefill attention kernel where it applies.
+    pub fn set_tensor_core_attention(&mut self, on: bool) {
+        self.tensor_cores = on && self.gpu.compute_capability.0 >= 8;
+    }
+
+    /// Replay decode steps as CUDA graphs (or not).
+    pub fn set_cuda_graphs(&mut self, on: bool) {
+        self.cuda_graphs = on;
+        self.graphs.clear();
+    }
+
+    pub fn precision(&self) -> Precision {
+        self.prec
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// Device name as the driver reports it.
+    pub fn gpu_name(&self) -> &str {
+        &self.gpu.name
+    }
+
+    /// Run a step and pick every logits row's greedy token on the device: only ids come back.
+    pub fn forward_greedy(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<u32>, BackendError> {
+        validate_batch(batch, self.geom)?;
+        self.gpu.bind()?;
+        let rows = self.forward_device(batch)?;
+        self.argmax(rows)
+    }
+
+    /// Wait for queued device work (benchmarks time with this).
+    pub fn synchronize(&self) -> Result<(), BackendError> {
+        self.gpu.sync()
+    }
+
+    /// Fill the whole KV store with seeded random values (benchmarks decode at long contexts
+    /// without prefilling them first; the values only need to be finite and not zero).
+    pub fn fill_kv_random(&mut self, seed: u64) -> Result<(), BackendError> {
+        self.gpu.bind()?;
+        let f = self.gpu.func("llama", &format!("fill_uniform_{}", self.prec.suffix()))?;
+        let (p, n, c, s) = (self.kv.ptr(), (self.kv.bytes() / self.prec.bytes()) as i64, 0f32, 1f32);
+        crate::launch!(self.gpu, f, gpu::cfg((8192, 1), 256, 0), &p, &n, &seed, &c, &s)?;
+        self.gpu.sync()
+    }
+
+    /// Measure the device's ceilings: device-to-device copy bandwidth (bytes read + written per
+    /// second) over `bytes`, and a bf16 `n×n×n` GEMM rate (FLOP/s), each the median of `reps`.
+    pub fn measure_ceilings(&mut self, bytes: usize, n: usize, reps: usize) -> Result<(f64, f64), BackendError> {
+        forward::measure_ceilings(&mut self.gpu, bytes, n, reps)
+    }
+}
+
+/// Shapes the kernels support, refused up front with a reason.
+fn check_shapes(c: &LlamaConfig) -> Result<(), BackendError> {
+    let bad = |msg: String| Err(BackendError::Unavailable { device: "cuda".into(), reason: msg });
+    if c.head_dim > 256 || c.head_dim % 2 != 0 {
+        return bad(format!("head_dim {} is not supported by the attention kernels (even, at most 256)", c.head_dim));
+    }
+    if c.num_key_value_heads == 0 || c.num_attention_heads % c.num_key_value_heads != 0 {
+        return bad(format!(
+            "{} attention heads are not a multiple of {} kv heads",
+            c.num_attention_heads, c.num_key_value_heads
+        ));
+    }
+    Ok(())
+}
+
+impl Backend for CudaBackend {
+    fn device_name(&self) -> String {
+        format!("cuda:{}", self.gpu.ordinal)
+    }
+
+    fn kv_geometry(&self) -> KvGeometry {
+        self.geom
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {
+        validate_batch(batch, self.geom)?;
+        self.gpu.bind()?;
+        let layout = self.forward_device(batch)?;
+        let v = self.cfg.vocab_size;
+        let mut data = vec![0f32; layout.logit_rows.len() * v];
+        self.gpu.copy_dtoh(&mut data, self.scratch.logits_ptr())?;
+        Ok(StepLogits { vocab: v, data, offsets: layout.offsets })
+    }
+
+    // The inherent methods (forward.rs) do the device copies; these make them the trait's.
+    fn kv_block_bytes(&self) -> usize {
+        CudaBackend::kv_block_bytes(self)
+    }
+
+    fn read_kv_blocks(&mut self, blocks: &[u32]) -> Result<Vec<u8>, BackendError> {
+        CudaBackend::read_kv_blocks(self, blocks)
+    }
+
+    fn write_kv_blocks(&mut self, blocks: &[u32], image: &[u8]) -> Result<(), BackendError> {
+        CudaBackend::write_kv_blocks(self, blocks, image)
+    }
+}

@@ -1,0 +1,231 @@
+//! Host-side layout of one CUDA step: flattened token ids and positions, where each new K/V row
+//! goes in the paged cache, the attention work items (sequence × kv head × query tile × key
+//! split) and which rows need logits. Plain data with unit tests; no device calls.
+//!
+//! Batch invariance: a sequence's tiles, split length and split boundaries depend only on that
+//! sequence's own step (its token count and positions), never on the rest of the batch, so the
+//! attention kernels compute every row the same way whoever shares the launch.
+
+use crate::backend::{BackendError, SeqStep};
+
+/// Query rows (token × q head of one kv head's group) one attention work item covers per pass.
+pub const ROWS_PER_ITEM: usize = 16;
+/// Query rows per work item of the tensor-core prefill kernel (`cuda/attention_mma.cu`).
+pub const MMA_ROWS_PER_ITEM: usize = 64;
+/// Key split length for decode and short verification steps: long contexts are spread over
+/// many blocks (two 32-key tiles each: a decode block is latency-bound, so short splits and
+/// many blocks beat long loops) and merged by the combine kernel.
+pub const DECODE_SPLIT: usize = 64;
+/// Steps of at most this many tokens of one sequence count as decode/verify (split keys);
+/// longer prefill chunks have enough query tiles to fill the device without splitting.
+pub const DECODE_MAX_TOKENS: usize = 16;
+/// Ints per work item, as `cuda/attention.cu` reads them.
+pub const ITEM_INTS: usize = 8;
+
+/// Where the KV cache keeps rows: `[block][layer][K|V][slot][kv_dim]`, so one block of every
+/// layer is contiguous (KV images are plain copies).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    pub block_size: usize,
+    pub layers: usize,
+    pub kv_dim: usize,
+}
+
+impl KvLayout {
+    /// Elements in one block (every layer's K and V).
+    pub fn block_elems(&self) -> usize {
+        self.layers * 2 * self.block_size * self.kv_dim
+    }
+
+    /// Element offset of layer `layer`'s K plane inside a block (V follows at + `plane_elems`).
+    pub fn layer_offset(&self, layer: usize) -> usize {
+        layer * 2 * self.plane_elems()
+    }
+
+    pub fn plane_elems(&self) -> usize {
+        self.block_size * self.kv_dim
+    }
+
+    /// Element offset of position `pos`'s row (relative to a layer's K or V base).
+    pub fn row_offset(&self, table: &[u32], pos: usize) -> i64 {
+        let bs = self.block_size;
+        (table[pos / bs] as usize * self.block_elems() + (pos % bs) * self.kv_dim) as i64
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepLayout {
+    pub ids: Vec<i32>,
+    pub positions: Vec<i32>,
+    /// Per token: element offset of its K/V row from a layer's K/V base.
+    pub row_off: Vec<i64>,
+    /// Every sequence's block table, concatenated, and where each starts.
+    pub tables: Vec<i32>,
+    pub table_off: Vec<i32>,
+    /// `ITEM_INTS` per work item: seq, first token, tokens, kv head, key begin, key end, split, 0.
+    pub items: Vec<i32>,
+    /// Prefill work items for the tensor-core kernel (same format, `MMA_ROWS_PER_ITEM` rows).
+    pub mma_items: Vec<i32>,
+    /// Per token: how many key splits its tile has.
+    pub token_splits: Vec<i32>,
+    pub max_splits: usize,
+    /// Token rows that need logits, in batch order, and each sequence's first logits row.
+    pub logit_rows: Vec<i32>,
+    pub offsets: Vec<usize>,
+}
+
+impl StepLayout {
+    pub fn tokens(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn num_items(&self) -> usize {
+        self.items.len() / ITEM_INTS
+    }
+
+    pub fn num_mma_items(&self) -> usize {
+        self.mma_items.len() / ITEM_INTS
+    }
+
+    /// Lay out `batch` (already checked by `validate_batch`). `group` = q heads per kv head;
+    /// `mma`: prefill chunks go to the tensor-core kernel's item list.
+    pub fn new(
+        batch: &[SeqStep<'_>],
+        kv: KvLayout,
+        vocab: usize,
+        n_kv_heads: usize,
+        group: usize,
+        mma: bool,
+    ) -> Result<Self, BackendError> {
+        let mut l = StepLayout { offsets: vec![0], max_splits: 1, ..Default::default() };
+        for (si, s) in batch.iter().enumerate() {
+            let tok_base = l.ids.len();
+            l.table_off.push(l.tables.len() as i32);
+            let need = kv.block_size.max(1);
+            let used = (s.start_pos + s.tokens.len()).div_ceil(need);
+            l.tables.extend(s.block_table[..used].iter().map(|&b| b as i32));
+            for (i, &id) in s.tokens.iter().enumerate() {
+                if id as usize >= vocab {
+                    return Err(BackendError::InvalidStep(format!(
+                        "token id {id} is outside the vocabulary ({vocab})"
+                    )));
+                }
+                let pos = s.start_pos + i;
+                l.ids.push(id as i32);
+                l.positions.push(pos as i32);
+                l.row_off.push(kv.row_offset(s.block_table, pos));
+            }
+            let decode = s.tokens.len() <= DECODE_MAX_TOKENS;
+            let split = if decode { DECODE_SPLIT } else { usize::MAX };
+            let to_mma = mma && !decode;
+            let rows = if to_mma { MMA_ROWS_PER_ITEM } else { ROWS_PER_ITEM };
+            let tile_tokens = (rows / group.max(1)).max(1);
+            for t0 in (0..s.tokens.len()).step_by(tile_tokens) {
+                let nt = tile_tokens.min(s.tokens.len() - t0);
+                let keys = s.start_pos + t0 + nt; // keys 0..=last position of the tile
+                let splits = keys.div_ceil(split.min(keys));
+                l.max_splits = l.max_splits.max(splits);
+                l.token_splits.extend(std::iter::repeat_n(splits as i32, nt));
+                for kvh in 0..n_kv_heads {
+                    for sp in 0..splits {
+                        let k0 = sp.saturating_mul(split);
+                        let k1 = (k0.saturating_add(split)).min(keys);
+                        let list = if to_mma { &mut l.mma_items } else { &mut l.items };
+                        list.extend([
+                            si as i32,
+                            (tok_base + t0) as i32,
+                            nt as i32,
+                            kvh as i32,
+                            k0 as i32,
+                            k1 as i32,
+                            sp as i32,
+                            0,
+                        ]);
+                    }
+                }
+            }
+            let end = l.ids.len();
+            l.logit_rows.extend((end - s.logits_rows..end).map(|r| r as i32));
+            l.offsets.push(l.logit_rows.len());
+        }
+        Ok(l)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KV: KvLayout = KvLayout { block_size: 4, layers: 2, kv_dim: 8 };
+
+    fn items(l: &StepLayout) -> Vec<[i32; ITEM_INTS]> {
+        l.items.chunks_exact(ITEM_INTS).map(|c| c.try_into().unwrap()).collect()
+    }
+
+    #[test]
+    fn rows_land_in_their_blocks() {
+        let table = [5u32, 2, 9];
+        let s = SeqStep { tokens: &[1, 2, 3], start_pos: 3, block_table: &table, logits_rows: 1, state_slot: 0 };
+        let l = StepLayout::new(&[s], KV, 10, 2, 2, false).unwrap();
+        assert_eq!(l.positions, vec![3, 4, 5]);
+        let be = KV.block_elems() as i64;
+        assert_eq!(l.row_off, vec![5 * be + 3 * 8, 2 * be, 2 * be + 8]);
+        assert_eq!(l.tables, vec![5, 2]);
+        assert_eq!(l.logit_rows, vec![2]);
+        assert_eq!(l.offsets, vec![0, 1]);
+    }
+
+    #[test]
+    fn decode_splits_long_contexts_at_fixed_boundaries() {
+        let table: Vec<u32> = (0..200).collect();
+        let s = SeqStep { tokens: &[1], start_pos: 600, block_table: &table, logits_rows: 1, state_slot: 0 };
+        let l = StepLayout::new(&[s], KV, 10, 2, 4, true).unwrap();
+        let it = items(&l);
+        let splits = 601usize.div_ceil(DECODE_SPLIT);
+        assert_eq!(it.len(), 2 * splits, "2 kv heads × splits over 601 keys");
+        let last = &it[splits - 1];
+        assert_eq!((it[0][4], it[0][5]), (0, DECODE_SPLIT as i32));
+        assert_eq!((last[4], last[5]), (((splits - 1) * DECODE_SPLIT) as i32, 601));
+        assert_eq!(l.token_splits, vec![splits as i32]);
+        assert_eq!(l.max_splits, splits);
+    }
+
+    #[test]
+    fn prefill_tiles_tokens_by_group_and_does_not_split() {
+        let table: Vec<u32> = (0..200).collect();
+        let toks: Vec<u32> = vec![1; 40];
+        let s = SeqStep { tokens: &toks, start_pos: 500, block_table: &table, logits_rows: 40, state_slot: 0 };
+        let l = StepLayout::new(&[s], KV, 10, 1, 4, false).unwrap();
+        let it = items(&l);
+        assert_eq!(it.len(), 10, "40 tokens in tiles of 16/4 = 4");
+        let m = StepLayout::new(&[s], KV, 10, 1, 4, true).unwrap();
+        assert!(m.items.is_empty());
+        assert_eq!(m.num_mma_items(), 3, "40 tokens in tensor-core tiles of 64/4 = 16");
+        assert!(it.iter().all(|i| i[4] == 0 && i[6] == 0));
+        assert_eq!(it[9][5], 540);
+        assert_eq!(l.max_splits, 1);
+        assert_eq!(l.logit_rows.len(), 40);
+    }
+
+    #[test]
+    fn a_sequence_gets_the_same_items_whatever_its_company() {
+        let ta: Vec<u32> = (0..100).collect();
+        let tb: Vec<u32> = (100..200).collect();
+        let a = SeqStep { tokens: &[7], start_pos: 300, block_table: &ta, logits_rows: 1, state_slot: 0 };
+        let b = SeqStep { tokens: &[1, 2, 3, 4, 5], start_pos: 10, block_table: &tb, logits_rows: 2, state_slot: 0 };
+        let solo = StepLayout::new(&[a], KV, 10, 2, 3, true).unwrap();
+        let both = StepLayout::new(&[b, a], KV, 10, 2, 3, true).unwrap();
+        let strip = |v: Vec<[i32; ITEM_INTS]>, seq: i32, tok: i32| -> Vec<[i32; 6]> {
+            v.into_iter().filter(|i| i[0] == seq).map(|i| [i[1] - tok, i[2], i[3], i[4], i[5], i[6]]).collect()
+        };
+        assert_eq!(strip(items(&solo), 0, 0), strip(items(&both), 1, 5));
+        assert_eq!(both.offsets, vec![0, 2, 3]);
+    }
+
+    #[test]
+    fn out_of_vocabulary_ids_are_refused() {
+        let s = SeqStep { tokens: &[10], start_pos: 0, block_table: &[0], logits_rows: 1, state_slot: 0 };
+        let e = StepLayout::new(&[s], KV, 10, 1, 1, false).unwrap_err();
+        assert!(e.to_string().contains("outside the vocabulary"));
+    }
+}

@@ -1,0 +1,216 @@
+//! `shelfserve bench`: the CUDA backend on seeded random weights (generated on the GPU) for a
+//! config file, measured in one run against the device's own ceilings: device-to-device copy
+//! bandwidth and a large bf16 GEMM rate, then decode tok/s per batch and context (achieved bytes/s
+//! ÷ copy bandwidth) and prefill tok/s (FLOP/s ÷ GEMM rate). Prints progress to stderr, a table
+//! to stdout, and optionally JSON lines for `scripts/gpu_bench.sh`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+
+use super::CliError;
+use crate::backend::cuda::{device_memory, CudaBackend, CudaOptions, Precision};
+use crate::backend::{BackendError, KvGeometry, SeqStep};
+use crate::config::LlamaConfig;
+use crate::model::llama::LlamaSpec;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Model config (HF config.json format), e.g. configs/bench/llama-8b.json.
+    #[arg(long, env = "SHELFSERVE_BENCH_CONFIG")]
+    pub config: PathBuf,
+    /// Decode batch sizes.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,128")]
+    pub batches: Vec<usize>,
+    /// Decode context lengths (tokens already in the KV cache).
+    #[arg(long, value_delimiter = ',', default_value = "1024,8192")]
+    pub contexts: Vec<usize>,
+    /// Prefill lengths (one sequence, one chunk).
+    #[arg(long, value_delimiter = ',', default_value = "2048,8192")]
+    pub prefill: Vec<usize>,
+    /// Timed decode steps per point (after 3 warm-up steps).
+    #[arg(long, default_value_t = 20)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    #[arg(long, default_value_t = 0)]
+    pub cuda_device: usize,
+    /// Append one JSON object per measurement to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+struct Report {
+    json: Option<std::fs::File>,
+}
+
+impl Report {
+    fn emit(&mut self, v: serde_json::Value) -> Result<(), CliError> {
+        if let Some(f) = &mut self.json {
+            writeln!(f, "{v}")?;
+        }
+        Ok(())
+    }
+}
+
+fn device(e: BackendError) -> CliError {
+    CliError::Usage(format!("bench: {e}"))
+}
+
+/// Median of `reps` timings of `f` (seconds), after one untimed run.
+fn median_secs(reps: usize, mut f: impl FnMut() -> Result<(), BackendError>) -> Result<f64, BackendError> {
+    f()?;
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let s = Instant::now();
+        f()?;
+        t.push(s.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
+    let text = std::fs::read_to_string(&args.config)?;
+    let cfg = LlamaConfig::from_hf_json(&text, &args.config)?;
+    let spec = LlamaSpec::new(&cfg);
+    let weight_bytes = spec.decode_weight_elems() * 2;
+    let kv_token_bytes = cfg.num_hidden_layers * 2 * cfg.kv_dim() * 2;
+    let (free, total) = device_memory(args.cuda_device).map_err(device)?;
+    // Everything but the weights and ~8 GiB of scratch (prefill activations, logits) is KV.
+    let kv_budget = free.saturating_sub(weight_bytes + (cfg.vocab_size + cfg.hidden_size) * 2 + (8 << 30));
+    let block_bytes = kv_token_bytes * args.block_size;
+    let geom = KvGeometry { block_size: args.block_size, num_blocks: (kv_budget / block_bytes).max(1), state_slots: 0 };
+    eprintln!(
+        "bench: {} ({} layers, hidden {}): weights {:.2} GB, KV {:.0} KiB/token; device {:.0}/{:.0} GiB free; KV store {} tokens",
+        args.config.display(),
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        weight_bytes as f64 / 1e9,
+        kv_token_bytes as f64 / 1024.0,
+        free as f64 / (1u64 << 30) as f64,
+        total as f64 / (1u64 << 30) as f64,
+        geom.capacity_tokens()
+    );
+    let started = Instant::now();
+    let opts = CudaOptions { ordinal: args.cuda_device, kv: geom, precision: Precision::Bf16 };
+    let mut b = CudaBackend::synthetic(&cfg, 1234, opts).map_err(device)?;
+    b.fill_kv_random(99).map_err(device)?;
+    eprintln!("bench: weights generated on {} in {:.1}s", b.gpu_name(), started.elapsed().as_secs_f64());
+    let mut report = Report { json: args.json.as_ref().map(std::fs::File::create).transpose()? };
+    let name = args.config.file_stem().map_or("model".into(), |s| s.to_string_lossy().to_string());
+
+    eprintln!("bench: measuring ceilings (2 GiB copy, 8192³ bf16 GEMM)");
+    let (copy_bw, gemm_rate) = b.measure_ceilings(2 << 30, 8192, 10).map_err(device)?;
+    println!(
+        "device {}   copy bandwidth {:.0} GB/s   bf16 GEMM {:.0} TFLOP/s",
+        b.gpu_name(),
+        copy_bw / 1e9,
+        gemm_rate / 1e12
+    );
+    report.emit(serde_json::json!({"kind": "ceiling", "copy_bytes_per_s": copy_bw, "gemm_flops": gemm_rate, "gpu": b.gpu_name()}))?;
+
+    println!(
+        "{:<10} {:>6} {:>6} {:>10} {:>10} {:>10} {:>8}",
+        "decode", "batch", "ctx", "ms/step", "tok/s", "GB/s", "÷copy"
+    );
+    let vocab = cfg.vocab_size as u32;
+    for &ctx in &args.contexts {
+        for &batch in &args.batches {
+            let per_seq = (ctx + args.steps + 4).div_ceil(args.block_size);
+            if per_seq * batch > geom.num_blocks {
+                println!("{:<10} {:>6} {:>6} {:>10}", name, batch, ctx, "KV does not fit");
+                report.emit(
+                    serde_json::json!({"kind": "decode", "batch": batch, "ctx": ctx, "skipped": "kv does not fit"}),
+                )?;
+                continue;
+            }
+            let tables: Vec<Vec<u32>> =
+                (0..batch).map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect()).collect();
+            let mut pos = ctx;
+            let mut ids: Vec<u32> = (0..batch as u32).map(|i| (i * 7919 + 11) % vocab).collect();
+            let step = |b: &mut CudaBackend, pos: usize, ids: &mut Vec<u32>| -> Result<(), BackendError> {
+                let batch_steps: Vec<SeqStep<'_>> = ids
+                    .iter()
+                    .zip(&tables)
+                    .map(|(id, t)| SeqStep {
+                        tokens: std::slice::from_ref(id),
+                        start_pos: pos,
+                        block_table: t,
+                        logits_rows: 1,
+                        state_slot: 0,
+                    })
+                    .collect();
+                let next = b.forward_greedy(&batch_steps)?;
+                *ids = next;
+                Ok(())
+            };
+            for _ in 0..3 {
+                step(&mut b, pos, &mut ids).map_err(device)?;
+                pos += 1;
+            }
+            // Positions move forward as in real decoding: the context grows by one per step.
+            let t0 = Instant::now();
+            for _ in 0..args.steps {
+                step(&mut b, pos, &mut ids).map_err(device)?;
+                pos += 1;
+            }
+            let secs = t0.elapsed().as_secs_f64() / args.steps as f64;
+            let mean_ctx = ctx + 3 + args.steps / 2;
+            let bytes = weight_bytes as f64 + (batch * mean_ctx * kv_token_bytes) as f64;
+            let bw = bytes / secs;
+            println!(
+                "{:<10} {:>6} {:>6} {:>10.2} {:>10.0} {:>10.0} {:>7.0}%",
+                name,
+                batch,
+                ctx,
+                secs * 1e3,
+                batch as f64 / secs,
+                bw / 1e9,
+                100.0 * bw / copy_bw
+            );
+            report.emit(serde_json::json!({"kind": "decode", "batch": batch, "ctx": ctx, "secs_per_step": secs,
+                "tok_per_s": batch as f64 / secs, "bytes_per_s": bw, "of_copy": bw / copy_bw}))?;
+        }
+    }
+
+    println!("{:<10} {:>6} {:>10} {:>10} {:>10} {:>8}", "prefill", "tokens", "ms", "tok/s", "TFLOP/s", "÷GEMM");
+    for &n in &args.prefill {
+        let blocks = n.div_ceil(args.block_size);
+        if blocks > geom.num_blocks {
+            println!("{:<10} {:>6} {:>10}", name, n, "KV does not fit");
+            continue;
+        }
+        let table: Vec<u32> = (0..blocks as u32).collect();
+        let ids: Vec<u32> = (0..n as u32).map(|i| (i * 31 + 7) % vocab).collect();
+        let secs = median_secs(3, || {
+            b.forward_greedy(&[SeqStep {
+                tokens: &ids,
+                start_pos: 0,
+                block_table: &table,
+                logits_rows: 1,
+                state_slot: 0,
+            }])
+            .map(|_| ())
+        })
+        .map_err(device)?;
+        let attn_flops = 4.0 * (n as f64) * (n as f64 + 1.0) / 2.0 * cfg.q_dim() as f64 * cfg.num_hidden_layers as f64;
+        let flops = 2.0 * (spec.decode_weight_elems() - cfg.vocab_size * cfg.hidden_size) as f64 * n as f64
+            + 2.0 * (cfg.vocab_size * cfg.hidden_size) as f64
+            + attn_flops;
+        println!(
+            "{:<10} {:>6} {:>10.1} {:>10.0} {:>10.0} {:>7.0}%",
+            name,
+            n,
+            secs * 1e3,
+            n as f64 / secs,
+            flops / secs / 1e12,
+            100.0 * flops / secs / gemm_rate
+        );
+        report.emit(serde_json::json!({"kind": "prefill", "tokens": n, "secs": secs, "tok_per_s": n as f64 / secs,
+            "flops_per_s": flops / secs, "of_gemm": flops / secs / gemm_rate}))?;
+    }
+    Ok(())
+}
