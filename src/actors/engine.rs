@@ -9,12 +9,44 @@ use ractor::{Actor, ActorRef};
 
 use super::executor::{ExecutorActor, ExecutorArgs, ExecutorMsg};
 use super::handle::{EngineError, EventStream, GenerationRequest, InferenceEngine, ModelInfo};
+use super::kvpool::PoolStats;
 use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg, SchedulerStats, SharedCounters};
 use crate::backend::{Backend, KvGeometry};
 use crate::config::engine::EngineConfig;
 use crate::generate::cpu_backend;
+use crate::kv::PoolIdentity;
 use crate::model::ModelBundle;
-use crate::sched::PolicyConfig;
+use crate::sched::{align_budget_to_pages, PolicyConfig};
+
+/// Prefix-cache page size for llama-family models when the configuration does not set one: 16
+/// blocks of 16 tokens. Small enough that a follow-up turn loses at most 255 tokens of reuse and
+/// that chunk cuts at page boundaries cost little on the CPU (a 256-row GEMM is already
+/// efficient); large enough that the index stays small (a 32k context is 128 pages).
+pub const DEFAULT_LLAMA_PAGE_TOKENS: usize = 256;
+
+/// Identifies the weights for the prefix cache and the spill index: a SHA-256 over the model
+/// configuration, every tensor's name, dtype and shape, and the first and last 4 KiB of every
+/// tensor's bytes (memory-mapped, so this costs a few page reads, not a pass over the weights).
+/// Two models that differ in any tensor's edges, shape or config never share pages.
+pub fn model_fingerprint(bundle: &ModelBundle) -> String {
+    use sha2::{Digest, Sha256};
+    const EDGE: usize = 4096;
+    let mut h = Sha256::new();
+    h.update(format!("{:?}", bundle.config).as_bytes());
+    let mut names = bundle.weights.tensor_names();
+    names.sort_unstable();
+    for name in names {
+        h.update((name.len() as u64).to_le_bytes());
+        h.update(name.as_bytes());
+        if let Some(t) = bundle.weights.tensor(&name) {
+            h.update(format!("{:?}{:?}", t.dtype, t.shape).as_bytes());
+            h.update((t.data.len() as u64).to_le_bytes());
+            h.update(&t.data[..t.data.len().min(EDGE)]);
+            h.update(&t.data[t.data.len().saturating_sub(EDGE)..]);
+        }
+    }
+    h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect()
+}
 
 /// Events buffered per request before the request actor waits for the client.
 const EVENT_BUFFER: usize = 256;
@@ -73,11 +105,30 @@ pub async fn start_engine(
         queued: config.lanes.iter().map(|_| AtomicUsize::new(0)).collect(),
         failed: parking_lot::Mutex::new(None),
     });
+    let page_tokens = if s.page_tokens > 0 { s.page_tokens } else { DEFAULT_LLAMA_PAGE_TOKENS };
+    let budget = align_budget_to_pages(s.max_num_batched_tokens, page_tokens, s.max_num_seqs)
+        .map_err(EngineError::Invalid)?;
+    if budget != s.max_num_batched_tokens {
+        tracing::warn!(
+            configured = s.max_num_batched_tokens,
+            corrected = budget,
+            page_tokens,
+            "max_num_batched_tokens corrected so that prefill chunks fill whole pages (every page \
+             boundary is a chunk boundary; a misaligned budget would waste each step's tail)"
+        );
+    }
     let policy = PolicyConfig {
-        max_num_batched_tokens: s.max_num_batched_tokens,
+        max_num_batched_tokens: budget,
         max_num_seqs: s.max_num_seqs,
         block_size: kv.block_size,
         num_blocks: kv.num_blocks,
+        page_tokens,
+    };
+    let fingerprint = model_fingerprint(&bundle);
+    let pool_identity = PoolIdentity {
+        model_fingerprint: fingerprint,
+        kv_layout: format!("f32/block{}", kv.block_size),
+        rank: 0,
     };
     // Unnamed actors: ractor's registry is process-wide, and tests run several engines.
     let (scheduler, _) = Actor::spawn(
@@ -90,6 +141,7 @@ pub async fn start_engine(
             tokenizer,
             eos_token_ids: eos,
             max_context,
+            pool_identity,
         },
     )
     .await
@@ -124,6 +176,11 @@ impl Engine {
     /// Scheduler counters (waiting, running, blocks) — for tests and diagnostics.
     pub async fn stats(&self) -> Option<SchedulerStats> {
         ractor::call_t!(self.scheduler, SchedulerMsg::Stats, 5000).ok()
+    }
+
+    /// KV pool occupancy and prefix-cache counters (`None` while loading).
+    pub async fn pool_stats(&self) -> Option<PoolStats> {
+        ractor::call_t!(self.scheduler, SchedulerMsg::PoolStats, 5000).ok()
     }
 
     /// Stop the actors; the executor thread ends after its current step and frees the weights

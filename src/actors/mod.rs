@@ -7,6 +7,7 @@
 pub mod engine;
 pub mod executor;
 pub mod handle;
+pub mod kvpool;
 pub mod request;
 pub mod scheduler;
 

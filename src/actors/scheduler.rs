@@ -1,8 +1,9 @@
-//! `SchedulerActor`: the one place where serving decisions are made. It owns the policy (waiting
-//! and running queues per priority, token budget, preemption, KV block accounting), plans one
-//! step at a time, sends it to the executor, and turns the executor's sampled tokens into
-//! per-request events (EOS, max_tokens and the context limit are decided here; stop strings by
-//! each `RequestActor`). It never touches tensors.
+//! `SchedulerActor`: the one place where serving decisions are made. It owns the planner (waiting
+//! and running queues per priority, token budget, chunking, preemption), plans one step at a
+//! time against the `KvPoolActor`'s view, commits the step's pool work there (one round trip),
+//! sends the step to the executor, and turns the executor's sampled tokens into per-request events
+//! (EOS, max_tokens and the context limit are decided here; stop strings by each
+//! `RequestActor`). It never touches tensors or block ids beyond forwarding them.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -13,11 +14,13 @@ use tokio::sync::mpsc::Sender;
 
 use super::executor::{ExecutorMsg, PlanSeq, SampleSpec, StepPlan, StepResult};
 use super::handle::{EngineError, FinishReason, GenerationRequest, StreamEvent, TokenInfo};
+use super::kvpool::{KvPoolActor, KvPoolArgs, KvPoolMsg, PoolStats};
 use super::request::{RequestActor, RequestArgs, RequestMsg};
 use crate::backend::KvGeometry;
 use crate::config::engine::LaneConfig;
+use crate::kv::{KvPool, KvPoolConfig, PoolIdentity, PoolReply};
 use crate::sampling::{PenaltyState, SamplingParams};
-use crate::sched::{NewSeq, Policy, PolicyConfig, SeqId};
+use crate::sched::{NewSeq, Planner, PolicyConfig, SeqId, StepPlanOut};
 use crate::tokenizer::TokenizerBundle;
 
 pub enum SchedulerMsg {
@@ -31,6 +34,12 @@ pub enum SchedulerMsg {
     /// the step it is part of returns.
     Cancel(SeqId),
     StepDone(StepResult),
+    /// The `KvPoolActor` applied a commit: for a planned step (`for_step`), the step can be
+    /// finished and dispatched; otherwise (a flush of releases) just the view is new.
+    PoolCommitted {
+        reply: PoolReply,
+        for_step: bool,
+    },
     /// The executor actor for rank 0 (sent once, right after it is spawned).
     AttachExecutor(ActorRef<ExecutorMsg>),
     ExecutorReady {
@@ -43,6 +52,8 @@ pub enum SchedulerMsg {
     },
     /// Counters for tests and health checks.
     Stats(RpcReplyPort<SchedulerStats>),
+    /// The KV pool's occupancy and prefix-cache counters (forwarded to the pool actor).
+    PoolStats(RpcReplyPort<PoolStats>),
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -71,6 +82,8 @@ pub struct SchedulerArgs {
     pub tokenizer: Option<Arc<TokenizerBundle>>,
     pub eos_token_ids: Vec<u32>,
     pub max_context: usize,
+    /// What makes cached pages valid (model fingerprint, KV layout, rank).
+    pub pool_identity: PoolIdentity,
 }
 
 struct LiveSeq {
@@ -83,11 +96,16 @@ struct LiveSeq {
     max_tokens: usize,
     generated: usize,
     queued: bool,
+    /// The first admission's prefix hit was reported to the request (usage.cached_tokens).
+    hit_reported: bool,
 }
 
 pub struct SchedulerState {
     args: SchedulerArgs,
-    policy: Option<Policy>,
+    policy: Option<Planner>,
+    pool: Option<ActorRef<KvPoolMsg>>,
+    /// A commit is at the pool; nothing else is sent there until it is answered.
+    awaiting_pool: bool,
     executor: Option<ActorRef<ExecutorMsg>>,
     in_flight: bool,
     next_step: u64,
@@ -137,17 +155,61 @@ impl SchedulerState {
         }
     }
 
-    /// Plan and dispatch the next step if the executor is idle and there is work.
+    /// Plan the next step if the executor is idle and there is work, and commit its pool work;
+    /// the step is dispatched when the pool answers (`dispatch`). With nothing to plan, queued
+    /// releases are still sent so freed pages are cached or free at once.
     fn maybe_step(&mut self) {
-        if self.in_flight {
+        if self.in_flight || self.awaiting_pool {
             return;
         }
-        let (Some(policy), Some(exec)) = (self.policy.as_mut(), self.executor.as_ref()) else { return };
-        let Some(out) = policy.plan_step() else { return };
+        let (Some(policy), Some(pool), Some(_)) = (self.policy.as_mut(), self.pool.as_ref(), self.executor.as_ref())
+        else {
+            return;
+        };
+        let (ops, for_step) = match policy.plan_step() {
+            Some(ops) => (ops, true),
+            None if policy.has_pending() => (policy.take_pending(), false),
+            None => return,
+        };
+        if pool.cast(KvPoolMsg::Commit { ops, for_step }).is_ok() {
+            self.awaiting_pool = true;
+        } else {
+            self.pool_gone();
+        }
+    }
+
+    /// The pool answered a commit.
+    fn on_pool_committed(&mut self, reply: PoolReply, for_step: bool) {
+        self.awaiting_pool = false;
+        let Some(policy) = self.policy.as_mut() else { return };
+        if !for_step {
+            policy.apply_view(&reply);
+            return;
+        }
+        let out = policy.finish_step(reply);
+        self.dispatch(out);
+    }
+
+    fn dispatch(&mut self, out: StepPlanOut) {
         self.stats.preemptions += out.preempted.len() as u64;
         if !out.preempted.is_empty() {
             metrics::counter!("shelfserve_preemptions_total").increment(out.preempted.len() as u64);
         }
+        for &(id, cached) in &out.prefix_hits {
+            if let Some(l) = self.live.get_mut(&id).filter(|l| !l.hit_reported) {
+                l.hit_reported = true;
+                let _ = l.request.cast(RequestMsg::PrefixHit { cached_tokens: cached.min(l.prompt_len) });
+            }
+        }
+        if out.seqs.is_empty() {
+            // Everything planned sat out (the pool could not grant it): take the step as done
+            // and plan again against the fresh view.
+            if let Some(p) = self.policy.as_mut() {
+                p.on_step_done(&[], &[]);
+            }
+            return;
+        }
+        let Some(exec) = self.executor.as_ref() else { return };
         let seqs = out
             .seqs
             .into_iter()
@@ -166,7 +228,7 @@ impl SchedulerState {
                     tokens: p.tokens,
                     start_pos: p.start_pos,
                     block_table: p.block_table,
-                    state_slot: 0,
+                    state_slot: p.state_slot,
                     sample,
                 }
             })
@@ -178,6 +240,17 @@ impl SchedulerState {
             for id in p.on_step_failed() {
                 self.fail(id, EngineError::Executor("the executor is gone".into()));
             }
+        }
+    }
+
+    /// The pool actor is gone: nothing can be planned any more.
+    fn pool_gone(&mut self) {
+        tracing::error!("the KV pool actor is gone; failing live requests");
+        *self.args.counters.failed.lock() = Some("the KV pool actor stopped".into());
+        self.args.counters.ready.store(false, Ordering::SeqCst);
+        let ids: Vec<SeqId> = self.live.keys().copied().collect();
+        for id in ids {
+            self.fail(id, EngineError::Executor("the KV pool actor stopped".into()));
         }
     }
 
@@ -215,15 +288,16 @@ impl SchedulerState {
                 ended.push((id, FinishReason::Stop));
                 continue;
             }
-            if l.queued {
-                l.queued = false;
-                self.args.counters.queued[l.lane].fetch_sub(1, Ordering::SeqCst);
-            }
             if l.generated >= l.max_tokens || l.prompt_len + l.generated >= self.args.max_context {
                 ended.push((id, FinishReason::Length));
             }
             sampled.push((id, vec![s.token]));
         }
+        // A request that produced its first token leaves its lane's queue.
+        for (id, _) in &sampled {
+            self.dequeue(*id);
+        }
+        let Some(policy) = self.policy.as_mut() else { return };
         let finished: Vec<SeqId> = ended.iter().map(|e| e.0).collect();
         for id in policy.on_step_done(&sampled, &finished) {
             if !finished.contains(&id) {
@@ -239,8 +313,6 @@ impl SchedulerState {
     fn publish_gauges(&self) {
         if let Some(p) = &self.policy {
             metrics::gauge!("shelfserve_running_sequences").set(p.num_running() as f64);
-            metrics::gauge!("shelfserve_kv_pages_used").set(p.blocks_used() as f64);
-            metrics::gauge!("shelfserve_kv_pages_free").set(p.blocks_free() as f64);
         }
         for (lane, n) in self.args.lanes.iter().zip(&self.args.counters.queued) {
             metrics::gauge!("shelfserve_queue_depth", "lane" => lane.name.clone()).set(n.load(Ordering::SeqCst) as f64);
@@ -261,6 +333,8 @@ impl Actor for SchedulerActor {
         Ok(SchedulerState {
             args,
             policy: None,
+            pool: None,
+            awaiting_pool: false,
             executor: None,
             in_flight: false,
             next_step: 0,
@@ -309,6 +383,7 @@ impl Actor for SchedulerActor {
                         max_tokens: req.max_tokens,
                         generated: 0,
                         queued: true,
+                        hit_reported: false,
                     },
                 );
                 if let Some(e) = failed {
@@ -335,6 +410,10 @@ impl Actor for SchedulerActor {
                 st.on_step_done(r);
                 st.maybe_step();
             }
+            SchedulerMsg::PoolCommitted { reply, for_step } => {
+                st.on_pool_committed(reply, for_step);
+                st.maybe_step();
+            }
             SchedulerMsg::AttachExecutor(exec) => {
                 st.executor = Some(exec);
                 st.maybe_step();
@@ -343,7 +422,24 @@ impl Actor for SchedulerActor {
                 let mut cfg = st.args.policy.clone();
                 cfg.num_blocks = kv.num_blocks;
                 cfg.block_size = kv.block_size;
-                st.policy = Some(Policy::new(cfg).map_err(|e| e.to_string())?);
+                let pool_cfg = KvPoolConfig {
+                    num_blocks: kv.num_blocks,
+                    block_size: kv.block_size,
+                    page_tokens: cfg.page_tokens,
+                    state_slots: kv.state_slots,
+                };
+                let pool = KvPool::new(pool_cfg, &st.args.pool_identity).map_err(|e| e.to_string())?;
+                st.policy = Some(Planner::new(cfg).map_err(|e| e.to_string())?);
+                // Linked: if the pool actor dies the scheduler stops too, and the engine reports
+                // `shutting_down` (a pool that lost its books cannot serve safely).
+                let (pool_ref, _) = Actor::spawn_linked(
+                    None,
+                    KvPoolActor,
+                    KvPoolArgs { pool, scheduler: myself.clone() },
+                    myself.get_cell(),
+                )
+                .await?;
+                st.pool = Some(pool_ref);
                 tracing::info!(rank, blocks = kv.num_blocks, block_size = kv.block_size, "executor ready");
                 st.args.counters.ready.store(true, Ordering::SeqCst);
                 st.publish_gauges();
@@ -357,13 +453,19 @@ impl Actor for SchedulerActor {
                     st.fail(id, EngineError::Executor(error.clone()));
                 }
             }
+            SchedulerMsg::PoolStats(reply) => {
+                // Without a pool (still loading) the port is dropped and the caller gets an error.
+                if let Some(pool) = &st.pool {
+                    let _ = pool.cast(KvPoolMsg::Stats(reply));
+                }
+            }
             SchedulerMsg::Stats(reply) => {
                 let mut s = st.stats;
                 if let Some(p) = &st.policy {
                     s.waiting = p.num_waiting();
                     s.running = p.num_running();
-                    s.blocks_used = p.blocks_used();
-                    s.blocks_free = p.blocks_free();
+                    s.blocks_used = p.config().num_blocks - p.blocks_available();
+                    s.blocks_free = p.blocks_available();
                 }
                 let _ = reply.send(s);
             }

@@ -37,6 +37,9 @@ pub struct ServeArgs {
     /// KV pool size in tokens.
     #[arg(long, env = "SHELFSERVE_KV_POOL_TOKENS")]
     pub kv_pool_tokens: Option<usize>,
+    /// Prefix-cache page size in tokens (a multiple of the block size; default 256 for llama).
+    #[arg(long, env = "SHELFSERVE_PAGE_TOKENS")]
+    pub page_tokens: Option<usize>,
 }
 
 impl ServeArgs {
@@ -69,6 +72,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.kv_pool_tokens {
             s.kv_pool_tokens = v;
+        }
+        if let Some(v) = self.page_tokens {
+            s.page_tokens = v;
         }
         cfg.validate().map_err(CliError::Usage)?;
         Ok(cfg)

@@ -4,9 +4,11 @@
 //! I/O (that is `crate::spill`) or makes scheduling decisions (`crate::sched` decides who runs).
 
 pub mod blocks;
+pub mod ops;
 pub mod pool;
 
 pub use blocks::{BlockPool, BlockTable};
+pub use ops::{apply_ops, view, PoolOp, PoolReply, PoolView, SeqGrant};
 pub use pool::{
     Allocation, EvictedPage, KvPool, KvPoolConfig, MissReason, PageHash, PageHasher, PoolCounters, PoolIdentity,
     PrefixHit,

@@ -322,25 +322,22 @@ impl KvPool {
     }
 
     /// Blocks on the free list.
-    pub fn num_free(&mut self) -> usize {
-        self.reclaim();
+    pub fn num_free(&self) -> usize {
         self.free.len()
     }
 
     /// Blocks of cached pages nobody references (reclaimable by eviction).
-    pub fn num_evictable(&mut self) -> usize {
-        self.reclaim();
+    pub fn num_evictable(&self) -> usize {
         self.lru_blocks
     }
 
     /// Blocks a new allocation can get: free plus evictable.
-    pub fn num_available(&mut self) -> usize {
-        self.reclaim();
+    pub fn num_available(&self) -> usize {
         self.free.len() + self.lru_blocks
     }
 
     /// Blocks referenced by someone.
-    pub fn num_referenced(&mut self) -> usize {
+    pub fn num_referenced(&self) -> usize {
         self.num_blocks() - self.num_available()
     }
 
@@ -362,6 +359,11 @@ impl KvPool {
         self.seqs.get(&seq).map_or(&[], |s| s.alloc.blocks())
     }
 
+    /// Tokens known for a sequence (prompt and generated).
+    pub fn known_tokens(&self, seq: SeqId) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| s.tokens.len())
+    }
+
     pub fn computed_of(&self, seq: SeqId) -> usize {
         self.seqs.get(&seq).map_or(0, |s| s.computed)
     }
@@ -372,8 +374,7 @@ impl KvPool {
     }
 
     /// Blocks that would become available if `seq` let go of everything: those only it references.
-    pub fn exclusive_blocks(&mut self, seq: SeqId) -> usize {
-        self.reclaim();
+    pub fn exclusive_blocks(&self, seq: SeqId) -> usize {
         let Some(s) = self.seqs.get(&seq) else { return 0 };
         s.alloc.blocks().iter().filter(|&&b| self.refcount[b as usize] == 1).count()
     }
@@ -633,8 +634,10 @@ impl KvPool {
         self.cfg.page_tokens / self.cfg.block_size
     }
 
-    /// Applies every reference given back by dropped allocations.
-    fn reclaim(&mut self) {
+    /// Applies every reference given back by dropped allocations. Every operation does this first
+    /// and the sequence operations last, so counts are current except for allocations dropped
+    /// outside the pool since its last operation.
+    pub fn reclaim(&mut self) {
         while let Ok(blocks) = self.returns_rx.try_recv() {
             for b in blocks {
                 let rc = &mut self.refcount[b as usize];

@@ -72,6 +72,8 @@ fn allocations_are_raii() {
     assert_eq!(p.num_free(), 5, "a refused allocation takes nothing");
     p.assert_accounting(&[&a]);
     drop(a);
+    assert_eq!(p.num_free(), 5, "returned references are applied at the next operation");
+    p.reclaim();
     assert_eq!(p.num_free(), 8);
     p.assert_accounting(&[]);
 }
@@ -301,6 +303,7 @@ fn miss_reasons_are_counted() {
     p.release(3);
     let all = p.allocate(8).expect("evicts the page");
     drop(all);
+    p.reclaim();
     p.mark_corrupt(p.hasher().chain(&toks(1, 8), 8)[0]);
     p.register(4, toks(1, 9)).expect("register");
     assert_eq!(p.acquire_prefix(4).expect("acquire").miss, Some(MissReason::SpilledCorrupt));
