@@ -12,4 +12,5 @@ pub mod kv;
 pub mod model;
 pub mod sampling;
 pub mod sched;
+pub mod spill;
 pub mod tokenizer;

@@ -25,9 +25,8 @@ async fn engine(page_tokens: usize) -> Option<Arc<Engine>> {
     let mut cfg = EngineConfig::builtin();
     cfg.scheduler.page_tokens = page_tokens;
     cfg.scheduler.kv_pool_tokens = 4096;
-    let e = start_engine(bundle, cfg, EngineOptions { threads: 0, served_model_name: "t".into() })
-        .await
-        .expect("start");
+    let e =
+        start_engine(bundle, cfg, EngineOptions { threads: 0, served_model_name: "t".into() }).await.expect("start");
     let t0 = std::time::Instant::now();
     while !e.is_ready() {
         assert!(t0.elapsed() < Duration::from_secs(120), "model load timed out");

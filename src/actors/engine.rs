@@ -68,6 +68,88 @@ pub struct Engine {
     executor: ActorRef<ExecutorMsg>,
 }
 
+/// What the startup capacity card reports. Computed before the weights are loaded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CapacityCard {
+    pub weight_bytes: u64,
+    /// f32 K and V for every layer and KV head.
+    pub kv_bytes_per_token: u64,
+    pub pool_tokens: usize,
+    /// The longest prompt + reply one sequence can have: the model's context or the pool,
+    /// whichever is smaller.
+    pub max_context: usize,
+    pub page_tokens: usize,
+    pub spill_budget: u64,
+}
+
+impl CapacityCard {
+    pub fn new(bundle: &ModelBundle, pool_tokens: usize, page_tokens: usize, spill_budget: u64) -> Self {
+        let c = &bundle.config;
+        let weight_bytes = bundle
+            .weights
+            .tensor_names()
+            .iter()
+            .filter_map(|n| bundle.weights.tensor(n))
+            .map(|t| t.data.len() as u64)
+            .sum();
+        let kv_bytes_per_token = (2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4) as u64;
+        Self {
+            weight_bytes,
+            kv_bytes_per_token,
+            pool_tokens,
+            max_context: c.max_position_embeddings.min(pool_tokens),
+            page_tokens,
+            spill_budget,
+        }
+    }
+
+    pub fn kv_pool_bytes(&self) -> u64 {
+        self.kv_bytes_per_token * self.pool_tokens as u64
+    }
+
+    /// Refuses a configuration that cannot fit in `mem_available` bytes, naming the number to
+    /// change.
+    pub fn check_fits(&self, mem_available: Option<u64>) -> Result<(), String> {
+        let Some(avail) = mem_available else { return Ok(()) };
+        let need = self.weight_bytes + self.kv_pool_bytes();
+        if need > avail {
+            let kv_room = avail.saturating_sub(self.weight_bytes) / self.kv_bytes_per_token.max(1);
+            return Err(format!(
+                "weights ({} MiB) + KV pool ({} tokens x {} bytes = {} MiB) need {} MiB but only {} MiB of memory \
+                 is available: lower --kv-pool-tokens (kv_pool_tokens) to at most {kv_room}",
+                self.weight_bytes >> 20,
+                self.pool_tokens,
+                self.kv_bytes_per_token,
+                self.kv_pool_bytes() >> 20,
+                need >> 20,
+                avail >> 20
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn log(&self) {
+        tracing::info!(
+            weights_mib = self.weight_bytes >> 20,
+            kv_bytes_per_token = self.kv_bytes_per_token,
+            pool_tokens = self.pool_tokens,
+            kv_pool_mib = self.kv_pool_bytes() >> 20,
+            max_context = self.max_context,
+            page_tokens = self.page_tokens,
+            spill_budget_mib = self.spill_budget >> 20,
+            "capacity"
+        );
+    }
+}
+
+/// `MemAvailable` from /proc/meminfo, in bytes (None where it cannot be read).
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// KV pool size in tokens: the configured size, or room for a few full-context sequences.
 pub fn pool_tokens(cfg: &EngineConfig, context: usize) -> usize {
     if cfg.scheduler.kv_pool_tokens > 0 {
@@ -106,8 +188,8 @@ pub async fn start_engine(
         failed: parking_lot::Mutex::new(None),
     });
     let page_tokens = if s.page_tokens > 0 { s.page_tokens } else { DEFAULT_LLAMA_PAGE_TOKENS };
-    let budget = align_budget_to_pages(s.max_num_batched_tokens, page_tokens, s.max_num_seqs)
-        .map_err(EngineError::Invalid)?;
+    let budget =
+        align_budget_to_pages(s.max_num_batched_tokens, page_tokens, s.max_num_seqs).map_err(EngineError::Invalid)?;
     if budget != s.max_num_batched_tokens {
         tracing::warn!(
             configured = s.max_num_batched_tokens,
@@ -124,12 +206,14 @@ pub async fn start_engine(
         num_blocks: kv.num_blocks,
         page_tokens,
     };
+    let card = CapacityCard::new(&bundle, kv.capacity_tokens(), page_tokens, s.spill_budget);
+    card.log();
+    card.check_fits(mem_available()).map_err(EngineError::Invalid)?;
     let fingerprint = model_fingerprint(&bundle);
-    let pool_identity = PoolIdentity {
-        model_fingerprint: fingerprint,
-        kv_layout: format!("f32/block{}", kv.block_size),
-        rank: 0,
-    };
+    let spill_dir = s.spill_dir.as_ref().map(std::path::PathBuf::from);
+    let spill = crate::spill::open_store(spill_dir.as_ref(), s.spill_budget, &fingerprint);
+    let pool_identity =
+        PoolIdentity { model_fingerprint: fingerprint, kv_layout: format!("f32/block{}", kv.block_size), rank: 0 };
     // Unnamed actors: ractor's registry is process-wide, and tests run several engines.
     let (scheduler, _) = Actor::spawn(
         None,
@@ -142,6 +226,7 @@ pub async fn start_engine(
             eos_token_ids: eos,
             max_context,
             pool_identity,
+            spill,
         },
     )
     .await

@@ -6,8 +6,10 @@
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
+use super::executor::ExecutorMsg;
 use super::scheduler::SchedulerMsg;
-use crate::kv::{apply_ops, KvPool, MissReason, PoolCounters, PoolOp, PoolReply};
+use crate::kv::{apply_ops, view, KvPool, MissReason, PageHash, PoolCounters, PoolOp, PoolReply};
+use crate::spill::SpillMsg;
 
 pub enum KvPoolMsg {
     /// Apply `ops` in order and answer the scheduler with `SchedulerMsg::PoolCommitted`.
@@ -15,6 +17,14 @@ pub enum KvPoolMsg {
     Commit { ops: Vec<PoolOp>, for_step: bool },
     /// Counters and occupancy (tests, diagnostics).
     Stats(RpcReplyPort<PoolStats>),
+    /// The spill tier wrote this page: later lookups may restore it.
+    Spilled { hash: PageHash, parent: Option<PageHash> },
+    /// The spill tier dropped this page (budget).
+    SpillDropped(PageHash),
+    /// The spill tier turned off (disk full or unwritable): nothing on disk is restorable.
+    SpillOff,
+    /// A restore ended; on success the executor has the image queued before any later step.
+    Restored { hash: PageHash, ok: bool },
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -27,16 +37,23 @@ pub struct PoolStats {
     pub cached_pages: usize,
     pub sequences: usize,
     pub counters: PoolCounters,
+    /// Pages the spill tier holds.
+    pub spilled_pages: usize,
 }
 
 pub struct KvPoolArgs {
     pub pool: KvPool,
     pub scheduler: ActorRef<SchedulerMsg>,
+    pub executor: ActorRef<ExecutorMsg>,
+    /// The spill tier, when on.
+    pub spill: Option<ActorRef<SpillMsg>>,
 }
 
 pub struct KvPoolState {
     pool: KvPool,
     scheduler: ActorRef<SchedulerMsg>,
+    executor: ActorRef<ExecutorMsg>,
+    spill: Option<ActorRef<SpillMsg>>,
     /// Counters already published to `/metrics`.
     published: PoolCounters,
 }
@@ -58,6 +75,7 @@ impl KvPoolState {
             cached_pages: self.pool.num_cached_pages(),
             sequences: self.pool.seq_ids().count(),
             counters: self.pool.counters().clone(),
+            spilled_pages: self.pool.num_spilled(),
         }
     }
 
@@ -87,8 +105,18 @@ impl Actor for KvPoolActor {
     type State = KvPoolState;
     type Arguments = KvPoolArgs;
 
-    async fn pre_start(&self, _myself: ActorRef<KvPoolMsg>, args: KvPoolArgs) -> Result<KvPoolState, ActorProcessingErr> {
-        Ok(KvPoolState { pool: args.pool, scheduler: args.scheduler, published: PoolCounters::default() })
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<KvPoolMsg>,
+        args: KvPoolArgs,
+    ) -> Result<KvPoolState, ActorProcessingErr> {
+        Ok(KvPoolState {
+            pool: args.pool,
+            scheduler: args.scheduler,
+            executor: args.executor,
+            spill: args.spill,
+            published: PoolCounters::default(),
+        })
     }
 
     async fn handle(
@@ -99,16 +127,42 @@ impl Actor for KvPoolActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             KvPoolMsg::Commit { ops, for_step } => {
-                let reply = apply_ops(&mut st.pool, ops);
-                // Evicted pages are dropped from memory here; the spill tier (when on) copies them
-                // out before their blocks are written again.
-                let _evicted = st.pool.take_evicted();
+                let mut reply = apply_ops(&mut st.pool, ops);
+                let evicted = st.pool.take_evicted();
+                if let Some(spill) = &st.spill {
+                    // Queued at the executor before the scheduler hears back, hence before any
+                    // step that could write the evicted blocks.
+                    if !evicted.is_empty() {
+                        let pages = evicted.into_iter().map(|e| (e.hash, e.parent, e.blocks)).collect();
+                        st.executor.cast(ExecutorMsg::ReadPages { pages, spill: spill.clone() })?;
+                    }
+                    for r in std::mem::take(&mut reply.restores) {
+                        if spill.cast(SpillMsg::Load { hash: r.hash, blocks: r.blocks }).is_err() {
+                            st.pool.finish_restore(r.hash, false);
+                        }
+                    }
+                } else {
+                    for r in std::mem::take(&mut reply.restores) {
+                        st.pool.finish_restore(r.hash, false);
+                    }
+                }
                 st.publish_metrics();
                 st.scheduler.cast(committed(reply, for_step))?;
             }
             KvPoolMsg::Stats(reply) => {
                 st.pool.reclaim();
                 let _ = reply.send(st.stats());
+            }
+            KvPoolMsg::Spilled { hash, parent } => st.pool.note_spilled(hash, parent),
+            KvPoolMsg::SpillDropped(hash) => st.pool.forget_spilled(&hash),
+            KvPoolMsg::SpillOff => {
+                st.spill = None;
+                st.pool.forget_all_spilled();
+            }
+            KvPoolMsg::Restored { hash, ok } => {
+                st.pool.finish_restore(hash, ok);
+                st.publish_metrics();
+                st.scheduler.cast(SchedulerMsg::PoolViewChanged(view(&st.pool)))?;
             }
         }
         Ok(())

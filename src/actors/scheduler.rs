@@ -21,6 +21,7 @@ use crate::config::engine::LaneConfig;
 use crate::kv::{KvPool, KvPoolConfig, PoolIdentity, PoolReply};
 use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::{NewSeq, Planner, PolicyConfig, SeqId, StepPlanOut};
+use crate::spill::{SpillActor, SpillArgs, SpillMsg};
 use crate::tokenizer::TokenizerBundle;
 
 pub enum SchedulerMsg {
@@ -45,7 +46,12 @@ pub enum SchedulerMsg {
     ExecutorReady {
         rank: usize,
         kv: KvGeometry,
+        /// Bytes of one block's KV image (for the spill tier's size checks).
+        kv_block_bytes: usize,
+        state_slot_bytes: usize,
     },
+    /// The pool changed outside a commit (a restore from disk ended): plan again.
+    PoolViewChanged(crate::kv::PoolView),
     ExecutorFailed {
         rank: usize,
         error: String,
@@ -84,6 +90,8 @@ pub struct SchedulerArgs {
     pub max_context: usize,
     /// What makes cached pages valid (model fingerprint, KV layout, rank).
     pub pool_identity: PoolIdentity,
+    /// The opened spill store (taken when the executor is ready); `None` = spill off.
+    pub spill: Option<crate::spill::SpillStore>,
 }
 
 struct LiveSeq {
@@ -106,6 +114,9 @@ pub struct SchedulerState {
     pool: Option<ActorRef<KvPoolMsg>>,
     /// A commit is at the pool; nothing else is sent there until it is answered.
     awaiting_pool: bool,
+    /// The last plan came back empty because admissions wait for pages read back from disk:
+    /// plan again only when something changes (restore ended, step done, submit, cancel).
+    restore_wait: bool,
     executor: Option<ActorRef<ExecutorMsg>>,
     in_flight: bool,
     next_step: u64,
@@ -159,7 +170,7 @@ impl SchedulerState {
     /// the step is dispatched when the pool answers (`dispatch`). With nothing to plan, queued
     /// releases are still sent so freed pages are cached or free at once.
     fn maybe_step(&mut self) {
-        if self.in_flight || self.awaiting_pool {
+        if self.in_flight || self.awaiting_pool || self.restore_wait {
             return;
         }
         let (Some(policy), Some(pool), Some(_)) = (self.policy.as_mut(), self.pool.as_ref(), self.executor.as_ref())
@@ -186,7 +197,9 @@ impl SchedulerState {
             policy.apply_view(&reply);
             return;
         }
+        let waits_for_restore = reply.grants.iter().any(|g| g.restoring);
         let out = policy.finish_step(reply);
+        self.restore_wait = waits_for_restore && out.seqs.is_empty();
         self.dispatch(out);
     }
 
@@ -335,6 +348,7 @@ impl Actor for SchedulerActor {
             policy: None,
             pool: None,
             awaiting_pool: false,
+            restore_wait: false,
             executor: None,
             in_flight: false,
             next_step: 0,
@@ -397,6 +411,7 @@ impl Actor for SchedulerActor {
                         .map_err(|e| e.to_string()),
                     None => Err("the model is still loading".to_string()),
                 };
+                st.restore_wait = false;
                 match added {
                     Ok(()) => st.maybe_step(),
                     Err(e) => st.fail(id, EngineError::Invalid(e)),
@@ -404,10 +419,22 @@ impl Actor for SchedulerActor {
             }
             SchedulerMsg::Cancel(id) => {
                 st.cancel(id);
+                st.restore_wait = false;
                 st.maybe_step();
             }
             SchedulerMsg::StepDone(r) => {
                 st.on_step_done(r);
+                st.restore_wait = false;
+                st.maybe_step();
+            }
+            SchedulerMsg::PoolViewChanged(view) => {
+                // A view taken outside a commit is only current when no commit is under way.
+                if !st.awaiting_pool {
+                    if let Some(p) = st.policy.as_mut() {
+                        p.apply_view(&PoolReply { view, ..PoolReply::default() });
+                    }
+                }
+                st.restore_wait = false;
                 st.maybe_step();
             }
             SchedulerMsg::PoolCommitted { reply, for_step } => {
@@ -418,7 +445,7 @@ impl Actor for SchedulerActor {
                 st.executor = Some(exec);
                 st.maybe_step();
             }
-            SchedulerMsg::ExecutorReady { rank, kv } => {
+            SchedulerMsg::ExecutorReady { rank, kv, kv_block_bytes, state_slot_bytes } => {
                 let mut cfg = st.args.policy.clone();
                 cfg.num_blocks = kv.num_blocks;
                 cfg.block_size = kv.block_size;
@@ -428,17 +455,37 @@ impl Actor for SchedulerActor {
                     page_tokens: cfg.page_tokens,
                     state_slots: kv.state_slots,
                 };
-                let pool = KvPool::new(pool_cfg, &st.args.pool_identity).map_err(|e| e.to_string())?;
-                st.policy = Some(Planner::new(cfg).map_err(|e| e.to_string())?);
+                let mut pool = KvPool::new(pool_cfg, &st.args.pool_identity).map_err(|e| e.to_string())?;
+                st.policy = Some(Planner::new(cfg.clone()).map_err(|e| e.to_string())?);
+                let executor = st.executor.clone().ok_or("executor ready before it was attached")?;
+                let store = st.args.spill.take().filter(|_| cfg.page_tokens > 0);
+                let spill = match store {
+                    Some(store) => {
+                        // Pages a previous run spilled: restorable from the first request on.
+                        for p in store.pages() {
+                            pool.note_spilled(p.hash, p.parent);
+                        }
+                        let page_image_bytes = cfg.page_tokens / kv.block_size * kv_block_bytes + state_slot_bytes;
+                        let args = SpillArgs { store: Some(store), executor: executor.clone(), page_image_bytes };
+                        // Not linked: a failing spill tier must not take serving down with it;
+                        // the pool treats an unreachable spill actor as spill off.
+                        let (spill, _) = Actor::spawn(None, SpillActor, args).await?;
+                        Some(spill)
+                    }
+                    None => None,
+                };
                 // Linked: if the pool actor dies the scheduler stops too, and the engine reports
                 // `shutting_down` (a pool that lost its books cannot serve safely).
                 let (pool_ref, _) = Actor::spawn_linked(
                     None,
                     KvPoolActor,
-                    KvPoolArgs { pool, scheduler: myself.clone() },
+                    KvPoolArgs { pool, scheduler: myself.clone(), executor, spill: spill.clone() },
                     myself.get_cell(),
                 )
                 .await?;
+                if let Some(spill) = &spill {
+                    spill.cast(SpillMsg::AttachPool(pool_ref.clone()))?;
+                }
                 st.pool = Some(pool_ref);
                 tracing::info!(rank, blocks = kv.num_blocks, block_size = kv.block_size, "executor ready");
                 st.args.counters.ready.store(true, Ordering::SeqCst);

@@ -40,6 +40,12 @@ pub struct ServeArgs {
     /// Prefix-cache page size in tokens (a multiple of the block size; default 256 for llama).
     #[arg(long, env = "SHELFSERVE_PAGE_TOKENS")]
     pub page_tokens: Option<usize>,
+    /// Directory for evicted KV pages (spill tier).
+    #[arg(long, env = "SHELFSERVE_SPILL_DIR")]
+    pub spill_dir: Option<String>,
+    /// Bytes the spill directory may hold (0 turns spill off).
+    #[arg(long, env = "SHELFSERVE_SPILL_BUDGET")]
+    pub spill_budget: Option<u64>,
 }
 
 impl ServeArgs {
@@ -75,6 +81,12 @@ impl ServeArgs {
         }
         if let Some(v) = self.page_tokens {
             s.page_tokens = v;
+        }
+        if let Some(v) = &self.spill_dir {
+            s.spill_dir = Some(v.clone());
+        }
+        if let Some(v) = self.spill_budget {
+            s.spill_budget = v;
         }
         cfg.validate().map_err(CliError::Usage)?;
         Ok(cfg)

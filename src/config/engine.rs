@@ -42,6 +42,12 @@ pub struct SchedulerConfig {
     /// default: 256 for llama-family models).
     #[serde(default)]
     pub page_tokens: usize,
+    /// Directory for evicted KV pages (none = spill off).
+    #[serde(default)]
+    pub spill_dir: Option<String>,
+    /// Bytes the spill directory may hold (0 = spill off).
+    #[serde(default)]
+    pub spill_budget: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

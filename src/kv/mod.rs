@@ -8,7 +8,7 @@ pub mod ops;
 pub mod pool;
 
 pub use blocks::{BlockPool, BlockTable};
-pub use ops::{apply_ops, view, PoolOp, PoolReply, PoolView, SeqGrant};
+pub use ops::{apply_ops, view, PoolOp, PoolReply, PoolView, Restore, SeqGrant};
 pub use pool::{
     Allocation, EvictedPage, KvPool, KvPoolConfig, MissReason, PageHash, PageHasher, PoolCounters, PoolIdentity,
     PrefixHit,

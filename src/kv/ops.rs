@@ -4,7 +4,7 @@
 //! the scheduler plans the next step against. `apply_ops` is the one implementation, used by the
 //! `KvPoolActor` and by the synchronous `sched::Policy` alike.
 
-use super::pool::{KvPool, PrefixHit, SeqId};
+use super::pool::{KvPool, PageHash, PrefixHit, SeqId};
 use super::KvError;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,6 +37,8 @@ pub struct SeqGrant {
     pub slot: u32,
     /// The lookup, for an admission.
     pub hit: Option<PrefixHit>,
+    /// Refused because pages of its prefix are being restored from disk.
+    pub restoring: bool,
 }
 
 /// What the scheduler plans the next step against.
@@ -54,6 +56,17 @@ pub struct PoolReply {
     pub view: PoolView,
     /// Operations the pool refused (bookkeeping bugs on the scheduler side; logged by callers).
     pub errors: Vec<KvError>,
+    /// Pages to read back from disk (blocks already held for them). Admissions waiting for them
+    /// were refused this step and retried when the restores end.
+    pub restores: Vec<Restore>,
+}
+
+/// One page to restore from the spill tier into `blocks`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Restore {
+    pub hash: PageHash,
+    pub parent: Option<PageHash>,
+    pub blocks: Vec<u32>,
 }
 
 /// Applies `ops` in order and returns the grants and the view afterwards.
@@ -66,6 +79,12 @@ pub fn apply_ops(pool: &mut KvPool, ops: Vec<PoolOp>) -> PoolReply {
             PoolOp::Reset { seq } => pool.reset(seq),
             PoolOp::Release { seq } => {
                 pool.release(seq);
+                Ok(())
+            }
+            PoolOp::Admit { seq, new_tokens } if restoring(pool, seq, &mut reply) => {
+                // Its prefix continues on disk: admit it once those pages are back in memory.
+                let _ = new_tokens;
+                reply.grants.push(SeqGrant { restoring: true, ..refused(seq) });
                 Ok(())
             }
             PoolOp::Admit { seq, new_tokens } => match pool.acquire_prefix(seq) {
@@ -106,8 +125,25 @@ pub fn view(pool: &KvPool) -> PoolView {
     PoolView { available: pool.num_available(), exclusive }
 }
 
+/// Starts restores for the spilled pages that continue `seq`'s cached prefix. True when the
+/// admission must wait for restores (new or already running).
+fn restoring(pool: &mut KvPool, seq: SeqId, reply: &mut PoolReply) -> bool {
+    let (candidates, mut pending) = pool.restore_candidates(seq);
+    for (hash, parent) in candidates {
+        match pool.begin_restore(hash, parent) {
+            Ok(blocks) => {
+                reply.restores.push(Restore { hash, parent, blocks });
+                pending = true;
+            }
+            // No room to restore into: serve what is in memory, recompute the rest.
+            Err(_) => break,
+        }
+    }
+    pending
+}
+
 fn refused(seq: SeqId) -> SeqGrant {
-    SeqGrant { seq, ok: false, start: 0, blocks: Vec::new(), slot: 0, hit: None }
+    SeqGrant { seq, ok: false, start: 0, blocks: Vec::new(), slot: 0, hit: None, restoring: false }
 }
 
 fn grant(pool: &mut KvPool, seq: SeqId, new_tokens: usize, hit: Option<PrefixHit>, reply: &mut PoolReply) {
@@ -120,5 +156,6 @@ fn grant(pool: &mut KvPool, seq: SeqId, new_tokens: usize, hit: Option<PrefixHit
         blocks: pool.blocks_of(seq).to_vec(),
         slot: pool.slot_of(seq),
         hit,
+        restoring: false,
     });
 }

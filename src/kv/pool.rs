@@ -263,6 +263,10 @@ pub struct KvPool {
     evicted_order: VecDeque<PageHash>,
     /// Pages whose spilled copy turned out corrupt (the spill tier reports them).
     corrupt: HashSet<PageHash>,
+    /// Pages the spill tier holds on disk, with their parents.
+    spilled: HashMap<PageHash, Option<PageHash>>,
+    /// Pages being restored from disk: blocks held until the image is written.
+    restoring: HashMap<PageHash, (Option<PageHash>, Allocation)>,
     counters: PoolCounters,
 }
 
@@ -300,6 +304,8 @@ impl KvPool {
             evicted_recent: HashSet::new(),
             evicted_order: VecDeque::new(),
             corrupt: HashSet::new(),
+            spilled: HashMap::new(),
+            restoring: HashMap::new(),
             counters: PoolCounters::default(),
             cfg,
         })
@@ -539,6 +545,79 @@ impl KvPool {
         self.corrupt.insert(hash);
     }
 
+    /// The spill tier holds this page on disk (written now, or found in its index at startup).
+    pub fn note_spilled(&mut self, hash: PageHash, parent: Option<PageHash>) {
+        self.spilled.insert(hash, parent);
+    }
+
+    /// The spill tier no longer holds this page (budget, disk trouble).
+    pub fn forget_spilled(&mut self, hash: &PageHash) {
+        self.spilled.remove(hash);
+    }
+
+    /// The spill tier is gone: nothing on disk can be restored any more.
+    pub fn forget_all_spilled(&mut self) {
+        self.spilled.clear();
+    }
+
+    pub fn num_spilled(&self) -> usize {
+        self.spilled.len()
+    }
+
+    /// Pages of `seq`'s eligible prefix that follow its cached pages and are on disk, in chain
+    /// order, stopping at the first that is neither. Pages already being restored count as
+    /// pending (returned with `pending = true` and no new restore needed).
+    pub fn restore_candidates(&self, seq: SeqId) -> (Vec<(PageHash, Option<PageHash>)>, bool) {
+        let p = self.cfg.page_tokens;
+        let Some(s) = self.seqs.get(&seq) else { return (Vec::new(), false) };
+        if p == 0 || self.spilled.is_empty() && self.restoring.is_empty() || s.tokens.len() <= 1 {
+            return (Vec::new(), false);
+        }
+        let mut out = Vec::new();
+        let mut pending = false;
+        let mut parent = None;
+        for page in s.tokens[..s.tokens.len() - 1].chunks_exact(p) {
+            let h = self.hasher.page(parent, page);
+            if self.restoring.contains_key(&h) {
+                pending = true;
+            } else if !self.pages.contains_key(&h) {
+                if self.spilled.get(&h) != Some(&parent) || self.corrupt.contains(&h) {
+                    break;
+                }
+                out.push((h, parent));
+            }
+            parent = Some(h);
+        }
+        (out, pending)
+    }
+
+    /// Holds one page's blocks for a restore of `hash` from disk. The blocks are returned so the
+    /// caller can have the image written into them.
+    pub fn begin_restore(&mut self, hash: PageHash, parent: Option<PageHash>) -> Result<Vec<u32>, KvError> {
+        let alloc = self.allocate(self.page_blocks())?;
+        let blocks = alloc.blocks().to_vec();
+        self.restoring.insert(hash, (parent, alloc));
+        Ok(blocks)
+    }
+
+    /// A restore ended: on success the page joins the cache (unreferenced, most recently used);
+    /// otherwise its blocks are freed, the page is never tried from disk again, and the miss is
+    /// counted as `spilled_corrupt`.
+    pub fn finish_restore(&mut self, hash: PageHash, ok: bool) {
+        let Some((parent, alloc)) = self.restoring.remove(&hash) else { return };
+        if ok {
+            if let Err(e) = self.insert_restored(hash, parent, alloc) {
+                tracing::error!(error = %e, "a restored page could not be cached");
+            }
+        } else {
+            drop(alloc);
+            self.spilled.remove(&hash);
+            self.corrupt.insert(hash);
+            self.count_miss(MissReason::SpilledCorrupt);
+            self.reclaim();
+        }
+    }
+
     /// Counts a prefix-cache lookup miss that the spill tier discovered after the fact.
     pub fn count_miss(&mut self, reason: MissReason) {
         *self.counters.misses.entry(reason).or_default() += 1;
@@ -587,7 +666,7 @@ impl KvPool {
                 refs[b as usize] += 1;
             }
         }
-        for a in extra_refs {
+        for a in extra_refs.iter().copied().chain(self.restoring.values().map(|(_, a)| a)) {
             for &b in a.blocks() {
                 refs[b as usize] += 1;
             }
@@ -625,7 +704,7 @@ impl KvPool {
             }
         }
         assert_eq!(slots.len() + self.free_slots.len(), self.cfg.state_slots, "a state slot leaked");
-        if self.seqs.is_empty() && extra_refs.is_empty() {
+        if self.seqs.is_empty() && extra_refs.is_empty() && self.restoring.is_empty() {
             assert_eq!(self.free.len() + self.lru_blocks, n, "an idle pool holds referenced blocks");
         }
     }

@@ -279,9 +279,8 @@ fn state_slots_are_distinct_and_returned() {
 
 #[test]
 fn prefix_cache_off_publishes_and_serves_nothing() {
-    let mut p =
-        KvPool::new(KvPoolConfig { num_blocks: 16, block_size: 4, page_tokens: 0, state_slots: 0 }, &ident())
-            .expect("valid");
+    let mut p = KvPool::new(KvPoolConfig { num_blocks: 16, block_size: 4, page_tokens: 0, state_slots: 0 }, &ident())
+        .expect("valid");
     run_seq(&mut p, 1, &toks(1, 20));
     p.release(1);
     assert_eq!((p.num_cached_pages(), p.num_free()), (0, 16));

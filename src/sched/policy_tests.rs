@@ -706,11 +706,12 @@ struct FakeKv {
 
 fn prefix_hashes(full: &[u32]) -> Vec<u64> {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
-    full.iter().map(|&t| {
-        h = (h ^ u64::from(t)).wrapping_mul(0x0100_0000_01b3);
-        h
-    })
-    .collect()
+    full.iter()
+        .map(|&t| {
+            h = (h ^ u64::from(t)).wrapping_mul(0x0100_0000_01b3);
+            h
+        })
+        .collect()
 }
 
 impl FakeKv {
