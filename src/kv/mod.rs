@@ -5,14 +5,13 @@
 
 pub mod blocks;
 pub mod ops;
+pub mod page;
 pub mod pool;
 
 pub use blocks::{BlockPool, BlockTable};
 pub use ops::{apply_ops, view, PoolOp, PoolReply, PoolView, Restore, SeqGrant};
-pub use pool::{
-    Allocation, EvictedPage, KvPool, KvPoolConfig, MissReason, PageHash, PageHasher, PoolCounters, PoolIdentity,
-    PrefixHit,
-};
+pub use page::{MissReason, PageHash, PageHasher, PoolIdentity, PrefixHit};
+pub use pool::{Allocation, EvictedPage, KvPool, KvPoolConfig, PoolCounters};
 
 /// Misuse of the block pool. These indicate a bookkeeping bug in the caller, never bad user input,
 /// so callers that cannot recover log them and fail loudly in debug builds.

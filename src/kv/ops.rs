@@ -4,7 +4,8 @@
 //! the scheduler plans the next step against. `apply_ops` is the one implementation, used by the
 //! `KvPoolActor` and by the synchronous `sched::Policy` alike.
 
-use super::pool::{KvPool, PageHash, PrefixHit, SeqId};
+use super::page::{PageHash, PrefixHit};
+use super::pool::{KvPool, SeqId};
 use super::KvError;
 
 #[derive(Clone, Debug, PartialEq, Eq)]

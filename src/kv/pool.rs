@@ -27,116 +27,10 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::mpsc::{channel, Receiver, Sender};
 
-use sha2::{Digest, Sha256};
-
+use super::page::{MissReason, PageHash, PageHasher, PoolIdentity, PrefixHit};
 use super::KvError;
 
 pub type SeqId = u64;
-
-/// Identity of a page: the first 16 bytes of a SHA-256 over the parent page's identity, the page's
-/// token ids and the pool salt (model fingerprint, KV layout, rank). Stable across restarts, so the
-/// spill index can key files by it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PageHash(pub [u8; 16]);
-
-impl PageHash {
-    pub fn to_hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
-    }
-}
-
-/// What makes a cached page valid for a lookup besides its tokens.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PoolIdentity {
-    /// Identifies the weights (e.g. a hash of the model file); pages never cross models.
-    pub model_fingerprint: String,
-    /// KV dtype and memory layout as the backend writes them (e.g. `f32/blocks16`).
-    pub kv_layout: String,
-    /// Tensor-parallel rank whose shard of the KV the blocks hold.
-    pub rank: u32,
-}
-
-/// Computes page identities for one pool identity.
-#[derive(Clone, Debug)]
-pub struct PageHasher {
-    salt: [u8; 32],
-}
-
-impl PageHasher {
-    pub fn new(id: &PoolIdentity) -> Self {
-        let mut h = Sha256::new();
-        for part in [id.model_fingerprint.as_bytes(), id.kv_layout.as_bytes()] {
-            h.update((part.len() as u64).to_le_bytes());
-            h.update(part);
-        }
-        h.update(id.rank.to_le_bytes());
-        Self { salt: h.finalize().into() }
-    }
-
-    /// Identity of the page holding `tokens` whose predecessor is `parent` (`None` for the first).
-    pub fn page(&self, parent: Option<PageHash>, tokens: &[u32]) -> PageHash {
-        let mut h = Sha256::new();
-        h.update(self.salt);
-        h.update(parent.map_or([0xff; 16], |p| p.0));
-        for t in tokens {
-            h.update(t.to_le_bytes());
-        }
-        let digest = h.finalize();
-        let mut out = [0u8; 16];
-        out.copy_from_slice(&digest[..16]);
-        PageHash(out)
-    }
-
-    /// Identities of every whole page of `tokens`, in order.
-    pub fn chain(&self, tokens: &[u32], page_tokens: usize) -> Vec<PageHash> {
-        let mut parent = None;
-        tokens
-            .chunks_exact(page_tokens)
-            .map(|page| {
-                let h = self.page(parent, page);
-                parent = Some(h);
-                h
-            })
-            .collect()
-    }
-}
-
-/// Why a lookup did not serve every token it could have.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum MissReason {
-    /// The first missing page was never cached (or was forgotten long ago).
-    NoEntry,
-    /// The first missing page was cached but evicted from memory (and not restorable from disk).
-    Evicted,
-    /// The first missing page was spilled, but its file failed the CRC, was short or was gone.
-    SpilledCorrupt,
-    /// Every whole page was served; what is left is shorter than a page.
-    TailShorterThanPage,
-}
-
-impl MissReason {
-    pub const ALL: [MissReason; 4] =
-        [MissReason::NoEntry, MissReason::Evicted, MissReason::SpilledCorrupt, MissReason::TailShorterThanPage];
-
-    /// Stable label for metrics.
-    pub fn label(self) -> &'static str {
-        match self {
-            MissReason::NoEntry => "no_entry",
-            MissReason::Evicted => "evicted",
-            MissReason::SpilledCorrupt => "spilled_corrupt",
-            MissReason::TailShorterThanPage => "tail_shorter_than_page",
-        }
-    }
-}
-
-/// Result of a prefix lookup.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PrefixHit {
-    /// Pages served (a multiple of `page_tokens` tokens).
-    pub pages: usize,
-    pub hit_tokens: usize,
-    pub miss: Option<MissReason>,
-}
 
 /// Blocks held by one owner. Each block id in it carries one reference; dropping the allocation
 /// gives the references back to the pool (RAII), so a dropped table can never leak blocks.
@@ -650,7 +544,7 @@ impl KvPool {
         }
         self.corrupt.remove(&hash);
         self.pages.insert(hash, Page { parent, blocks, lru_tick: None });
-        self.to_lru(hash);
+        self.push_lru(hash);
         Ok(())
     }
 
@@ -693,8 +587,8 @@ impl KvPool {
         }
         assert_eq!(self.lru.len(), self.pages.values().filter(|p| p.lru_tick.is_some()).count());
         assert_eq!(lru_blocks, self.lru_blocks, "LRU block count is off");
-        for b in 0..n {
-            let states = [on_free[b], self.refcount[b] > 0, self.block_page[b].is_some() && self.refcount[b] == 0];
+        for (b, &free) in on_free.iter().enumerate() {
+            let states = [free, self.refcount[b] > 0, self.block_page[b].is_some() && self.refcount[b] == 0];
             assert_eq!(states.iter().filter(|&&x| x).count(), 1, "block {b} is in {states:?}");
         }
         let mut slots = HashSet::new();
@@ -732,7 +626,7 @@ impl KvPool {
                             p.lru_tick.is_none() && p.blocks.iter().all(|&x| self.refcount[x as usize] == 0)
                         });
                         if unreferenced {
-                            self.to_lru(h);
+                            self.push_lru(h);
                         }
                     }
                 }
@@ -740,7 +634,7 @@ impl KvPool {
         }
     }
 
-    fn to_lru(&mut self, h: PageHash) {
+    fn push_lru(&mut self, h: PageHash) {
         self.tick += 1;
         let tick = self.tick;
         if let Some(p) = self.pages.get_mut(&h) {

@@ -6,6 +6,7 @@
 
 pub mod policy;
 pub mod pooled;
+pub mod types;
 
 pub use policy::{NewSeq, PlannedSeq, Planner, PolicyConfig, PolicyError, SeqId, SeqView, StepPlanOut};
 pub use pooled::Policy;
