@@ -149,7 +149,14 @@ fn refused(seq: SeqId) -> SeqGrant {
 
 fn grant(pool: &mut KvPool, seq: SeqId, new_tokens: usize, hit: Option<PrefixHit>, reply: &mut PoolReply) {
     let start = pool.computed_of(seq);
-    let ok = pool.grow(seq, start + new_tokens).is_ok();
+    let mut ok = pool.grow(seq, start + new_tokens).is_ok();
+    if !ok && hit.is_some() {
+        // The planner did not know the hit would pin cached pages that were evictable: grant a
+        // shorter first chunk rather than none (the planner cuts the chunk to the blocks).
+        let bs = pool.config().block_size;
+        let fit = ((pool.blocks_of(seq).len() + pool.num_available()) * bs).saturating_sub(start);
+        ok = fit > 0 && pool.grow(seq, start + fit.min(new_tokens)).is_ok();
+    }
     reply.grants.push(SeqGrant {
         seq,
         ok,

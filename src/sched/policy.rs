@@ -109,6 +109,9 @@ struct Seq {
     held: usize,
     /// Of those, the ones only it references: what preempting or ending it makes available.
     exclusive: usize,
+    /// Blocks its cached prefix pinned when an admission was last refused for lack of room:
+    /// reserved on top of its chunk the next time it is admitted.
+    admit_extra: usize,
     /// Draft tokens for the next step only.
     draft: Vec<u32>,
     /// Admission number while running; `None` while waiting.
@@ -269,6 +272,7 @@ impl Planner {
                 num_computed: 0,
                 held: 0,
                 exclusive: 0,
+                admit_extra: 0,
                 draft: Vec::new(),
                 admitted: None,
                 preempted_at: None,
@@ -404,6 +408,12 @@ impl Planner {
                 tracing::debug!(seq = p.id, "the pool could not grant the planned blocks; retried next step");
                 if let Some(g) = grants.get(&p.id) {
                     seq.held = g.blocks.len();
+                    // An admission refused after its prefix hit pinned the last available
+                    // blocks: next time it asks for room for those pinned blocks too, so the
+                    // planner preempts or waits instead of retrying in vain.
+                    if p.admission {
+                        seq.admit_extra = g.blocks.len();
+                    }
                 }
                 seq.draft.clear();
                 if p.admission {
@@ -413,10 +423,12 @@ impl Planner {
             };
             seq.held = g.blocks.len();
             if p.admission {
-                // The chunk was planned from 0; the prefix hit moves it (never past the last token).
+                // The chunk was planned from 0; the prefix hit moves it (never past the last token,
+                // never past the blocks granted).
+                seq.admit_extra = 0;
                 seq.num_computed = g.start;
                 p.start = g.start;
-                p.n_base = p.n_base.min(seq.tokens.len() - g.start);
+                p.n_base = p.n_base.min(seq.tokens.len() - g.start).min(g.blocks.len() * bs - g.start);
                 p.wants_logits = p.start + p.n_base == seq.tokens.len();
                 prefix_hits.push((p.id, g.start));
             }
@@ -708,8 +720,9 @@ impl Planner {
         let Some(seq) = self.seqs.get(&id) else { return 0 };
         let (prio, start, held) = (seq.priority, seq.num_computed, seq.held);
         let want = if seq.is_decode() { want } else { want.min(self.page_room(start)) };
-        let need_min = (start + 1).div_ceil(bs).saturating_sub(held);
-        let need_want = (start + want).div_ceil(bs).saturating_sub(held);
+        let extra = if seq.admitted.is_none() { seq.admit_extra } else { 0 };
+        let need_min = (start + 1).div_ceil(bs).saturating_sub(held) + extra;
+        let need_want = (start + want).div_ceil(bs).saturating_sub(held) + extra;
         if self.avail < need_min {
             // Preempt only if it will actually let this sequence run.
             let first_behind = self.running.partition_point(|(k, _)| *k <= key);
@@ -730,12 +743,19 @@ impl Planner {
             }
             self.preempt(victim, b);
         }
-        let fit = ((held + self.avail) * bs).saturating_sub(start);
+        let fit = ((held + self.avail.saturating_sub(extra)) * bs).saturating_sub(start);
         let n = want.min(fit);
         if n == 0 {
             return 0;
         }
         self.take_blocks(id, start + n);
+        // The pinned prefix is charged to the view too (released again if it is preempted).
+        let extra = extra.min(self.avail);
+        self.avail -= extra;
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.held += extra;
+            seq.exclusive += extra;
+        }
         n
     }
 

@@ -90,3 +90,26 @@ fn cached_pages_are_evicted_when_blocks_run_out_and_accounting_returns_to_idle()
     assert_eq!((p.blocks_used(), p.blocks_free()), (0, 8));
     p.assert_accounting();
 }
+
+#[test]
+fn an_admission_whose_hit_pins_the_last_blocks_still_progresses() {
+    // 10 blocks of 4. Turn one leaves 3 pages (6 blocks) cached; a running decoder holds the
+    // free blocks, so the follow-up's hit would pin everything the planner counted as available.
+    let mut p = cached(64, 4, 10, 8);
+    add(&mut p, 1, 0, 25, 1);
+    run_to_end(&mut p, 1);
+    add(&mut p, 2, 0, 12, 4);
+    step(&mut p);
+    let follow = [prompt(1, 25), prompt(3, 10)].concat();
+    p.add(NewSeq { id: 3, priority: 0, prompt: follow, max_tokens: 2 }).expect("add");
+    let mut steps = 0;
+    while !p.is_idle() {
+        if let Some(plan) = p.plan_step() {
+            complete(&mut p, &plan);
+        }
+        p.assert_accounting();
+        steps += 1;
+        assert!(steps < 200, "no progress: livelock");
+    }
+    assert!(p.pool().counters().hit_tokens >= 16, "the follow-up was served from the cache");
+}
