@@ -79,15 +79,25 @@ impl Workload {
 fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("step_planning");
 
-    let decode_cfg =
-        PolicyConfig { max_num_batched_tokens: 2048, max_num_seqs: 256, block_size: 16, num_blocks: 256 * 80 };
+    let decode_cfg = PolicyConfig {
+        max_num_batched_tokens: 2048,
+        max_num_seqs: 256,
+        block_size: 16,
+        num_blocks: 256 * 80,
+        page_tokens: 0,
+    };
     // One-token prompts: a new sequence decodes from its first step.
     let mut w = Workload::new(decode_cfg, 256, 1, 1024);
     assert!(w.policy.num_running() == 256 && w.policy.num_waiting() == 0);
     group.bench_function(BenchmarkId::new("decode", 256), |b| b.iter(|| w.step()));
 
-    let mixed_cfg =
-        PolicyConfig { max_num_batched_tokens: 2048, max_num_seqs: 256, block_size: 16, num_blocks: 256 * 80 };
+    let mixed_cfg = PolicyConfig {
+        max_num_batched_tokens: 2048,
+        max_num_seqs: 256,
+        block_size: 16,
+        num_blocks: 256 * 80,
+        page_tokens: 0,
+    };
     let mut w = Workload::new(mixed_cfg, 256, 1000, 128);
     group.bench_function(BenchmarkId::new("mixed", 256), |b| b.iter(|| w.step()));
     group.finish();

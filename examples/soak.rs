@@ -15,6 +15,12 @@
 //! - no request may fail (any non-200, error event or stream without `[DONE]`);
 //! - in-process, the KV pages must return to idle (nothing waiting or running, no block used).
 //!
+//! In-process, a spill phase follows (`--spill-phase`, on by default): a second engine with a
+//! small KV pool (`--spill-pool-tokens`), 32-token pages and a temporary spill directory runs
+//! every agent prompt twice, round robin, so the first run's pages are evicted to disk before the
+//! second; the second runs must restore pages from disk and still equal the solo runs, and the
+//! pool must return to idle.
+//!
 //! Prints per lane the request count, TTFT p50/p99, tokens/s and violations; exits non-zero on
 //! any violation.
 
@@ -81,6 +87,12 @@ struct Args {
     /// Distinct agent prompts.
     #[arg(long, default_value_t = 3)]
     agent_prompts: usize,
+    /// Run the spill phase after the load phase (in-process only).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    spill_phase: bool,
+    /// KV pool of the spill phase's engine, in tokens (small, so pages are evicted to disk).
+    #[arg(long, default_value_t = 768)]
+    spill_pool_tokens: usize,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -262,10 +274,16 @@ struct Local {
     servers: Vec<actix_web::dev::ServerHandle>,
 }
 
-fn start_local(args: &Args) -> Result<(Local, [Target; 2]), String> {
+fn start_local(args: &Args, spill: Option<&std::path::Path>) -> Result<(Local, [Target; 2]), String> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
     let bundle = shelfserve::model::open(&args.model, &CacheDir::from_env()).map_err(|e| e.to_string())?;
     let mut cfg = EngineConfig::builtin();
+    if let Some(dir) = spill {
+        cfg.scheduler.kv_pool_tokens = args.spill_pool_tokens;
+        cfg.scheduler.page_tokens = 32;
+        cfg.scheduler.spill_dir = Some(dir.display().to_string());
+        cfg.scheduler.spill_budget = 1 << 30;
+    }
     cfg.host = "127.0.0.1".into();
     cfg.lanes.iter_mut().for_each(|l| l.port = 0);
     let name = served_name(args);
@@ -364,7 +382,7 @@ fn run(args: &Args) -> Result<usize, String> {
         }
         None if args.agent_url.is_some() => return Err("--agent-url needs --url".into()),
         None => {
-            let (local, targets) = start_local(args)?;
+            let (local, targets) = start_local(args, None)?;
             (Some(local), targets)
         }
     };
@@ -478,6 +496,9 @@ fn run(args: &Args) -> Result<usize, String> {
     println!("pages: {idle_note}");
     if let Some(local) = local {
         local.stop();
+        if args.spill_phase {
+            spill_phase(args, &plan, &solo, &mut violations)?;
+        }
     }
     if violations.is_empty() {
         println!("violations: 0");
@@ -488,4 +509,60 @@ fn run(args: &Args) -> Result<usize, String> {
         }
     }
     Ok(violations.len())
+}
+
+/// The spill phase (see the module doc): every agent prompt twice, round robin, through a small
+/// pool that evicts to a temporary spill directory.
+fn spill_phase(
+    args: &Args,
+    plan: &Plan,
+    solo: &BTreeMap<(usize, usize), Outcome>,
+    violations: &mut Vec<String>,
+) -> Result<(), String> {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let (local, targets) = start_local(args, Some(dir.path()))?;
+    let spill_plan =
+        Plan { model: plan.model.clone(), prompts: plan.prompts.clone(), max_tokens: plan.max_tokens, targets };
+    let started = Instant::now();
+    let n = spill_plan.prompts[1].len();
+    let mut firsts = Vec::new();
+    for round in 0..2 {
+        for prompt in 0..n {
+            let o = run_one(&spill_plan, 1, prompt, None);
+            let what = format!("spill phase round {round}, agent prompt {prompt}");
+            if let Some(e) = &o.error {
+                violations.push(format!("{what}: {e}"));
+                continue;
+            }
+            let want = solo.get(&(1, prompt)).or(firsts.get(prompt));
+            let same = |a: &Outcome, b: &Outcome| {
+                a.tokens.iter().map(|t| &t.bytes).eq(b.tokens.iter().map(|t| &t.bytes)) && a.text == b.text
+            };
+            if let Some(w) = want.filter(|w| !same(w, &o)) {
+                violations
+                    .push(format!("{what}: differs from its solo run\n    solo: {:?}\n    now:  {:?}", w.text, o.text));
+            }
+            if round == 0 {
+                firsts.push(o);
+            }
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let stats = local.rt.block_on(local.engine.pool_stats()).ok_or("the pool does not answer")?;
+    if stats.spilled_pages == 0 {
+        violations.push(format!("spill phase: nothing was spilled ({stats:?})"));
+    }
+    if stats.counters.hit_tokens == 0 {
+        violations.push(format!("spill phase: no prefix hit in the second round ({stats:?})"));
+    }
+    if let Err(e) = local.wait_idle(Duration::from_secs(30)) {
+        violations.push(format!("spill phase pages: {e}"));
+    }
+    println!(
+        "spill phase: {} agent prompts x 2 through a {}-token pool in {secs:.1} s; {} pages on disk, {} tokens \
+         served from the cache, misses {:?}",
+        n, args.spill_pool_tokens, stats.spilled_pages, stats.counters.hit_tokens, stats.counters.misses
+    );
+    local.stop();
+    Ok(())
 }

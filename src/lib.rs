@@ -14,4 +14,5 @@ pub mod parallel;
 pub mod sampling;
 pub mod sched;
 pub mod spec;
+pub mod spill;
 pub mod tokenizer;

@@ -10,13 +10,45 @@ use ractor::{Actor, ActorRef};
 use super::drafter::{sources_for, DrafterActor, DrafterMsg};
 use super::executor::{ExecutorActor, ExecutorArgs, ExecutorMsg};
 use super::handle::{EngineError, EventStream, GenerationRequest, InferenceEngine, ModelInfo};
+use super::kvpool::PoolStats;
 use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg, SchedulerStats, SharedCounters};
 use crate::backend::KvGeometry;
 use crate::config::engine::EngineConfig;
 use crate::generate::{make_backend, DeviceSelection};
+use crate::kv::PoolIdentity;
 use crate::model::ModelBundle;
-use crate::sched::PolicyConfig;
+use crate::sched::{align_budget_to_pages, PolicyConfig};
 use crate::spec::SpeculativeMethod;
+
+/// Prefix-cache page size for llama-family models when the configuration does not set one: 16
+/// blocks of 16 tokens. Small enough that a follow-up turn loses at most 255 tokens of reuse and
+/// that chunk cuts at page boundaries cost little on the CPU (a 256-row GEMM is already
+/// efficient); large enough that the index stays small (a 32k context is 128 pages).
+pub const DEFAULT_LLAMA_PAGE_TOKENS: usize = 256;
+
+/// Identifies the weights for the prefix cache and the spill index: a SHA-256 over the model
+/// configuration, every tensor's name, dtype and shape, and the first and last 4 KiB of every
+/// tensor's bytes (memory-mapped, so this costs a few page reads, not a pass over the weights).
+/// Two models that differ in any tensor's edges, shape or config never share pages.
+pub fn model_fingerprint(bundle: &ModelBundle) -> String {
+    use sha2::{Digest, Sha256};
+    const EDGE: usize = 4096;
+    let mut h = Sha256::new();
+    h.update(format!("{:?}", bundle.config).as_bytes());
+    let mut names = bundle.weights.tensor_names();
+    names.sort_unstable();
+    for name in names {
+        h.update((name.len() as u64).to_le_bytes());
+        h.update(name.as_bytes());
+        if let Some(t) = bundle.weights.tensor(&name) {
+            h.update(format!("{:?}{:?}", t.dtype, t.shape).as_bytes());
+            h.update((t.data.len() as u64).to_le_bytes());
+            h.update(&t.data[..t.data.len().min(EDGE)]);
+            h.update(&t.data[t.data.len().saturating_sub(EDGE)..]);
+        }
+    }
+    h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect()
+}
 
 /// Events buffered per request before the request actor waits for the client.
 const EVENT_BUFFER: usize = 256;
@@ -37,6 +69,88 @@ pub struct Engine {
     scheduler: ActorRef<SchedulerMsg>,
     executor: ActorRef<ExecutorMsg>,
     drafter: Option<ActorRef<DrafterMsg>>,
+}
+
+/// What the startup capacity card reports. Computed before the weights are loaded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CapacityCard {
+    pub weight_bytes: u64,
+    /// f32 K and V for every layer and KV head.
+    pub kv_bytes_per_token: u64,
+    pub pool_tokens: usize,
+    /// The longest prompt + reply one sequence can have: the model's context or the pool,
+    /// whichever is smaller.
+    pub max_context: usize,
+    pub page_tokens: usize,
+    pub spill_budget: u64,
+}
+
+impl CapacityCard {
+    pub fn new(bundle: &ModelBundle, pool_tokens: usize, page_tokens: usize, spill_budget: u64) -> Self {
+        let c = &bundle.config;
+        let weight_bytes = bundle
+            .weights
+            .tensor_names()
+            .iter()
+            .filter_map(|n| bundle.weights.tensor(n))
+            .map(|t| t.data.len() as u64)
+            .sum();
+        let kv_bytes_per_token = (2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4) as u64;
+        Self {
+            weight_bytes,
+            kv_bytes_per_token,
+            pool_tokens,
+            max_context: c.max_position_embeddings.min(pool_tokens),
+            page_tokens,
+            spill_budget,
+        }
+    }
+
+    pub fn kv_pool_bytes(&self) -> u64 {
+        self.kv_bytes_per_token * self.pool_tokens as u64
+    }
+
+    /// Refuses a configuration that cannot fit in `mem_available` bytes, naming the number to
+    /// change.
+    pub fn check_fits(&self, mem_available: Option<u64>) -> Result<(), String> {
+        let Some(avail) = mem_available else { return Ok(()) };
+        let need = self.weight_bytes + self.kv_pool_bytes();
+        if need > avail {
+            let kv_room = avail.saturating_sub(self.weight_bytes) / self.kv_bytes_per_token.max(1);
+            return Err(format!(
+                "weights ({} MiB) + KV pool ({} tokens x {} bytes = {} MiB) need {} MiB but only {} MiB of memory \
+                 is available: lower --kv-pool-tokens (kv_pool_tokens) to at most {kv_room}",
+                self.weight_bytes >> 20,
+                self.pool_tokens,
+                self.kv_bytes_per_token,
+                self.kv_pool_bytes() >> 20,
+                need >> 20,
+                avail >> 20
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn log(&self) {
+        tracing::info!(
+            weights_mib = self.weight_bytes >> 20,
+            kv_bytes_per_token = self.kv_bytes_per_token,
+            pool_tokens = self.pool_tokens,
+            kv_pool_mib = self.kv_pool_bytes() >> 20,
+            max_context = self.max_context,
+            page_tokens = self.page_tokens,
+            spill_budget_mib = self.spill_budget >> 20,
+            "capacity"
+        );
+    }
+}
+
+/// `MemAvailable` from /proc/meminfo, in bytes (None where it cannot be read).
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// KV pool size in tokens: the configured size, or room for a few full-context sequences.
@@ -76,15 +190,49 @@ pub async fn start_engine(
         queued: config.lanes.iter().map(|_| AtomicUsize::new(0)).collect(),
         failed: parking_lot::Mutex::new(None),
     });
+    let page_tokens = if s.page_tokens > 0 { s.page_tokens } else { DEFAULT_LLAMA_PAGE_TOKENS };
+    let budget =
+        align_budget_to_pages(s.max_num_batched_tokens, page_tokens, s.max_num_seqs).map_err(EngineError::Invalid)?;
+    if budget != s.max_num_batched_tokens {
+        tracing::warn!(
+            configured = s.max_num_batched_tokens,
+            corrected = budget,
+            page_tokens,
+            "max_num_batched_tokens corrected so that prefill chunks fill whole pages (every page \
+             boundary is a chunk boundary; a misaligned budget would waste each step's tail)"
+        );
+    }
     let policy = PolicyConfig {
-        max_num_batched_tokens: s.max_num_batched_tokens,
+        max_num_batched_tokens: budget,
         max_num_seqs: s.max_num_seqs,
         block_size: kv.block_size,
         num_blocks: kv.num_blocks,
+        page_tokens,
+    };
+    let card = CapacityCard::new(&bundle, kv.capacity_tokens(), page_tokens, s.spill_budget);
+    card.log();
+    card.check_fits(mem_available()).map_err(EngineError::Invalid)?;
+    let fingerprint = model_fingerprint(&bundle);
+    let spill_dir = s.spill_dir.as_ref().map(std::path::PathBuf::from);
+    let spill = crate::spill::open_store(spill_dir.as_ref(), s.spill_budget, &fingerprint);
+    let pool_identity = PoolIdentity {
+        model_fingerprint: fingerprint,
+        // The device and its precision decide the image layout (CPU f16/f32 follows the weights,
+        // which the fingerprint covers).
+        kv_layout: format!("{:?}/{:?}/block{}", opts.device.kind, opts.device.cuda_precision, kv.block_size),
+        rank: 0,
     };
     // Unnamed actors: ractor's registry is process-wide, and tests run several engines.
     let methods: Vec<_> = config.lanes.iter().map(|l| l.speculative.clone()).collect();
     let drafter = if methods.iter().any(|m| *m != SpeculativeMethod::None) {
+        if crate::model::glm5_next::MODEL_TYPES.contains(&bundle.config.model_type.as_str()) {
+            // Verification advances KDA recurrent state through every draft; rolling it back to the
+            // last accepted token is not implemented yet, so drafting would fail those requests.
+            return Err(EngineError::Invalid(format!(
+                "speculative decoding is not available for `{}` (hybrid recurrent state cannot be rolled back yet); set speculative = \"none\"",
+                bundle.config.model_type
+            )));
+        }
         let sources = sources_for(&methods).map_err(|e| EngineError::Invalid(e.to_string()))?;
         let (d, _) =
             Actor::spawn(None, DrafterActor, sources).await.map_err(|e| EngineError::Executor(e.to_string()))?;
@@ -106,6 +254,8 @@ pub async fn start_engine(
             eos_token_ids: eos,
             max_context,
             drafter: drafter.clone(),
+            pool_identity,
+            spill,
         },
     )
     .await
@@ -128,6 +278,11 @@ impl Engine {
     /// Scheduler counters (waiting, running, blocks) — for tests and diagnostics.
     pub async fn stats(&self) -> Option<SchedulerStats> {
         ractor::call_t!(self.scheduler, SchedulerMsg::Stats, 5000).ok()
+    }
+
+    /// KV pool occupancy and prefix-cache counters (`None` while loading).
+    pub async fn pool_stats(&self) -> Option<PoolStats> {
+        ractor::call_t!(self.scheduler, SchedulerMsg::PoolStats, 5000).ok()
     }
 
     /// Stop the actors; the executor thread ends after its current step and frees the weights

@@ -10,9 +10,11 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::scheduler::SchedulerMsg;
 use crate::backend::{Backend, SeqStep};
+use crate::kv::PageHash;
 use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::SeqId;
 use crate::spec::step::{sample_with_drafts, StepTokens};
+use crate::spill::SpillMsg;
 
 /// What to sample for a sequence whose chunk ends at its last known token.
 #[derive(Clone, Debug)]
@@ -60,6 +62,27 @@ pub struct StepResult {
 
 pub enum ExecutorMsg {
     Run(StepPlan),
+    /// Copy evicted pages out of KV memory (KV image + recurrent snapshot, one unit each) and send
+    /// them to the spill tier. Queued before any step that may reuse their blocks (the KV pool
+    /// sends it before answering the scheduler), and run in order with steps.
+    ReadPages {
+        pages: Vec<(PageHash, Option<PageHash>, Vec<u32>)>,
+        spill: ActorRef<SpillMsg>,
+    },
+    /// Write a restored page image into `blocks` (sent by the spill tier before it tells the pool
+    /// the page is back, so it runs before any step that reads it).
+    WritePage {
+        hash: PageHash,
+        blocks: Vec<u32>,
+        image: Vec<u8>,
+    },
+}
+
+/// Work for the compute thread, in arrival order.
+enum Job {
+    Step(StepPlan),
+    Read(Vec<(PageHash, Option<PageHash>, Vec<u32>)>, ActorRef<SpillMsg>),
+    Write(PageHash, Vec<u32>, Vec<u8>),
 }
 
 pub struct ExecutorActor;
@@ -73,7 +96,7 @@ pub struct ExecutorArgs {
 }
 
 pub struct ExecutorState {
-    jobs: Option<std::sync::mpsc::Sender<StepPlan>>,
+    jobs: Option<std::sync::mpsc::Sender<Job>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -128,6 +151,30 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan) -> StepResult {
     result
 }
 
+fn send(state: &ExecutorState, job: Job) -> Result<(), ActorProcessingErr> {
+    let jobs = state.jobs.as_ref().ok_or("executor thread is gone")?;
+    jobs.send(job).map_err(|_| "executor thread is gone")?;
+    Ok(())
+}
+
+/// Copies evicted pages out and hands them to the spill tier. The recurrent snapshot of a page
+/// end is not kept in a slot after the sequence moved on, so hybrid pages carry none yet (an
+/// attention-only model has none to carry).
+fn read_pages(
+    backend: &mut dyn Backend,
+    pages: Vec<(PageHash, Option<PageHash>, Vec<u32>)>,
+    spill: &ActorRef<SpillMsg>,
+) {
+    for (hash, parent, blocks) in pages {
+        match backend.read_kv_blocks(&blocks) {
+            Ok(image) => {
+                let _ = spill.cast(SpillMsg::Store { hash, parent, image });
+            }
+            Err(e) => tracing::warn!(page = %hash.to_hex(), error = %e, "could not read an evicted page to spill it"),
+        }
+    }
+}
+
 impl Actor for ExecutorActor {
     type Msg = ExecutorMsg;
     type State = ExecutorState;
@@ -138,7 +185,7 @@ impl Actor for ExecutorActor {
         _myself: ActorRef<Self::Msg>,
         args: ExecutorArgs,
     ) -> Result<ExecutorState, ActorProcessingErr> {
-        let (tx, rx) = std::sync::mpsc::channel::<StepPlan>();
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
         let scheduler = args.scheduler.clone();
         let rank = args.rank;
         let make = args.make_backend;
@@ -146,7 +193,12 @@ impl Actor for ExecutorActor {
         let thread = std::thread::Builder::new().name(format!("shelfserve-exec-{rank}")).spawn(move || {
             let mut backend = match make() {
                 Ok(b) => {
-                    let _ = scheduler.cast(SchedulerMsg::ExecutorReady { rank, kv: b.kv_geometry() });
+                    let _ = scheduler.cast(SchedulerMsg::ExecutorReady {
+                        rank,
+                        kv: b.kv_geometry(),
+                        kv_block_bytes: b.kv_block_bytes(),
+                        state_slot_bytes: b.state_slot_bytes(),
+                    });
                     b
                 }
                 Err(e) => {
@@ -155,10 +207,21 @@ impl Actor for ExecutorActor {
                     return;
                 }
             };
-            while let Ok(plan) = rx.recv() {
-                let result = run_plan(backend.as_mut(), &plan);
-                if scheduler.cast(SchedulerMsg::StepDone(result)).is_err() {
-                    break;
+            while let Ok(job) = rx.recv() {
+                match job {
+                    Job::Step(plan) => {
+                        let result = run_plan(backend.as_mut(), &plan);
+                        if scheduler.cast(SchedulerMsg::StepDone(result)).is_err() {
+                            break;
+                        }
+                    }
+                    Job::Read(pages, spill) => read_pages(backend.as_mut(), pages, &spill),
+                    Job::Write(hash, blocks, image) => {
+                        if let Err(e) = backend.write_kv_blocks(&blocks, &image) {
+                            // The spill tier checked the image's size; this is a device failure.
+                            tracing::error!(page = %hash.to_hex(), error = %e, "restoring a spilled page failed");
+                        }
+                    }
                 }
             }
         })?;
@@ -172,10 +235,9 @@ impl Actor for ExecutorActor {
         state: &mut ExecutorState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            ExecutorMsg::Run(plan) => {
-                let jobs = state.jobs.as_ref().ok_or("executor thread is gone")?;
-                jobs.send(plan).map_err(|_| "executor thread is gone")?;
-            }
+            ExecutorMsg::Run(plan) => send(state, Job::Step(plan))?,
+            ExecutorMsg::ReadPages { pages, spill } => send(state, Job::Read(pages, spill))?,
+            ExecutorMsg::WritePage { hash, blocks, image } => send(state, Job::Write(hash, blocks, image))?,
         }
         Ok(())
     }

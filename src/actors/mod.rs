@@ -8,6 +8,7 @@ pub mod drafter;
 pub mod engine;
 pub mod executor;
 pub mod handle;
+pub mod kvpool;
 pub mod request;
 pub mod scheduler;
 

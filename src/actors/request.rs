@@ -25,6 +25,10 @@ pub enum RequestMsg {
     Failed(EngineError),
     /// The client's stream was dropped.
     ClientGone,
+    /// Prompt tokens the prefix cache served at admission (for `usage.cached_tokens`).
+    PrefixHit {
+        cached_tokens: usize,
+    },
 }
 
 pub struct RequestArgs {
@@ -143,6 +147,7 @@ impl Actor for RequestActor {
                 st.send(StreamEvent::Error(e)).await;
                 myself.stop(None);
             }
+            RequestMsg::PrefixHit { cached_tokens } => st.usage.cached_tokens = cached_tokens,
             RequestMsg::ClientGone => {
                 let _ = st.scheduler.cast(SchedulerMsg::Cancel(st.seq));
                 myself.stop(None);

@@ -1,8 +1,9 @@
-//! `SchedulerActor`: the one place where serving decisions are made. It owns the policy (waiting
-//! and running queues per priority, token budget, preemption, KV block accounting), plans one
-//! step at a time, sends it to the executor, and turns the executor's sampled tokens into
-//! per-request events (EOS, max_tokens and the context limit are decided here; stop strings by
-//! each `RequestActor`). It never touches tensors.
+//! `SchedulerActor`: the one place where serving decisions are made. It owns the planner (waiting
+//! and running queues per priority, token budget, chunking, preemption), plans one step at a
+//! time against the `KvPoolActor`'s view, commits the step's pool work there (one round trip),
+//! sends the step to the executor, and turns the executor's sampled tokens into per-request events
+//! (EOS, max_tokens and the context limit are decided here; stop strings by each
+//! `RequestActor`). It never touches tensors or block ids beyond forwarding them.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -14,12 +15,15 @@ use tokio::sync::mpsc::Sender;
 use super::drafter::{DraftUpdate, DrafterMsg};
 use super::executor::{ExecutorMsg, PlanSeq, SampleSpec, StepPlan, StepResult};
 use super::handle::{EngineError, FinishReason, GenerationRequest, StreamEvent, TokenInfo};
+use super::kvpool::{KvPoolActor, KvPoolArgs, KvPoolMsg, PoolStats};
 use super::request::{RequestActor, RequestArgs, RequestMsg};
 use crate::backend::KvGeometry;
 use crate::config::engine::LaneConfig;
+use crate::kv::{KvPool, KvPoolConfig, PoolIdentity, PoolReply};
 use crate::sampling::{PenaltyState, SamplingParams};
-use crate::sched::{NewSeq, Policy, PolicyConfig, SeqId};
+use crate::sched::{NewSeq, Planner, PolicyConfig, SeqId, StepPlanOut};
 use crate::spec::stats::AcceptanceStats;
+use crate::spill::{SpillActor, SpillArgs, SpillMsg};
 use crate::tokenizer::TokenizerBundle;
 
 pub enum SchedulerMsg {
@@ -33,18 +37,31 @@ pub enum SchedulerMsg {
     /// the step it is part of returns.
     Cancel(SeqId),
     StepDone(StepResult),
+    /// The `KvPoolActor` applied a commit: for a planned step (`for_step`), the step can be
+    /// finished and dispatched; otherwise (a flush of releases) just the view is new.
+    PoolCommitted {
+        reply: PoolReply,
+        for_step: bool,
+    },
     /// The executor actor for rank 0 (sent once, right after it is spawned).
     AttachExecutor(ActorRef<ExecutorMsg>),
     ExecutorReady {
         rank: usize,
         kv: KvGeometry,
+        /// Bytes of one block's KV image (for the spill tier's size checks).
+        kv_block_bytes: usize,
+        state_slot_bytes: usize,
     },
+    /// The pool changed outside a commit (a restore from disk ended): plan again.
+    PoolViewChanged(crate::kv::PoolView),
     ExecutorFailed {
         rank: usize,
         error: String,
     },
     /// Counters for tests and health checks.
     Stats(RpcReplyPort<SchedulerStats>),
+    /// The KV pool's occupancy and prefix-cache counters (forwarded to the pool actor).
+    PoolStats(RpcReplyPort<PoolStats>),
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -78,6 +95,10 @@ pub struct SchedulerArgs {
     pub max_context: usize,
     /// Present when some lane drafts (`speculative` in its config).
     pub drafter: Option<ActorRef<DrafterMsg>>,
+    /// What makes cached pages valid (model fingerprint, KV layout, rank).
+    pub pool_identity: PoolIdentity,
+    /// The opened spill store (taken when the executor is ready); `None` = spill off.
+    pub spill: Option<crate::spill::SpillStore>,
 }
 
 struct LiveSeq {
@@ -94,11 +115,19 @@ struct LiveSeq {
     spec_k: usize,
     /// Leading tokens of the sequence the drafter has already been given.
     drafter_len: usize,
+    /// The first admission's prefix hit was reported to the request (usage.cached_tokens).
+    hit_reported: bool,
 }
 
 pub struct SchedulerState {
     args: SchedulerArgs,
-    policy: Option<Policy>,
+    policy: Option<Planner>,
+    pool: Option<ActorRef<KvPoolMsg>>,
+    /// A commit is at the pool; nothing else is sent there until it is answered.
+    awaiting_pool: bool,
+    /// The last plan came back empty because admissions wait for pages read back from disk:
+    /// plan again only when something changes (restore ended, step done, submit, cancel).
+    restore_wait: bool,
     executor: Option<ActorRef<ExecutorMsg>>,
     in_flight: bool,
     next_step: u64,
@@ -206,17 +235,63 @@ impl SchedulerState {
         }
     }
 
-    /// Plan and dispatch the next step if the executor is idle and there is work.
+    /// Plan the next step if the executor is idle and there is work, and commit its pool work;
+    /// the step is dispatched when the pool answers (`dispatch`). With nothing to plan, queued
+    /// releases are still sent so freed pages are cached or free at once.
     fn maybe_step(&mut self) {
-        if self.in_flight {
+        if self.in_flight || self.awaiting_pool || self.restore_wait {
             return;
         }
-        let (Some(policy), Some(exec)) = (self.policy.as_mut(), self.executor.as_ref()) else { return };
-        let Some(out) = policy.plan_step() else { return };
+        let (Some(policy), Some(pool), Some(_)) = (self.policy.as_mut(), self.pool.as_ref(), self.executor.as_ref())
+        else {
+            return;
+        };
+        let (ops, for_step) = match policy.plan_step() {
+            Some(ops) => (ops, true),
+            None if policy.has_pending() => (policy.take_pending(), false),
+            None => return,
+        };
+        if pool.cast(KvPoolMsg::Commit { ops, for_step }).is_ok() {
+            self.awaiting_pool = true;
+        } else {
+            self.pool_gone();
+        }
+    }
+
+    /// The pool answered a commit.
+    fn on_pool_committed(&mut self, reply: PoolReply, for_step: bool) {
+        self.awaiting_pool = false;
+        let Some(policy) = self.policy.as_mut() else { return };
+        if !for_step {
+            policy.apply_view(&reply);
+            return;
+        }
+        let waits_for_restore = reply.grants.iter().any(|g| g.restoring);
+        let out = policy.finish_step(reply);
+        self.restore_wait = waits_for_restore && out.seqs.is_empty();
+        self.dispatch(out);
+    }
+
+    fn dispatch(&mut self, out: StepPlanOut) {
         self.stats.preemptions += out.preempted.len() as u64;
         if !out.preempted.is_empty() {
             metrics::counter!("shelfserve_preemptions_total").increment(out.preempted.len() as u64);
         }
+        for &(id, cached) in &out.prefix_hits {
+            if let Some(l) = self.live.get_mut(&id).filter(|l| !l.hit_reported) {
+                l.hit_reported = true;
+                let _ = l.request.cast(RequestMsg::PrefixHit { cached_tokens: cached.min(l.prompt_len) });
+            }
+        }
+        if out.seqs.is_empty() {
+            // Everything planned sat out (the pool could not grant it): take the step as done
+            // and plan again against the fresh view.
+            if let Some(p) = self.policy.as_mut() {
+                p.on_step_done(&[], &[]);
+            }
+            return;
+        }
+        let Some(exec) = self.executor.as_ref() else { return };
         let seqs = out
             .seqs
             .into_iter()
@@ -235,7 +310,7 @@ impl SchedulerState {
                     tokens: p.tokens,
                     start_pos: p.start_pos,
                     block_table: p.block_table,
-                    state_slot: 0,
+                    state_slot: p.state_slot,
                     num_draft: p.num_draft,
                     sample,
                 }
@@ -248,6 +323,17 @@ impl SchedulerState {
             for id in p.on_step_failed() {
                 self.fail(id, EngineError::Executor("the executor is gone".into()));
             }
+        }
+    }
+
+    /// The pool actor is gone: nothing can be planned any more.
+    fn pool_gone(&mut self) {
+        tracing::error!("the KV pool actor is gone; failing live requests");
+        *self.args.counters.failed.lock() = Some("the KV pool actor stopped".into());
+        self.args.counters.ready.store(false, Ordering::SeqCst);
+        let ids: Vec<SeqId> = self.live.keys().copied().collect();
+        for id in ids {
+            self.fail(id, EngineError::Executor("the KV pool actor stopped".into()));
         }
     }
 
@@ -296,14 +382,8 @@ impl SchedulerState {
                     break;
                 }
             }
-            if !infos.is_empty() {
-                if l.request.cast(RequestMsg::Tokens(infos)).is_err() {
-                    finish = Some(FinishReason::Stop);
-                }
-                if l.queued {
-                    l.queued = false;
-                    self.args.counters.queued[l.lane].fetch_sub(1, Ordering::SeqCst);
-                }
+            if !infos.is_empty() && l.request.cast(RequestMsg::Tokens(infos)).is_err() {
+                finish = Some(FinishReason::Stop);
             }
             if let Some(reason) = finish {
                 ended.push((id, reason));
@@ -312,6 +392,11 @@ impl SchedulerState {
                 sampled.push((id, kept));
             }
         }
+        // A request that produced its first token leaves its lane's queue.
+        for (id, _) in &sampled {
+            self.dequeue(*id);
+        }
+        let Some(policy) = self.policy.as_mut() else { return };
         let finished: Vec<SeqId> = ended.iter().map(|e| e.0).collect();
         for id in policy.on_step_done(&sampled, &finished) {
             if !finished.contains(&id) {
@@ -327,8 +412,6 @@ impl SchedulerState {
     fn publish_gauges(&self) {
         if let Some(p) = &self.policy {
             metrics::gauge!("shelfserve_running_sequences").set(p.num_running() as f64);
-            metrics::gauge!("shelfserve_kv_pages_used").set(p.blocks_used() as f64);
-            metrics::gauge!("shelfserve_kv_pages_free").set(p.blocks_free() as f64);
         }
         for (lane, n) in self.args.lanes.iter().zip(&self.args.counters.queued) {
             metrics::gauge!("shelfserve_queue_depth", "lane" => lane.name.clone()).set(n.load(Ordering::SeqCst) as f64);
@@ -349,6 +432,9 @@ impl Actor for SchedulerActor {
         Ok(SchedulerState {
             args,
             policy: None,
+            pool: None,
+            awaiting_pool: false,
+            restore_wait: false,
             executor: None,
             in_flight: false,
             next_step: 0,
@@ -403,6 +489,7 @@ impl Actor for SchedulerActor {
                             _ => st.args.lanes[lane].num_speculative_tokens,
                         },
                         drafter_len: 0,
+                        hit_reported: false,
                     },
                 );
                 if let Some(e) = failed {
@@ -416,6 +503,7 @@ impl Actor for SchedulerActor {
                         .map_err(|e| e.to_string()),
                     None => Err("the model is still loading".to_string()),
                 };
+                st.restore_wait = false;
                 match added {
                     Ok(()) => st.plan_next_step().await,
                     Err(e) => st.fail(id, EngineError::Invalid(e)),
@@ -423,21 +511,74 @@ impl Actor for SchedulerActor {
             }
             SchedulerMsg::Cancel(id) => {
                 st.cancel(id);
+                st.restore_wait = false;
                 st.plan_next_step().await;
             }
             SchedulerMsg::StepDone(r) => {
                 st.on_step_done(r);
+                st.restore_wait = false;
                 st.plan_next_step().await;
+            }
+            SchedulerMsg::PoolViewChanged(view) => {
+                // A view taken outside a commit is only current when no commit is under way.
+                if !st.awaiting_pool {
+                    if let Some(p) = st.policy.as_mut() {
+                        p.apply_view(&PoolReply { view, ..PoolReply::default() });
+                    }
+                }
+                st.restore_wait = false;
+                st.plan_next_step().await;
+            }
+            SchedulerMsg::PoolCommitted { reply, for_step } => {
+                st.on_pool_committed(reply, for_step);
+                st.maybe_step();
             }
             SchedulerMsg::AttachExecutor(exec) => {
                 st.executor = Some(exec);
                 st.plan_next_step().await;
             }
-            SchedulerMsg::ExecutorReady { rank, kv } => {
+            SchedulerMsg::ExecutorReady { rank, kv, kv_block_bytes, state_slot_bytes } => {
                 let mut cfg = st.args.policy.clone();
                 cfg.num_blocks = kv.num_blocks;
                 cfg.block_size = kv.block_size;
-                st.policy = Some(Policy::new(cfg).map_err(|e| e.to_string())?);
+                let pool_cfg = KvPoolConfig {
+                    num_blocks: kv.num_blocks,
+                    block_size: kv.block_size,
+                    page_tokens: cfg.page_tokens,
+                    state_slots: kv.state_slots,
+                };
+                let mut pool = KvPool::new(pool_cfg, &st.args.pool_identity).map_err(|e| e.to_string())?;
+                st.policy = Some(Planner::new(cfg.clone()).map_err(|e| e.to_string())?);
+                let executor = st.executor.clone().ok_or("executor ready before it was attached")?;
+                let store = st.args.spill.take().filter(|_| cfg.page_tokens > 0);
+                let spill = match store {
+                    Some(store) => {
+                        // Pages a previous run spilled: restorable from the first request on.
+                        for p in store.pages() {
+                            pool.note_spilled(p.hash, p.parent);
+                        }
+                        let page_image_bytes = cfg.page_tokens / kv.block_size * kv_block_bytes + state_slot_bytes;
+                        let args = SpillArgs { store: Some(store), executor: executor.clone(), page_image_bytes };
+                        // Not linked: a failing spill tier must not take serving down with it;
+                        // the pool treats an unreachable spill actor as spill off.
+                        let (spill, _) = Actor::spawn(None, SpillActor, args).await?;
+                        Some(spill)
+                    }
+                    None => None,
+                };
+                // Linked: if the pool actor dies the scheduler stops too, and the engine reports
+                // `shutting_down` (a pool that lost its books cannot serve safely).
+                let (pool_ref, _) = Actor::spawn_linked(
+                    None,
+                    KvPoolActor,
+                    KvPoolArgs { pool, scheduler: myself.clone(), executor, spill: spill.clone() },
+                    myself.get_cell(),
+                )
+                .await?;
+                if let Some(spill) = &spill {
+                    spill.cast(SpillMsg::AttachPool(pool_ref.clone()))?;
+                }
+                st.pool = Some(pool_ref);
                 tracing::info!(rank, blocks = kv.num_blocks, block_size = kv.block_size, "executor ready");
                 st.args.counters.ready.store(true, Ordering::SeqCst);
                 st.publish_gauges();
@@ -451,13 +592,19 @@ impl Actor for SchedulerActor {
                     st.fail(id, EngineError::Executor(error.clone()));
                 }
             }
+            SchedulerMsg::PoolStats(reply) => {
+                // Without a pool (still loading) the port is dropped and the caller gets an error.
+                if let Some(pool) = &st.pool {
+                    let _ = pool.cast(KvPoolMsg::Stats(reply));
+                }
+            }
             SchedulerMsg::Stats(reply) => {
                 let mut s = st.stats;
                 if let Some(p) = &st.policy {
                     s.waiting = p.num_waiting();
                     s.running = p.num_running();
-                    s.blocks_used = p.blocks_used();
-                    s.blocks_free = p.blocks_free();
+                    s.blocks_used = p.config().num_blocks - p.blocks_available();
+                    s.blocks_free = p.blocks_available();
                 }
                 let _ = reply.send(s);
             }

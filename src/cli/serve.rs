@@ -44,6 +44,15 @@ pub struct ServeArgs {
     /// Draft tokens verified per step, 1..=7 (default 7); overrides every lane's setting.
     #[arg(long, env = "SHELFSERVE_NUM_SPECULATIVE_TOKENS")]
     pub num_speculative_tokens: Option<usize>,
+    /// Prefix-cache page size in tokens (a multiple of the block size; default 256 for llama).
+    #[arg(long, env = "SHELFSERVE_PAGE_TOKENS")]
+    pub page_tokens: Option<usize>,
+    /// Directory for evicted KV pages (spill tier).
+    #[arg(long, env = "SHELFSERVE_SPILL_DIR")]
+    pub spill_dir: Option<String>,
+    /// Bytes the spill directory may hold (0 turns spill off).
+    #[arg(long, env = "SHELFSERVE_SPILL_BUDGET")]
+    pub spill_budget: Option<u64>,
 }
 
 impl ServeArgs {
@@ -84,6 +93,15 @@ impl ServeArgs {
         }
         if let Some(v) = self.kv_pool_tokens {
             s.kv_pool_tokens = v;
+        }
+        if let Some(v) = self.page_tokens {
+            s.page_tokens = v;
+        }
+        if let Some(v) = &self.spill_dir {
+            s.spill_dir = Some(v.clone());
+        }
+        if let Some(v) = self.spill_budget {
+            s.spill_budget = v;
         }
         cfg.validate().map_err(CliError::Usage)?;
         Ok(cfg)

@@ -49,6 +49,16 @@ pub struct SchedulerConfig {
     pub block_size: usize,
     /// KV pool size in tokens (0 = derive from the model's context length).
     pub kv_pool_tokens: usize,
+    /// Prefix-cache page size in tokens, a multiple of `block_size` (0 = the model family's
+    /// default: 256 for llama-family models).
+    #[serde(default)]
+    pub page_tokens: usize,
+    /// Directory for evicted KV pages (none = spill off).
+    #[serde(default)]
+    pub spill_dir: Option<String>,
+    /// Bytes the spill directory may hold (0 = spill off).
+    #[serde(default)]
+    pub spill_budget: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -126,6 +136,12 @@ impl EngineConfig {
         let s = &self.scheduler;
         if s.max_num_seqs == 0 || s.max_num_batched_tokens == 0 || s.block_size == 0 {
             return Err("scheduler: max_num_seqs, max_num_batched_tokens and block_size must be positive".into());
+        }
+        if s.page_tokens % s.block_size != 0 {
+            return Err(format!(
+                "scheduler: page_tokens ({}) must be a multiple of block_size ({})",
+                s.page_tokens, s.block_size
+            ));
         }
         if s.max_num_batched_tokens < s.max_num_seqs {
             return Err(format!(

@@ -1,7 +1,21 @@
-//! The scheduling policy: waiting queues per priority, the running set, the per-step token budget,
-//! chunked prefill, draft tokens, and preemption when KV blocks run out. It owns the `BlockPool`
-//! and every sequence's `BlockTable`; the only way a sequence leaves is `remove_seq`, which gives
-//! its blocks back, so a finished, aborted or preempted sequence can never leak blocks.
+//! The scheduling planner: waiting queues per priority, the running set, the per-step token
+//! budget, chunked prefill, draft tokens, and preemption when KV blocks run out. It does not own
+//! the KV pool (`kv::KvPool`, behind the `KvPoolActor`): it plans against an exact *view* of the
+//! pool (available blocks, and per sequence the blocks only it references) and commits each
+//! step's pool work as one list of `PoolOp`s; the pool's reply (`PoolReply`) carries the block
+//! tables, where each admitted sequence really starts (its prefix hit) and the next view. So
+//! planning costs one request/reply round trip with the pool per step. `sched::Policy` composes a
+//! `Planner` with a `KvPool` synchronously (tests, benches); the `SchedulerActor` does the same
+//! through messages. The only way a sequence leaves is `remove_seq`, which releases it in the
+//! pool, so a finished, aborted or preempted sequence can never leak blocks.
+//!
+//! # Prefix hits
+//! An admission is planned as if nothing were cached (a chunk from position 0); the pool looks
+//! the prefix up when it applies the `Admit`, and the chunk then starts after the hit and is cut
+//! to the tokens left. Prefill chunks never cross a page boundary (`page_tokens`), so every page
+//! boundary is a chunk boundary and recurrent state can be snapshot at every page end. If the
+//! view turned out optimistic (sharing changed within the step) and the pool cannot grant a
+//! sequence its blocks, that sequence sits this step out and is planned again next step.
 //!
 //! # Sequence state
 //! A sequence's `tokens` are its prompt followed by everything generated so far; `num_computed`
@@ -10,8 +24,9 @@
 //! input), and *prefilling* when more are left. A step gives a sequence the tokens
 //! `num_computed..num_computed + n` at positions starting at `num_computed`; when that chunk reaches
 //! the end of the known tokens the executor samples (`wants_logits`). Preemption frees the blocks
-//! and resets `num_computed` to 0 but keeps the generated tokens, so a resumed sequence re-prefills
-//! prompt + generated and continues exactly where it stopped.
+//! and resets `num_computed` to 0 but keeps the generated tokens; its finished pages stay cached,
+//! so a resumed sequence starts after them (or re-prefills what was evicted) and continues exactly
+//! where it stopped.
 //!
 //! # One step, in order
 //! 1. Every running decoding sequence gets its one token (higher priority first, then admission
@@ -48,12 +63,12 @@
 //! must not overtake it. A sequence preempted in a step is not re-admitted in that same step.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::kv::{BlockPool, BlockTable};
+use crate::kv::{PoolOp, PoolReply};
 
-pub type SeqId = u64;
+pub use super::types::{NewSeq, PlannedSeq, PolicyConfig, PolicyError, SeqId, SeqView, StepPlanOut};
 
 /// Sequence ids are assigned by the engine, not chosen by clients, so a multiplicative hash is
 /// enough here and several times cheaper than SipHash on the per-step path (the step-planning
@@ -83,137 +98,6 @@ type IdMap<V> = HashMap<SeqId, V, BuildHasherDefault<IdHasher>>;
 /// victims come from the back of this order.
 type RunKey = (Reverse<i32>, u64);
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PolicyConfig {
-    /// Tokens one step may carry: decode tokens + prefill chunks + draft tokens.
-    pub max_num_batched_tokens: usize,
-    /// Sequences that may be running (admitted, holding blocks) at once.
-    pub max_num_seqs: usize,
-    /// Tokens per KV block.
-    pub block_size: usize,
-    /// KV blocks in the pool.
-    pub num_blocks: usize,
-}
-
-impl PolicyConfig {
-    pub fn validate(&self) -> Result<(), PolicyError> {
-        let invalid = |msg: String| Err(PolicyError::InvalidConfig(msg));
-        if self.block_size == 0 {
-            return invalid("block_size must be at least 1 token".into());
-        }
-        if self.num_blocks == 0 {
-            return invalid("num_blocks must be at least 1".into());
-        }
-        if self.max_num_seqs == 0 {
-            return invalid("max_num_seqs must be at least 1".into());
-        }
-        if self.max_num_batched_tokens < self.max_num_seqs {
-            return invalid(format!(
-                "max_num_batched_tokens ({}) must be at least max_num_seqs ({}): every running \
-                 sequence needs room for its decode token in every step",
-                self.max_num_batched_tokens, self.max_num_seqs
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// A request handed to the policy.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NewSeq {
-    pub id: SeqId,
-    /// Higher runs first and may preempt lower.
-    pub priority: i32,
-    pub prompt: Vec<u32>,
-    /// Generated tokens after which the policy ends the sequence itself (see `on_step_done`).
-    pub max_tokens: usize,
-}
-
-/// One sequence's share of a step: everything an executor needs besides weights and sampling.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PlannedSeq {
-    pub id: SeqId,
-    /// Query tokens this step, in position order. The last `num_draft` of them are draft tokens
-    /// to verify.
-    pub tokens: Vec<u32>,
-    /// Position of `tokens[0]`; KV for positions `0..start_pos` is already in the blocks.
-    pub start_pos: usize,
-    /// Blocks covering positions `0..start_pos + tokens.len()`, in position order.
-    pub block_table: Vec<u32>,
-    /// True when this chunk ends the known tokens, so tokens must be sampled: one from the
-    /// position before the drafts, plus one per draft position when drafts are present.
-    pub wants_logits: bool,
-    /// Trailing draft tokens in `tokens` (0 without speculative decoding).
-    pub num_draft: usize,
-}
-
-impl PlannedSeq {
-    /// A one-token step on a sequence whose tokens were all computed but the last (possibly with
-    /// drafts); a prefill chunk otherwise.
-    pub fn is_decode(&self) -> bool {
-        self.wants_logits && self.tokens.len() == self.num_draft + 1
-    }
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct StepPlanOut {
-    pub seqs: Vec<PlannedSeq>,
-    /// Sequences preempted while planning this step (now waiting again, recompute on resume):
-    /// the actor may notify or count them.
-    pub preempted: Vec<SeqId>,
-}
-
-impl StepPlanOut {
-    /// Query tokens in the step (what `max_num_batched_tokens` bounds).
-    pub fn num_tokens(&self) -> usize {
-        self.seqs.iter().map(|s| s.tokens.len()).sum()
-    }
-}
-
-/// A read-only view of one sequence, for callers' bookkeeping and tests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SeqView<'a> {
-    pub id: SeqId,
-    pub priority: i32,
-    pub tokens: &'a [u32],
-    pub prompt_len: usize,
-    pub max_tokens: usize,
-    pub num_computed: usize,
-    /// Admitted and holding blocks (otherwise waiting).
-    pub running: bool,
-    pub block_table: &'a [u32],
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PolicyError {
-    #[error("invalid scheduler configuration: {0}")]
-    InvalidConfig(String),
-    #[error("sequence id {0} is already queued or running")]
-    DuplicateId(SeqId),
-    #[error("sequence {0} has an empty prompt")]
-    EmptyPrompt(SeqId),
-    #[error("sequence {0} asks for max_tokens = 0; at least one token must be generated")]
-    ZeroMaxTokens(SeqId),
-    #[error(
-        "the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs {needed_tokens} \
-         tokens of KV cache, but the whole KV pool holds only {pool_tokens} tokens"
-    )]
-    NeverFits { prompt_tokens: usize, max_tokens: usize, needed_tokens: usize, pool_tokens: usize },
-}
-
-impl PolicyError {
-    /// Stable label for metrics and logs.
-    pub fn error_type(&self) -> &'static str {
-        match self {
-            PolicyError::InvalidConfig(_) => "invalid_config",
-            PolicyError::DuplicateId(_) => "duplicate_id",
-            PolicyError::EmptyPrompt(_) => "empty_prompt",
-            PolicyError::ZeroMaxTokens(_) => "zero_max_tokens",
-            PolicyError::NeverFits { .. } => "never_fits",
-        }
-    }
-}
-
 #[derive(Debug)]
 struct Seq {
     priority: i32,
@@ -221,7 +105,13 @@ struct Seq {
     prompt_len: usize,
     max_tokens: usize,
     num_computed: usize,
-    table: BlockTable,
+    /// Blocks its table holds (as of the last pool reply plus this step's plan).
+    held: usize,
+    /// Of those, the ones only it references: what preempting or ending it makes available.
+    exclusive: usize,
+    /// Blocks its cached prefix pinned when an admission was last refused for lack of room:
+    /// reserved on top of its chunk the next time it is admitted.
+    admit_extra: usize,
     /// Draft tokens for the next step only.
     draft: Vec<u32>,
     /// Admission number while running; `None` while waiting.
@@ -248,6 +138,8 @@ struct Planned {
     n_base: usize,
     wants_logits: bool,
     draft: Vec<u32>,
+    /// Admitted by this step (its chunk moves past the prefix hit when the pool replies).
+    admission: bool,
 }
 
 struct StepBuild {
@@ -256,9 +148,17 @@ struct StepBuild {
     preempted: Vec<SeqId>,
 }
 
-pub struct Policy {
+pub struct Planner {
     cfg: PolicyConfig,
-    pool: BlockPool,
+    /// Blocks free or evictable, per the last pool view minus what planning has taken since.
+    avail: usize,
+    /// Pool work not yet sent: registrations, progress, releases, preemptions.
+    pending: Vec<PoolOp>,
+    /// Blocks that `pending` releases give back (counted in `avail` already; re-added when a
+    /// reply's view, which predates them, replaces `avail`).
+    pending_credit: usize,
+    /// A planned step waiting for the pool's reply.
+    awaiting: Option<StepBuild>,
     seqs: IdMap<Seq>,
     /// Sequences given a draft since the last plan (so planning need not scan everyone).
     with_draft: Vec<SeqId>,
@@ -271,26 +171,27 @@ pub struct Policy {
     in_flight: Option<Vec<Planned>>,
 }
 
-impl std::fmt::Debug for Policy {
+impl std::fmt::Debug for Planner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Policy")
+        f.debug_struct("Planner")
             .field("cfg", &self.cfg)
             .field("waiting", &self.num_waiting())
             .field("running", &self.running.len())
-            .field("blocks_used", &self.pool.num_used())
+            .field("blocks_available", &self.avail)
             .field("in_flight", &self.in_flight.as_ref().map(Vec::len))
             .finish()
     }
 }
 
-impl Policy {
+impl Planner {
     pub fn new(cfg: PolicyConfig) -> Result<Self, PolicyError> {
         cfg.validate()?;
-        let pool =
-            BlockPool::new(cfg.num_blocks, cfg.block_size).map_err(|e| PolicyError::InvalidConfig(e.to_string()))?;
         Ok(Self {
+            avail: cfg.num_blocks,
+            pending: Vec::new(),
+            pending_credit: 0,
+            awaiting: None,
             cfg,
-            pool,
             seqs: IdMap::default(),
             with_draft: Vec::new(),
             waiting: BTreeMap::new(),
@@ -305,8 +206,37 @@ impl Policy {
         &self.cfg
     }
 
-    pub fn pool(&self) -> &BlockPool {
-        &self.pool
+    /// Blocks free or evictable as the planner sees them.
+    pub fn blocks_available(&self) -> usize {
+        self.avail
+    }
+
+    /// Pool work queued since the last commit (sent with the next step, or alone by a flush).
+    pub fn take_pending(&mut self) -> Vec<PoolOp> {
+        self.pending_credit = 0;
+        std::mem::take(&mut self.pending)
+    }
+
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// A planned step is waiting for the pool's reply.
+    pub fn is_awaiting_pool(&self) -> bool {
+        self.awaiting.is_some()
+    }
+
+    /// Takes a pool view that reflects every op sent so far (a flush reply).
+    pub fn apply_view(&mut self, reply: &PoolReply) {
+        self.avail = reply.view.available + self.pending_credit;
+        for s in self.seqs.values_mut() {
+            s.exclusive = 0;
+        }
+        for &(id, n) in &reply.view.exclusive {
+            if let Some(s) = self.seqs.get_mut(&id) {
+                s.exclusive = n;
+            }
+        }
     }
 
     /// Queues a sequence at the back of its priority's waiting queue. Refuses sequences that could
@@ -322,15 +252,16 @@ impl Policy {
             return Err(PolicyError::ZeroMaxTokens(seq.id));
         }
         let needed_tokens = seq.prompt.len().saturating_add(seq.max_tokens);
-        if self.pool.blocks_for(needed_tokens) > self.pool.num_blocks() {
+        if needed_tokens.div_ceil(self.cfg.block_size) > self.cfg.num_blocks {
             return Err(PolicyError::NeverFits {
                 prompt_tokens: seq.prompt.len(),
                 max_tokens: seq.max_tokens,
                 needed_tokens,
-                pool_tokens: self.pool.capacity_tokens(),
+                pool_tokens: self.cfg.num_blocks * self.cfg.block_size,
             });
         }
         let prompt_len = seq.prompt.len();
+        self.pending.push(PoolOp::Register { seq: seq.id, tokens: seq.prompt.clone() });
         self.seqs.insert(
             seq.id,
             Seq {
@@ -339,7 +270,9 @@ impl Policy {
                 prompt_len,
                 max_tokens: seq.max_tokens,
                 num_computed: 0,
-                table: BlockTable::new(self.cfg.block_size),
+                held: 0,
+                exclusive: 0,
+                admit_extra: 0,
                 draft: Vec::new(),
                 admitted: None,
                 preempted_at: None,
@@ -373,10 +306,12 @@ impl Policy {
         seq.draft.len()
     }
 
-    /// Plans the next step (see the module doc for the rules). `None` when there is nothing to do,
-    /// or while a planned step has not been reported with `on_step_done` / `on_step_failed`.
-    pub fn plan_step(&mut self) -> Option<StepPlanOut> {
-        if self.in_flight.is_some() {
+    /// Plans the next step (see the module doc for the rules) and returns the pool work to commit
+    /// for it, in order: everything pending, preemptions, then each planned sequence's admission
+    /// or growth. Hand the pool's reply to `finish_step`. `None` when there is nothing to do, or
+    /// while a planned step has not been finished or reported (`on_step_done` / `on_step_failed`).
+    pub fn plan_step(&mut self) -> Option<Vec<PoolOp>> {
+        if self.in_flight.is_some() || self.awaiting.is_some() {
             tracing::warn!("plan_step called while the previous step is still in flight");
             return None;
         }
@@ -439,27 +374,91 @@ impl Policy {
         if b.planned.is_empty() && b.preempted.is_empty() {
             return None;
         }
+        let mut ops = self.take_pending();
+        for p in &b.planned {
+            let new_tokens = p.n_base + p.draft.len();
+            ops.push(if p.admission {
+                PoolOp::Admit { seq: p.id, new_tokens }
+            } else {
+                PoolOp::Grow { seq: p.id, new_tokens }
+            });
+        }
+        self.awaiting = Some(b);
+        Some(ops)
+    }
+
+    /// Completes the step planned by `plan_step` with the pool's reply to its ops: moves admitted
+    /// chunks past their prefix hits, drops sequences the pool could not grant blocks (they run
+    /// next step), takes the new view, and returns the step to execute.
+    pub fn finish_step(&mut self, reply: PoolReply) -> StepPlanOut {
+        let Some(mut b) = self.awaiting.take() else {
+            tracing::warn!("finish_step without a planned step");
+            return StepPlanOut::default();
+        };
+        self.apply_view(&reply);
+        let grants: IdMap<&crate::kv::SeqGrant> = reply.grants.iter().map(|g| (g.seq, g)).collect();
         let bs = self.cfg.block_size;
         let mut out = Vec::with_capacity(b.planned.len());
-        for p in &b.planned {
+        let mut kept = Vec::with_capacity(b.planned.len());
+        let mut unadmit = Vec::new();
+        let mut prefix_hits = Vec::new();
+        for mut p in std::mem::take(&mut b.planned) {
             let Some(seq) = self.seqs.get_mut(&p.id) else { continue };
+            let Some(g) = grants.get(&p.id).filter(|g| g.ok) else {
+                tracing::debug!(seq = p.id, "the pool could not grant the planned blocks; retried next step");
+                if let Some(g) = grants.get(&p.id) {
+                    seq.held = g.blocks.len();
+                    // An admission refused after its prefix hit pinned the last available
+                    // blocks: next time it asks for room for those pinned blocks too, so the
+                    // planner preempts or waits instead of retrying in vain.
+                    if p.admission {
+                        seq.admit_extra = g.blocks.len();
+                    }
+                }
+                seq.draft.clear();
+                if p.admission {
+                    unadmit.push(p.id);
+                }
+                continue;
+            };
+            seq.held = g.blocks.len();
+            if p.admission {
+                // The chunk was planned from 0; the prefix hit moves it (never past the last token,
+                // never past the blocks granted).
+                seq.admit_extra = 0;
+                seq.num_computed = g.start;
+                p.start = g.start;
+                p.n_base = p.n_base.min(seq.tokens.len() - g.start).min(g.blocks.len() * bs - g.start);
+                p.wants_logits = p.start + p.n_base == seq.tokens.len();
+                prefix_hits.push((p.id, g.start));
+            }
             seq.in_flight = true;
             let mut tokens = Vec::with_capacity(p.n_base + p.draft.len());
             tokens.extend_from_slice(&seq.tokens[p.start..p.start + p.n_base]);
             tokens.extend_from_slice(&p.draft);
-            let nb = (p.start + tokens.len()).div_ceil(bs);
+            let nb = (p.start + tokens.len()).div_ceil(bs).min(g.blocks.len());
             out.push(PlannedSeq {
                 id: p.id,
                 tokens,
                 start_pos: p.start,
-                block_table: seq.table.blocks()[..nb].to_vec(),
+                block_table: g.blocks[..nb].to_vec(),
+                state_slot: g.slot,
                 wants_logits: p.wants_logits,
                 num_draft: p.draft.len(),
             });
+            kept.push(p);
         }
-        self.in_flight = Some(b.planned);
-        self.debug_check();
-        Some(StepPlanOut { seqs: out, preempted: b.preempted })
+        for id in unadmit {
+            self.unadmit(id);
+        }
+        for e in &reply.errors {
+            tracing::error!(error = %e, "the KV pool refused an operation");
+            if cfg!(debug_assertions) {
+                panic!("the KV pool refused an operation: {e}");
+            }
+        }
+        self.in_flight = Some(kept);
+        StepPlanOut { seqs: out, preempted: b.preempted, prefix_hits }
     }
 
     /// Records the results of the step in flight. `sampled` holds, for each sequence that wanted
@@ -484,6 +483,7 @@ impl Policy {
         for p in planned {
             let Some(seq) = self.seqs.get_mut(&p.id) else { continue };
             seq.in_flight = false;
+            let before = seq.tokens.len();
             if !p.wants_logits {
                 if samples.contains_key(&p.id) {
                     tracing::warn!(seq = p.id, "sampled tokens for a chunk that wanted no logits: ignored");
@@ -505,12 +505,15 @@ impl Policy {
             } else if !finished.contains(&p.id) {
                 tracing::warn!(seq = p.id, "no sampled token for a chunk that wanted logits; it will be recomputed");
             }
-            seq.table.set_num_filled(seq.num_computed);
+            self.pending.push(PoolOp::Advance {
+                seq: p.id,
+                new_tokens: seq.tokens[before..].to_vec(),
+                computed: seq.num_computed,
+            });
         }
         for &id in finished.iter().chain(&length_finished) {
             self.remove_seq(id);
         }
-        self.debug_check();
         length_finished
     }
 
@@ -540,14 +543,6 @@ impl Policy {
         self.running.len()
     }
 
-    pub fn blocks_used(&self) -> usize {
-        self.pool.num_used()
-    }
-
-    pub fn blocks_free(&self) -> usize {
-        self.pool.num_free()
-    }
-
     /// No sequence waiting or running.
     pub fn is_idle(&self) -> bool {
         self.seqs.is_empty()
@@ -562,30 +557,28 @@ impl Policy {
             max_tokens: s.max_tokens,
             num_computed: s.num_computed,
             running: s.admitted.is_some(),
-            block_table: s.table.blocks(),
+            held_blocks: s.held,
+            block_table: &[],
         })
     }
 
-    /// Panics unless every block is either free or held by exactly one sequence, waiting
-    /// sequences hold nothing, queues and the sequence map agree, and an idle policy holds no
-    /// blocks. O(blocks + sequences); for tests and debugging.
+    /// Panics unless waiting sequences hold nothing, running ones hold blocks for their computed
+    /// tokens, the queues and the sequence map agree, and the available count is within the pool.
+    /// O(sequences); for tests and debugging (`sched::Policy` adds the checks against the pool).
     pub fn assert_accounting(&self) {
-        self.pool.assert_accounting();
-        let mut held_blocks = HashSet::new();
+        let bs = self.cfg.block_size;
         for (id, s) in &self.seqs {
-            for &b in s.table.blocks() {
-                assert!(held_blocks.insert(b), "block {b} is held by two sequences (one is {id})");
-            }
             assert!(s.num_computed < s.tokens.len(), "seq {id}: every token computed, nothing to feed");
+            assert!(s.exclusive <= s.held, "seq {id}: more exclusive blocks than held");
             match s.admitted {
                 None => {
-                    assert_eq!(s.table.num_blocks(), 0, "waiting seq {id} holds blocks");
+                    assert_eq!(s.held, 0, "waiting seq {id} holds blocks");
                     assert_eq!(s.num_computed, 0, "waiting seq {id} has computed tokens");
                 }
-                Some(_) => assert!(s.table.capacity_tokens() >= s.num_computed, "seq {id}: KV beyond its blocks"),
+                Some(_) => assert!(s.held * bs >= s.num_computed, "seq {id}: KV beyond its blocks"),
             }
         }
-        assert_eq!(held_blocks.len(), self.pool.num_used(), "blocks held by sequences != blocks used in the pool");
+        assert!(self.avail <= self.cfg.num_blocks, "more blocks available than the pool has");
         assert!(self.running.len() <= self.cfg.max_num_seqs, "more running sequences than max_num_seqs");
         assert!(self.running.windows(2).all(|w| w[0] < w[1]), "running order is not sorted");
         for &((Reverse(p), adm), id) in &self.running {
@@ -600,23 +593,27 @@ impl Policy {
             }
         }
         assert_eq!(self.running.len() + self.num_waiting(), self.seqs.len(), "a sequence is lost or queued twice");
-        if self.is_idle() {
-            assert_eq!(self.pool.num_used(), 0, "idle policy holds blocks");
-        }
     }
 
-    /// Cheap per-step invariant for debug builds (the full check is `assert_accounting`).
-    fn debug_check(&self) {
-        if cfg!(debug_assertions) {
-            let held: usize = self.seqs.values().map(|s| s.table.num_blocks()).sum();
-            assert_eq!(held, self.pool.num_used(), "KV block accounting broke: held != used");
+    /// Gives a sequence's blocks back (in the view now, in the pool with the next commit).
+    fn let_go(&mut self, id: SeqId, op: PoolOp) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            self.avail += seq.exclusive;
+            self.pending_credit += seq.exclusive;
+            seq.held = 0;
+            seq.exclusive = 0;
         }
+        self.pending.push(op);
     }
 
-    /// The one exit of a sequence: drops it from its queue and the step in flight and frees its
-    /// blocks.
+    /// The one exit of a sequence: drops it from its queue and the step in flight and releases it
+    /// in the pool.
     fn remove_seq(&mut self, id: SeqId) -> bool {
-        let Some(mut seq) = self.seqs.remove(&id) else { return false };
+        if !self.seqs.contains_key(&id) {
+            return false;
+        }
+        self.let_go(id, PoolOp::Release { seq: id });
+        let Some(seq) = self.seqs.remove(&id) else { return false };
         match seq.admitted {
             Some(adm) => match self.running.binary_search(&((Reverse(seq.priority), adm), id)) {
                 Ok(i) => {
@@ -639,11 +636,21 @@ impl Policy {
                 }
             }
         }
-        seq.table.release(&mut self.pool);
         if let Some(planned) = &mut self.in_flight {
             planned.retain(|p| p.id != id);
         }
+        if let Some(b) = &mut self.awaiting {
+            b.planned.retain(|p| p.id != id);
+        }
         true
+    }
+
+    /// Tokens a prefill chunk starting at `start` may take before the next page boundary.
+    fn page_room(&self, start: usize) -> usize {
+        match self.cfg.page_tokens {
+            0 => usize::MAX,
+            p => p - start % p,
+        }
     }
 
     /// Plans up to `want` tokens of a running sequence, making room as the module doc describes.
@@ -661,6 +668,7 @@ impl Policy {
             n_base: n,
             wants_logits: start + n == seq.tokens.len(),
             draft: Vec::new(),
+            admission: false,
         });
         b.budget -= n;
     }
@@ -679,7 +687,7 @@ impl Policy {
             }
         }
         let Some(len) = self.seqs.get(&id).map(|s| s.tokens.len()) else { return false };
-        let n = self.make_room(id, key, len.min(b.budget), b);
+        let n = self.make_room(id, key, len.min(b.budget).min(self.page_room(0)), b);
         if n == 0 {
             return false;
         }
@@ -698,105 +706,130 @@ impl Policy {
         let entry = ((Reverse(prio), adm), id);
         let pos = self.running.partition_point(|e| *e < entry);
         self.running.insert(pos, entry);
-        b.planned.push(Planned { id, start: 0, n_base: n, wants_logits: n == len, draft: Vec::new() });
+        b.planned.push(Planned { id, start: 0, n_base: n, wants_logits: n == len, draft: Vec::new(), admission: true });
         b.budget -= n;
         tracing::trace!(seq = id, priority = prio, first_chunk = n, "admitted");
         true
     }
 
     /// Ensures blocks for up to `want` more tokens of `id` (from its `num_computed`), preempting
-    /// running sequences behind `key` as allowed. Returns the tokens that fit (blocks allocated),
-    /// 0 when not even one does (then nobody was preempted).
+    /// running sequences behind `key` as allowed. Returns the tokens that fit (blocks taken from
+    /// the view), 0 when not even one does (then nobody was preempted).
     fn make_room(&mut self, id: SeqId, key: RunKey, want: usize, b: &mut StepBuild) -> usize {
         let bs = self.cfg.block_size;
         let Some(seq) = self.seqs.get(&id) else { return 0 };
-        let (prio, start, held) = (seq.priority, seq.num_computed, seq.table.num_blocks());
-        let need_min = (start + 1).div_ceil(bs).saturating_sub(held);
-        let need_want = (start + want).div_ceil(bs).saturating_sub(held);
-        if self.pool.num_free() < need_min {
+        let (prio, start, held) = (seq.priority, seq.num_computed, seq.held);
+        let want = if seq.is_decode() { want } else { want.min(self.page_room(start)) };
+        let extra = if seq.admitted.is_none() { seq.admit_extra } else { 0 };
+        let need_min = (start + 1).div_ceil(bs).saturating_sub(held) + extra;
+        let need_want = (start + want).div_ceil(bs).saturating_sub(held) + extra;
+        if self.avail < need_min {
             // Preempt only if it will actually let this sequence run.
             let first_behind = self.running.partition_point(|(k, _)| *k <= key);
-            let reclaimable: usize = self.running[first_behind..]
-                .iter()
-                .map(|(_, v)| self.seqs.get(v).map_or(0, |s| s.table.num_blocks()))
-                .sum();
-            if self.pool.num_free() + reclaimable < need_min {
+            let reclaimable: usize =
+                self.running[first_behind..].iter().map(|(_, v)| self.seqs.get(v).map_or(0, |s| s.exclusive)).sum();
+            if self.avail + reclaimable < need_min {
                 return 0;
             }
         }
-        while self.pool.num_free() < need_want {
+        while self.avail < need_want {
             let Some(&(victim_key, victim)) = self.running.last() else { break };
             if victim_key <= key {
                 break;
             }
             let strictly_lower = victim_key.0 .0 < prio;
-            if !strictly_lower && self.pool.num_free() >= need_min {
+            if !strictly_lower && self.avail >= need_min {
                 break;
             }
             self.preempt(victim, b);
         }
-        let fit = ((held + self.pool.num_free()) * bs).saturating_sub(start);
+        let fit = ((held + self.avail.saturating_sub(extra)) * bs).saturating_sub(start);
         let n = want.min(fit);
         if n == 0 {
             return 0;
         }
-        let Some(seq) = self.seqs.get_mut(&id) else { return 0 };
-        if !seq.table.ensure_capacity(&mut self.pool, start + n) {
-            // `fit` counted only free blocks, so this is a bookkeeping bug.
-            tracing::error!(seq = id, "blocks counted as free could not be allocated");
-            if cfg!(debug_assertions) {
-                panic!("blocks counted as free could not be allocated for sequence {id}");
-            }
-            return 0;
+        self.take_blocks(id, start + n);
+        // The pinned prefix is charged to the view too (released again if it is preempted).
+        let extra = extra.min(self.avail);
+        self.avail -= extra;
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.held += extra;
+            seq.exclusive += extra;
         }
         n
     }
 
-    /// Sends a running sequence back to the front of its waiting queue, freeing its blocks and
-    /// taking it out of the step being planned.
-    fn preempt(&mut self, id: SeqId, b: &mut StepBuild) {
+    /// Counts blocks for `total_tokens` positions of `id` as taken from the view.
+    fn take_blocks(&mut self, id: SeqId, total_tokens: usize) {
+        let bs = self.cfg.block_size;
         let Some(seq) = self.seqs.get_mut(&id) else { return };
-        let Some(adm) = seq.admitted.take() else { return };
-        if let Ok(i) = self.running.binary_search(&((Reverse(seq.priority), adm), id)) {
-            self.running.remove(i);
+        let missing = total_tokens.div_ceil(bs).saturating_sub(seq.held);
+        debug_assert!(missing <= self.avail, "planned more blocks than the view has");
+        let missing = missing.min(self.avail);
+        self.avail -= missing;
+        seq.held += missing;
+        seq.exclusive += missing;
+    }
+
+    /// Sends a running sequence back to the front of its waiting queue, letting go of its blocks
+    /// (finished pages stay cached) and taking it out of the step being planned.
+    fn preempt(&mut self, id: SeqId, b: &mut StepBuild) {
+        if !self.unadmit(id) {
+            return;
         }
-        seq.table.release(&mut self.pool);
-        seq.num_computed = 0;
-        seq.draft.clear();
-        seq.preempted_at = Some(self.step);
-        let priority = seq.priority;
-        self.waiting.entry(Reverse(priority)).or_default().push_front(id);
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.preempted_at = Some(self.step);
+        }
         if let Some(i) = b.planned.iter().position(|p| p.id == id) {
             let p = b.planned.remove(i);
             b.budget += p.n_base + p.draft.len();
         }
         b.preempted.push(id);
-        tracing::debug!(seq = id, priority, "preempted; will recompute on resume");
+        tracing::debug!(seq = id, "preempted; resumes after its cached pages");
     }
 
-    /// Step 3: attach drafts to planned decodes from leftover budget and free blocks, then drop
-    /// every unused draft (drafts are for one step).
+    /// Running → front of its waiting queue, blocks let go. False if it was not running.
+    fn unadmit(&mut self, id: SeqId) -> bool {
+        let Some(seq) = self.seqs.get_mut(&id) else { return false };
+        let Some(adm) = seq.admitted.take() else { return false };
+        let priority = seq.priority;
+        if let Ok(i) = self.running.binary_search(&((Reverse(priority), adm), id)) {
+            self.running.remove(i);
+        }
+        seq.num_computed = 0;
+        seq.draft.clear();
+        self.let_go(id, PoolOp::Reset { seq: id });
+        self.waiting.entry(Reverse(priority)).or_default().push_front(id);
+        true
+    }
+
+    /// Step 3: attach drafts to planned decodes from leftover budget and available blocks, then
+    /// drop every unused draft (drafts are for one step).
     fn plan_drafts(&mut self, b: &mut StepBuild) {
         if self.with_draft.is_empty() {
             return;
         }
         let bs = self.cfg.block_size;
-        for p in &mut b.planned {
+        for i in 0..b.planned.len() {
             if b.budget == 0 {
                 break;
             }
-            let Some(seq) = self.seqs.get_mut(&p.id) else { continue };
+            let p = &b.planned[i];
+            let (id, start) = (p.id, p.start);
+            let Some(seq) = self.seqs.get(&id) else { continue };
             if seq.draft.is_empty() || !p.wants_logits || !seq.is_decode() {
                 continue;
             }
-            let fit = ((seq.table.num_blocks() + self.pool.num_free()) * bs).saturating_sub(p.start + 1);
+            let fit = ((seq.held + self.avail) * bs).saturating_sub(start + 1);
             let d = seq.draft.len().min(b.budget).min(fit);
-            if d == 0 || !seq.table.ensure_capacity(&mut self.pool, p.start + 1 + d) {
+            if d == 0 {
                 continue;
             }
+            self.take_blocks(id, start + 1 + d);
+            let Some(seq) = self.seqs.get_mut(&id) else { continue };
             let mut draft = std::mem::take(&mut seq.draft);
             draft.truncate(d);
-            p.draft = draft;
+            b.planned[i].draft = draft;
             b.budget -= d;
         }
         for id in self.with_draft.drain(..) {
@@ -806,16 +839,3 @@ impl Policy {
         }
     }
 }
-
-impl Drop for Policy {
-    fn drop(&mut self) {
-        // Hand every table back so their leak checks stay quiet on an orderly shutdown.
-        for seq in self.seqs.values_mut() {
-            seq.table.release(&mut self.pool);
-        }
-    }
-}
-
-#[cfg(test)]
-#[path = "policy_tests.rs"]
-mod tests;

@@ -8,9 +8,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::*;
+use crate::sched::policy::{NewSeq, PlannedSeq, PolicyConfig, PolicyError, SeqId, StepPlanOut};
 
 fn cfg(budget: usize, max_seqs: usize, block_size: usize, num_blocks: usize) -> PolicyConfig {
-    PolicyConfig { max_num_batched_tokens: budget, max_num_seqs: max_seqs, block_size, num_blocks }
+    PolicyConfig { max_num_batched_tokens: budget, max_num_seqs: max_seqs, block_size, num_blocks, page_tokens: 0 }
 }
 
 fn policy(budget: usize, max_seqs: usize, block_size: usize, num_blocks: usize) -> Policy {
@@ -200,7 +201,8 @@ fn a_chunk_whose_sample_is_missing_is_computed_again() {
     let first = p.plan_step().expect("prefill");
     assert!(p.on_step_done(&[], &[]).is_empty());
     let again = p.plan_step().expect("same chunk again");
-    assert_eq!(first, again);
+    assert_eq!(first.seqs, again.seqs);
+    assert_eq!(first.prefix_hits, vec![(1, 0)], "the admission is reported once");
     complete(&mut p, &again);
     assert_eq!(p.seq(1).map(|v| v.tokens.len()), Some(6));
 }
@@ -216,7 +218,7 @@ fn planning_waits_for_the_step_in_flight_and_a_failed_step_is_replanned() {
     failed.sort_unstable();
     assert_eq!(failed, vec![1, 2]);
     let again = p.plan_step().expect("replanned");
-    assert_eq!(first, again, "nothing of the failed step counts");
+    assert_eq!(first.seqs, again.seqs, "nothing of the failed step counts");
     complete(&mut p, &again);
     p.assert_accounting();
 }
@@ -694,9 +696,22 @@ fn drafts_never_preempt() {
 /// A fake executor with a real KV layout: each block slot records which sequence wrote which token
 /// at which position, so a block table that points at someone else's data or at unwritten slots
 /// fails the read check.
+/// As in a real model, the KV at a position depends on every token up to it: a slot records the
+/// position and a hash of the tokens `0..=pos`, so reading a prefix page that some other
+/// sequence wrote is fine exactly when the tokens agree.
 struct FakeKv {
     block_size: usize,
-    slots: Vec<Option<(SeqId, usize, u32)>>,
+    slots: Vec<Option<(usize, u64)>>,
+}
+
+fn prefix_hashes(full: &[u32]) -> Vec<u64> {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    full.iter()
+        .map(|&t| {
+            h = (h ^ u64::from(t)).wrapping_mul(0x0100_0000_01b3);
+            h
+        })
+        .collect()
 }
 
 impl FakeKv {
@@ -704,12 +719,15 @@ impl FakeKv {
         let bs = self.block_size;
         let slot = |pos: usize| s.block_table[pos / bs] as usize * bs + pos % bs;
         assert!(s.block_table.len() * bs >= s.start_pos + s.tokens.len(), "blocks too short");
-        for (pos, &tok) in full.iter().enumerate().take(s.start_pos) {
-            assert_eq!(self.slots[slot(pos)], Some((s.id, pos, tok)), "seq {} reads bad KV at {pos}", s.id);
+        let mut with_query = full[..s.start_pos].to_vec();
+        with_query.extend_from_slice(&s.tokens);
+        let hashes = prefix_hashes(&with_query);
+        for (pos, h) in hashes.iter().enumerate().take(s.start_pos) {
+            assert_eq!(self.slots[slot(pos)], Some((pos, *h)), "seq {} reads bad KV at {pos}", s.id);
         }
-        for (i, &tok) in s.tokens.iter().enumerate() {
-            let at = slot(s.start_pos + i);
-            self.slots[at] = Some((s.id, s.start_pos + i, tok));
+        for i in 0..s.tokens.len() {
+            let pos = s.start_pos + i;
+            self.slots[slot(pos)] = Some((pos, hashes[pos]));
         }
     }
 }
@@ -725,14 +743,20 @@ fn check_plan(p: &Policy, plan: &StepPlanOut, clients: &BTreeMap<SeqId, Client>)
     assert!(plan.num_tokens() <= c.max_num_batched_tokens);
     assert!(plan.seqs.len() <= c.max_num_seqs);
     let mut seen = HashSet::new();
-    let mut blocks = HashSet::new();
+    let mut written = HashSet::new();
     for s in &plan.seqs {
         assert!(seen.insert(s.id), "seq {} planned twice", s.id);
         assert!(!plan.preempted.contains(&s.id));
         assert!(!s.tokens.is_empty() && s.num_draft < s.tokens.len());
         assert_eq!(s.block_table.len(), (s.start_pos + s.tokens.len()).div_ceil(c.block_size));
-        for &b in &s.block_table {
-            assert!(blocks.insert(b), "block {b} shared within a step");
+        // Blocks a step writes are never written by another sequence in the same step (only
+        // cached prefix pages, which are read, may be shared).
+        for &b in &s.block_table[s.start_pos / c.block_size..] {
+            assert!(written.insert(b), "block {b} written by two sequences in one step");
+        }
+        if c.page_tokens > 0 && s.tokens.len() > 1 && s.num_draft == 0 {
+            let room = c.page_tokens - s.start_pos % c.page_tokens;
+            assert!(s.tokens.len() <= room, "a prefill chunk crosses a page boundary");
         }
         let client = &clients[&s.id];
         let full = [client.prompt.as_slice(), client.emitted.as_slice()].concat();
@@ -743,10 +767,10 @@ fn check_plan(p: &Policy, plan: &StepPlanOut, clients: &BTreeMap<SeqId, Client>)
     }
 }
 
-fn random_run(seed: u64) {
+fn random_run(seed: u64, page_tokens: usize) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let (bs, nb) = (4, 40);
-    let mut p = Policy::new(cfg(48, 6, bs, nb)).expect("config");
+    let mut p = Policy::new(PolicyConfig { page_tokens, ..cfg(48, 6, bs, nb) }).expect("config");
     let mut kv = FakeKv { block_size: bs, slots: vec![None; bs * nb] };
     let mut clients: BTreeMap<SeqId, Client> = BTreeMap::new();
     let mut next_id: SeqId = 0;
@@ -801,12 +825,20 @@ fn random_run(seed: u64) {
             let id = next_id;
             let priority = [0, 0, 5, 10][rng.random_range(0..4)];
             let (plen, max_tokens) = (rng.random_range(1..80), rng.random_range(1..40));
-            let res = p.add(seq(id, priority, plen, max_tokens));
+            // Half the prompts start with one of a few shared stems, so prefix hits happen.
+            let mut prompt = prompt(id, plen);
+            if rng.random_bool(0.5) {
+                let stem = 1_000 + rng.random_range(0..3);
+                for (pos, t) in prompt.iter_mut().enumerate().take(rng.random_range(0..plen + 1)) {
+                    *t = truth(stem, pos);
+                }
+            }
+            let res = p.add(NewSeq { id, priority, prompt: prompt.clone(), max_tokens });
             if (plen + max_tokens).div_ceil(bs) > nb {
                 assert!(matches!(res, Err(PolicyError::NeverFits { .. })));
             } else {
                 res.expect("fits");
-                clients.insert(id, Client { prompt: prompt(id, plen), emitted: Vec::new(), max_tokens });
+                clients.insert(id, Client { prompt, emitted: Vec::new(), max_tokens });
             }
         } else if r < 0.35 {
             let id = if clients.is_empty() || rng.random_bool(0.2) {
@@ -845,6 +877,11 @@ fn random_run(seed: u64) {
     }
     assert!(clients.is_empty());
     assert_eq!((p.blocks_used(), p.blocks_free()), (0, nb));
+    let hits = p.pool().counters().hit_tokens;
+    if page_tokens > 0 {
+        eprintln!("seed {seed}: {hits} tokens served from the prefix cache");
+        assert!(hits > 100, "only {hits} cached tokens served");
+    }
     // The run must have exercised the interesting paths.
     eprintln!("seed {seed}: {preemptions} preemptions, {accepted_drafts} accepted draft tokens");
     assert!(preemptions > 10, "only {preemptions} preemptions");
@@ -854,6 +891,16 @@ fn random_run(seed: u64) {
 #[test]
 fn randomized_operations_keep_accounting_and_streams_exact() {
     for seed in 0..6 {
-        random_run(seed);
+        random_run(seed, 0);
     }
 }
+
+#[test]
+fn randomized_operations_with_the_prefix_cache_keep_accounting_and_streams_exact() {
+    for seed in 0..6 {
+        random_run(seed, 8);
+    }
+}
+
+#[path = "prefix_tests.rs"]
+mod prefix;

@@ -1,0 +1,170 @@
+//! `KvPoolActor`: owns the `kv::KvPool` (free list, refcounts, block tables, prefix index, LRU,
+//! recurrent-state slots). The scheduler commits each planned step's pool work in one `Commit`
+//! and gets the block tables and the next view back in one `Committed` message: one round trip
+//! per step. Prefix-cache metrics are published here, where the lookups happen. No policy: the
+//! scheduler decides who runs; this actor only says which blocks back them.
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+
+use super::executor::ExecutorMsg;
+use super::scheduler::SchedulerMsg;
+use crate::kv::{apply_ops, view, KvPool, MissReason, PageHash, PoolCounters, PoolOp, PoolReply};
+use crate::spill::SpillMsg;
+
+pub enum KvPoolMsg {
+    /// Apply `ops` in order and answer the scheduler with `SchedulerMsg::PoolCommitted`.
+    /// `for_step` is echoed: true when the ops end with a planned step's admissions and growth.
+    Commit { ops: Vec<PoolOp>, for_step: bool },
+    /// Counters and occupancy (tests, diagnostics).
+    Stats(RpcReplyPort<PoolStats>),
+    /// The spill tier wrote this page: later lookups may restore it.
+    Spilled { hash: PageHash, parent: Option<PageHash> },
+    /// The spill tier dropped this page (budget).
+    SpillDropped(PageHash),
+    /// The spill tier turned off (disk full or unwritable): nothing on disk is restorable.
+    SpillOff,
+    /// A restore ended; on success the executor has the image queued before any later step.
+    Restored { hash: PageHash, ok: bool },
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    pub num_blocks: usize,
+    pub free_blocks: usize,
+    /// Blocks of cached pages nobody references.
+    pub evictable_blocks: usize,
+    pub referenced_blocks: usize,
+    pub cached_pages: usize,
+    pub sequences: usize,
+    pub counters: PoolCounters,
+    /// Pages the spill tier holds.
+    pub spilled_pages: usize,
+}
+
+pub struct KvPoolArgs {
+    pub pool: KvPool,
+    pub scheduler: ActorRef<SchedulerMsg>,
+    pub executor: ActorRef<ExecutorMsg>,
+    /// The spill tier, when on.
+    pub spill: Option<ActorRef<SpillMsg>>,
+}
+
+pub struct KvPoolState {
+    pool: KvPool,
+    scheduler: ActorRef<SchedulerMsg>,
+    executor: ActorRef<ExecutorMsg>,
+    spill: Option<ActorRef<SpillMsg>>,
+    /// Counters already published to `/metrics`.
+    published: PoolCounters,
+}
+
+pub struct KvPoolActor;
+
+/// Messages a pool reply is sent back in (so the scheduler never waits inside a handler).
+pub fn committed(reply: PoolReply, for_step: bool) -> SchedulerMsg {
+    SchedulerMsg::PoolCommitted { reply, for_step }
+}
+
+impl KvPoolState {
+    fn stats(&self) -> PoolStats {
+        PoolStats {
+            num_blocks: self.pool.num_blocks(),
+            free_blocks: self.pool.num_free(),
+            evictable_blocks: self.pool.num_evictable(),
+            referenced_blocks: self.pool.num_referenced(),
+            cached_pages: self.pool.num_cached_pages(),
+            sequences: self.pool.seq_ids().count(),
+            counters: self.pool.counters().clone(),
+            spilled_pages: self.pool.num_spilled(),
+        }
+    }
+
+    /// Publishes what changed since the last call.
+    fn publish_metrics(&mut self) {
+        let now = self.pool.counters().clone();
+        let before = &self.published;
+        metrics::counter!("shelfserve_prefix_cache_queries_total").increment(now.queries - before.queries);
+        metrics::counter!("shelfserve_prefix_cache_hit_tokens_total").increment(now.hit_tokens - before.hit_tokens);
+        for reason in MissReason::ALL {
+            let n = now.misses.get(&reason).copied().unwrap_or(0);
+            let was = before.misses.get(&reason).copied().unwrap_or(0);
+            if n > was {
+                metrics::counter!("shelfserve_prefix_cache_miss_total", "reason" => reason.label()).increment(n - was);
+            }
+        }
+        metrics::counter!("shelfserve_kv_pages_evicted_total").increment(now.evictions - before.evictions);
+        metrics::gauge!("shelfserve_kv_pages_used").set(self.pool.num_referenced() as f64);
+        metrics::gauge!("shelfserve_kv_pages_free").set(self.pool.num_free() as f64);
+        metrics::gauge!("shelfserve_kv_pages_cached").set(self.pool.num_evictable() as f64);
+        self.published = now;
+    }
+}
+
+impl Actor for KvPoolActor {
+    type Msg = KvPoolMsg;
+    type State = KvPoolState;
+    type Arguments = KvPoolArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<KvPoolMsg>,
+        args: KvPoolArgs,
+    ) -> Result<KvPoolState, ActorProcessingErr> {
+        Ok(KvPoolState {
+            pool: args.pool,
+            scheduler: args.scheduler,
+            executor: args.executor,
+            spill: args.spill,
+            published: PoolCounters::default(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<KvPoolMsg>,
+        msg: KvPoolMsg,
+        st: &mut KvPoolState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            KvPoolMsg::Commit { ops, for_step } => {
+                let mut reply = apply_ops(&mut st.pool, ops);
+                let evicted = st.pool.take_evicted();
+                if let Some(spill) = &st.spill {
+                    // Queued at the executor before the scheduler hears back, hence before any
+                    // step that could write the evicted blocks.
+                    if !evicted.is_empty() {
+                        let pages = evicted.into_iter().map(|e| (e.hash, e.parent, e.blocks)).collect();
+                        st.executor.cast(ExecutorMsg::ReadPages { pages, spill: spill.clone() })?;
+                    }
+                    for r in std::mem::take(&mut reply.restores) {
+                        if spill.cast(SpillMsg::Load { hash: r.hash, blocks: r.blocks }).is_err() {
+                            st.pool.finish_restore(r.hash, false);
+                        }
+                    }
+                } else {
+                    for r in std::mem::take(&mut reply.restores) {
+                        st.pool.finish_restore(r.hash, false);
+                    }
+                }
+                st.publish_metrics();
+                st.scheduler.cast(committed(reply, for_step))?;
+            }
+            KvPoolMsg::Stats(reply) => {
+                st.pool.reclaim();
+                let _ = reply.send(st.stats());
+            }
+            KvPoolMsg::Spilled { hash, parent } => st.pool.note_spilled(hash, parent),
+            KvPoolMsg::SpillDropped(hash) => st.pool.forget_spilled(&hash),
+            KvPoolMsg::SpillOff => {
+                st.spill = None;
+                st.pool.forget_all_spilled();
+            }
+            KvPoolMsg::Restored { hash, ok } => {
+                st.pool.finish_restore(hash, ok);
+                st.publish_metrics();
+                st.scheduler.cast(SchedulerMsg::PoolViewChanged(view(&st.pool)))?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,110 @@
+//! Page identity and lookup outcomes: what names a cached page (a hash chain over token ids,
+//! salted with the model fingerprint, KV layout and rank) and why a lookup missed. Plain data,
+//! shared by the pool, the spill tier and metrics.
+
+use sha2::{Digest, Sha256};
+
+/// Identity of a page: the first 16 bytes of a SHA-256 over the parent page's identity, the page's
+/// token ids and the pool salt (model fingerprint, KV layout, rank). Stable across restarts, so the
+/// spill index can key files by it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PageHash(pub [u8; 16]);
+
+impl PageHash {
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// What makes a cached page valid for a lookup besides its tokens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolIdentity {
+    /// Identifies the weights (e.g. a hash of the model file); pages never cross models.
+    pub model_fingerprint: String,
+    /// KV dtype and memory layout as the backend writes them (e.g. `f32/blocks16`).
+    pub kv_layout: String,
+    /// Tensor-parallel rank whose shard of the KV the blocks hold.
+    pub rank: u32,
+}
+
+/// Computes page identities for one pool identity.
+#[derive(Clone, Debug)]
+pub struct PageHasher {
+    salt: [u8; 32],
+}
+
+impl PageHasher {
+    pub fn new(id: &PoolIdentity) -> Self {
+        let mut h = Sha256::new();
+        for part in [id.model_fingerprint.as_bytes(), id.kv_layout.as_bytes()] {
+            h.update((part.len() as u64).to_le_bytes());
+            h.update(part);
+        }
+        h.update(id.rank.to_le_bytes());
+        Self { salt: h.finalize().into() }
+    }
+
+    /// Identity of the page holding `tokens` whose predecessor is `parent` (`None` for the first).
+    pub fn page(&self, parent: Option<PageHash>, tokens: &[u32]) -> PageHash {
+        let mut h = Sha256::new();
+        h.update(self.salt);
+        h.update(parent.map_or([0xff; 16], |p| p.0));
+        for t in tokens {
+            h.update(t.to_le_bytes());
+        }
+        let digest = h.finalize();
+        let mut out = [0u8; 16];
+        out.copy_from_slice(&digest[..16]);
+        PageHash(out)
+    }
+
+    /// Identities of every whole page of `tokens`, in order.
+    pub fn chain(&self, tokens: &[u32], page_tokens: usize) -> Vec<PageHash> {
+        let mut parent = None;
+        tokens
+            .chunks_exact(page_tokens)
+            .map(|page| {
+                let h = self.page(parent, page);
+                parent = Some(h);
+                h
+            })
+            .collect()
+    }
+}
+
+/// Why a lookup did not serve every token it could have.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MissReason {
+    /// The first missing page was never cached (or was forgotten long ago).
+    NoEntry,
+    /// The first missing page was cached but evicted from memory (and not restorable from disk).
+    Evicted,
+    /// The first missing page was spilled, but its file failed the CRC, was short or was gone.
+    SpilledCorrupt,
+    /// Every whole page was served; what is left is shorter than a page.
+    TailShorterThanPage,
+}
+
+impl MissReason {
+    pub const ALL: [MissReason; 4] =
+        [MissReason::NoEntry, MissReason::Evicted, MissReason::SpilledCorrupt, MissReason::TailShorterThanPage];
+
+    /// Stable label for metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            MissReason::NoEntry => "no_entry",
+            MissReason::Evicted => "evicted",
+            MissReason::SpilledCorrupt => "spilled_corrupt",
+            MissReason::TailShorterThanPage => "tail_shorter_than_page",
+        }
+    }
+}
+
+/// Result of a prefix lookup.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrefixHit {
+    /// Pages served (a multiple of `page_tokens` tokens).
+    pub pages: usize,
+    pub hit_tokens: usize,
+    pub miss: Option<MissReason>,
+}

@@ -1,0 +1,144 @@
+//! `Policy`: a `Planner` and a `KvPool` composed synchronously — exactly what the SchedulerActor
+//! and the KvPoolActor do through messages, minus the messages. Tests and benches drive it; every
+//! step goes through the same `PoolOp` list and `kv::apply_ops` as in the engine.
+
+use super::policy::{NewSeq, Planner, PolicyConfig, PolicyError, SeqId, SeqView, StepPlanOut};
+use crate::kv::{apply_ops, KvPool, KvPoolConfig, PoolIdentity};
+
+pub struct Policy {
+    planner: Planner,
+    pool: KvPool,
+}
+
+impl std::fmt::Debug for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Policy").field("planner", &self.planner).field("pool", &self.pool).finish()
+    }
+}
+
+impl Policy {
+    pub fn new(cfg: PolicyConfig) -> Result<Self, PolicyError> {
+        let identity = PoolIdentity { model_fingerprint: "policy".into(), kv_layout: "plain".into(), rank: 0 };
+        Self::with_identity(cfg, &identity)
+    }
+
+    pub fn with_identity(cfg: PolicyConfig, identity: &PoolIdentity) -> Result<Self, PolicyError> {
+        let planner = Planner::new(cfg.clone())?;
+        let pool_cfg = KvPoolConfig {
+            num_blocks: cfg.num_blocks,
+            block_size: cfg.block_size,
+            page_tokens: cfg.page_tokens,
+            state_slots: cfg.max_num_seqs,
+        };
+        let pool = KvPool::new(pool_cfg, identity).map_err(|e| PolicyError::InvalidConfig(e.to_string()))?;
+        Ok(Self { planner, pool })
+    }
+
+    pub fn config(&self) -> &PolicyConfig {
+        self.planner.config()
+    }
+
+    pub fn planner(&self) -> &Planner {
+        &self.planner
+    }
+
+    pub fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+
+    pub fn add(&mut self, seq: NewSeq) -> Result<(), PolicyError> {
+        self.planner.add(seq)?;
+        self.flush();
+        Ok(())
+    }
+
+    pub fn abort(&mut self, id: SeqId) -> bool {
+        let known = self.planner.abort(id);
+        self.flush();
+        known
+    }
+
+    pub fn set_draft(&mut self, id: SeqId, draft: Vec<u32>) -> usize {
+        self.planner.set_draft(id, draft)
+    }
+
+    /// Plans a step, commits its pool work and returns the step with block tables.
+    pub fn plan_step(&mut self) -> Option<StepPlanOut> {
+        let ops = self.planner.plan_step()?;
+        let reply = apply_ops(&mut self.pool, ops);
+        let out = self.planner.finish_step(reply);
+        // Sequences the pool could not admit were sent back to waiting: tell the pool now.
+        self.flush();
+        Some(out)
+    }
+
+    pub fn on_step_done(&mut self, sampled: &[(SeqId, Vec<u32>)], finished: &[SeqId]) -> Vec<SeqId> {
+        let ended = self.planner.on_step_done(sampled, finished);
+        self.flush();
+        ended
+    }
+
+    pub fn on_step_failed(&mut self) -> Vec<SeqId> {
+        self.planner.on_step_failed()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.planner.num_waiting()
+    }
+
+    pub fn num_waiting_for(&self, priority: i32) -> usize {
+        self.planner.num_waiting_for(priority)
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.planner.num_running()
+    }
+
+    /// Blocks some sequence references.
+    pub fn blocks_used(&self) -> usize {
+        self.pool.num_referenced()
+    }
+
+    /// Blocks free or holding unreferenced cached pages.
+    pub fn blocks_free(&self) -> usize {
+        self.pool.num_available()
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.planner.is_idle()
+    }
+
+    pub fn seq(&self, id: SeqId) -> Option<SeqView<'_>> {
+        self.planner.seq(id).map(|v| SeqView { block_table: self.pool.blocks_of(id), ..v })
+    }
+
+    /// The planner's checks, the pool's exact accounting, and that both agree: every sequence's
+    /// blocks and computed tokens, and the available count.
+    pub fn assert_accounting(&mut self) {
+        self.planner.assert_accounting();
+        self.pool.assert_accounting(&[]);
+        assert!(!self.planner.has_pending(), "pool work left unsent");
+        assert_eq!(self.planner.blocks_available(), self.pool.num_available(), "planner view != pool");
+        for id in self.pool.seq_ids().collect::<Vec<_>>() {
+            let v = self.planner.seq(id).expect("the pool holds only live sequences");
+            assert_eq!(v.held_blocks, self.pool.blocks_of(id).len(), "seq {id}: held blocks differ");
+            assert_eq!(v.num_computed, self.pool.computed_of(id), "seq {id}: computed tokens differ");
+        }
+        if self.planner.is_idle() {
+            assert_eq!(self.pool.num_referenced(), 0, "an idle policy references blocks");
+        }
+    }
+
+    /// Sends queued pool work now and takes the resulting view.
+    fn flush(&mut self) {
+        if self.planner.has_pending() {
+            let ops = self.planner.take_pending();
+            let reply = apply_ops(&mut self.pool, ops);
+            self.planner.apply_view(&reply);
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "policy_tests.rs"]
+mod tests;

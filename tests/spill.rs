@@ -1,0 +1,200 @@
+//! The spill tier in the real engine (default model, CPU backend): pages evicted from a small KV
+//! pool go to disk and come back on a later prefix hit; the index survives an engine restart;
+//! flipped bytes, truncated and deleted files are detected, counted and recomputed; an unusable
+//! spill directory leaves serving untouched. Every reply is compared, token for token, with the
+//! reply of a fresh engine that has nothing cached (exactness rule 2).
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use shelfserve::actors::kvpool::PoolStats;
+use shelfserve::actors::{start_engine, Engine, EngineOptions, GenerationRequest, InferenceEngine, StreamEvent, Usage};
+use shelfserve::config::engine::EngineConfig;
+use shelfserve::kv::MissReason;
+use shelfserve::model::default_model::CacheDir;
+use shelfserve::sampling::SamplingParams;
+
+const PAGE: usize = 32;
+
+async fn engine(spill_dir: Option<&Path>) -> Option<Arc<Engine>> {
+    let path = common::default_gguf()?;
+    let bundle = shelfserve::model::open(path.to_str().expect("utf-8 path"), &CacheDir::from_env()).expect("open");
+    let mut cfg = EngineConfig::builtin();
+    cfg.scheduler.page_tokens = PAGE;
+    // 32 blocks of 16: one long conversation and one more prompt evict the oldest pages.
+    cfg.scheduler.kv_pool_tokens = 512;
+    cfg.scheduler.spill_dir = spill_dir.map(|p| p.display().to_string());
+    cfg.scheduler.spill_budget = if spill_dir.is_some() { 1 << 30 } else { 0 };
+    let e = start_engine(bundle, cfg, EngineOptions { device: Default::default(), served_model_name: "t".into() })
+        .await
+        .expect("start");
+    let t0 = std::time::Instant::now();
+    while !e.is_ready() {
+        assert!(t0.elapsed() < Duration::from_secs(120), "model load timed out");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Some(e)
+}
+
+async fn run(e: &Engine, prompt: Vec<u32>, max_tokens: usize) -> (Vec<u32>, Usage) {
+    let req = GenerationRequest {
+        lane: "voice".into(),
+        prompt,
+        sampling: SamplingParams::default(),
+        max_tokens,
+        stop_strings: Vec::new(),
+        stop_token_ids: Vec::new(),
+        ignore_eos: true,
+        skip_special_tokens: true,
+    };
+    let mut rx = e.submit(req).expect("submit");
+    let mut ids = Vec::new();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(120), rx.recv()).await.expect("no event in 120 s") {
+            Some(StreamEvent::Delta { tokens, .. }) => ids.extend(tokens.iter().map(|t| t.id)),
+            Some(StreamEvent::Finished { usage, .. }) => return (ids, usage),
+            Some(StreamEvent::Error(err)) => panic!("request failed: {err}"),
+            None => panic!("stream ended without Finished"),
+        }
+    }
+}
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| 300 + (seed * 7919 + i * 104_729) % 40_000).collect()
+}
+
+async fn stats(e: &Engine) -> PoolStats {
+    e.pool_stats().await.expect("pool stats")
+}
+
+/// Waits until the spill tier holds at least `pages` pages.
+async fn wait_spilled(e: &Engine, pages: usize) -> PoolStats {
+    for _ in 0..500 {
+        let s = stats(e).await;
+        if s.spilled_pages >= pages {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("nothing was spilled: {:?}", stats(e).await);
+}
+
+fn spill_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for model in std::fs::read_dir(dir).expect("spill dir") {
+        for f in std::fs::read_dir(model.expect("entry").path()).expect("model dir") {
+            let p = f.expect("entry").path();
+            if p.extension().is_some_and(|x| x == "kvpage") {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+struct Conversation {
+    first: Vec<u32>,
+    follow_up: Vec<u32>,
+}
+
+/// Turn one, then two other prompts that push turn one's pages out of the 512-token pool.
+async fn first_turn_then_evict(e: &Engine, conv: &mut Conversation) {
+    let (reply, _) = run(e, conv.first.clone(), 8).await;
+    conv.follow_up = [conv.first.clone(), reply, prompt(50, 30)].concat();
+    run(e, prompt(60, 300), 4).await;
+    run(e, prompt(61, 300), 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spilled_pages_restore_survive_restarts_and_corruption_is_recomputed() {
+    let Some(fresh) = engine(None).await else { return };
+    let mut conv = Conversation { first: prompt(1, 150), follow_up: Vec::new() };
+    first_turn_then_evict(&fresh, &mut conv).await;
+    fresh.shutdown();
+    drop(fresh);
+    // The reference: the follow-up on an engine that has never seen the conversation.
+    let Some(reference_engine) = engine(None).await else { return };
+    let (reference, usage) = run(&reference_engine, conv.follow_up.clone(), 12).await;
+    assert_eq!(usage.cached_tokens, 0);
+    reference_engine.shutdown();
+
+    let dir = tempfile::tempdir().expect("tmp");
+    let Some(e) = engine(Some(dir.path())).await else { return };
+    let mut conv2 = Conversation { first: conv.first.clone(), follow_up: Vec::new() };
+    first_turn_then_evict(&e, &mut conv2).await;
+    assert_eq!(conv2.follow_up, conv.follow_up, "greedy turn one is deterministic");
+    let s = wait_spilled(&e, 4).await;
+    eprintln!("after eviction: {s:?}");
+    // Turn one computed 150 + 7 tokens: 4 whole pages, now on disk only.
+    let (reply, usage) = run(&e, conv.follow_up.clone(), 12).await;
+    assert_eq!(reply, reference, "a reply restored from spill equals a fresh run");
+    assert_eq!(usage.cached_tokens, 4 * PAGE, "all four pages restored from disk");
+    e.shutdown();
+    drop(e);
+
+    // A new engine on the same spill directory: the index was kept.
+    let Some(e) = engine(Some(dir.path())).await else { return };
+    assert!(stats(&e).await.spilled_pages >= 4, "the spill index survives a restart");
+    let (reply, usage) = run(&e, conv.follow_up.clone(), 12).await;
+    assert_eq!(reply, reference, "a reply restored after a restart equals a fresh run");
+    assert!(usage.cached_tokens >= 4 * PAGE, "restored after the restart: {}", usage.cached_tokens);
+    e.shutdown();
+    drop(e);
+
+    // Corrupt every spill file one way per restart: each is detected, counted, recomputed.
+    type Damage = fn(&Path);
+    let damages: [(&str, Damage); 3] = [
+        ("flipped byte", |p| {
+            let mut b = std::fs::read(p).expect("read");
+            let mid = b.len() / 2;
+            b[mid] ^= 0x01;
+            std::fs::write(p, b).expect("write");
+        }),
+        ("truncated", |p| {
+            let b = std::fs::read(p).expect("read");
+            std::fs::write(p, &b[..b.len() - 7]).expect("write");
+        }),
+        ("deleted", |p| std::fs::remove_file(p).expect("delete")),
+    ];
+    for (what, damage) in damages {
+        // Re-spill cleanly first (the previous round removed the damaged pages).
+        let Some(e) = engine(Some(dir.path())).await else { return };
+        first_turn_then_evict(&e, &mut Conversation { first: conv.first.clone(), follow_up: Vec::new() }).await;
+        wait_spilled(&e, 4).await;
+        e.shutdown();
+        drop(e);
+        let files = spill_files(dir.path());
+        assert!(!files.is_empty());
+        for f in &files {
+            damage(f);
+        }
+        let Some(e) = engine(Some(dir.path())).await else { return };
+        let (reply, usage) = run(&e, conv.follow_up.clone(), 12).await;
+        assert_eq!(reply, reference, "{what}: the damaged pages are recomputed, output unchanged");
+        assert_eq!(usage.cached_tokens, 0, "{what}: nothing damaged is served");
+        let s = stats(&e).await;
+        assert!(
+            s.counters.misses.get(&MissReason::SpilledCorrupt).copied().unwrap_or(0) >= 1,
+            "{what}: counted as spilled_corrupt: {s:?}"
+        );
+        e.shutdown();
+        drop(e);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unusable_spill_directory_keeps_serving() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let not_a_dir = tmp.path().join("file");
+    std::fs::write(&not_a_dir, b"x").expect("file");
+    let Some(e) = engine(Some(&not_a_dir)).await else { return };
+    let mut conv = Conversation { first: prompt(1, 150), follow_up: Vec::new() };
+    first_turn_then_evict(&e, &mut conv).await;
+    let (reply, _) = run(&e, conv.follow_up.clone(), 4).await;
+    assert_eq!(reply.len(), 4, "serving continues with spill off");
+    assert_eq!(stats(&e).await.spilled_pages, 0);
+    e.shutdown();
+}
