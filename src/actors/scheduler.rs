@@ -541,6 +541,16 @@ impl Actor for SchedulerActor {
                 let mut cfg = st.args.policy.clone();
                 cfg.num_blocks = kv.num_blocks;
                 cfg.block_size = kv.block_size;
+                if state_slot_bytes > 0 && cfg.page_tokens > 0 {
+                    // A cached page of a hybrid model must carry the recurrent state at its end;
+                    // pages do not hold those snapshots yet, and a hit without one would resume a
+                    // sequence from the wrong state. Serve correctly without the cache instead.
+                    tracing::warn!(
+                        state_slot_bytes,
+                        "prefix cache and spill off: this model keeps recurrent state, and cached pages do not snapshot it yet"
+                    );
+                    cfg.page_tokens = 0;
+                }
                 let pool_cfg = KvPoolConfig {
                     num_blocks: kv.num_blocks,
                     block_size: kv.block_size,
