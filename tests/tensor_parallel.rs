@@ -4,7 +4,9 @@
 //! HF fixtures (whose own goldens come from transformers) run at TP=2 — their 2 kv heads do not
 //! split 4 ways — and are also checked against the transformers greedy output; a synthetic
 //! llama with 8 heads / 4 kv heads and an uneven vocabulary (301, so the last rank's logits slice
-//! is padded) runs at TP=2 and TP=4 in f32 and in quantized (Q8_0, Q4_1) storage.
+//! is padded) runs at TP=2 and TP=4 in f32 and in quantized (Q8_0, Q4_1) storage; and the real
+//! SmolLM2 GGUF runs at TP=3 (9 heads, 3 kv heads), widened to f32 and as shipped (quantized,
+//! with looser bounds explained at the test).
 
 mod common;
 
@@ -37,17 +39,38 @@ fn run<B: Backend>(backend: B, ids: &[u32]) -> (Vec<f32>, Vec<u32>) {
     (logits, greedy)
 }
 
-fn compare(what: &str, cfg: &LlamaConfig, w: &dyn WeightSource, worlds: &[usize], ids: &[u32], failures: &mut Vec<String>) {
+fn compare(
+    what: &str,
+    cfg: &LlamaConfig,
+    w: &dyn WeightSource,
+    worlds: &[usize],
+    ids: &[u32],
+    failures: &mut Vec<String>,
+) {
+    compare_within(what, cfg, w, worlds, ids, MAX_REL_ERR, failures)
+}
+
+fn compare_within(
+    what: &str,
+    cfg: &LlamaConfig,
+    w: &dyn WeightSource,
+    worlds: &[usize],
+    ids: &[u32],
+    tolerance: f32,
+    failures: &mut Vec<String>,
+) {
     let geom = single_sequence_geometry(64, 4);
     let (ref_logits, ref_greedy) = run(CpuBackend::new(cfg, w, opts(geom)).unwrap(), ids);
     for &world in worlds {
         let tp = TpCpuBackend::new(cfg, w, opts(geom), world).unwrap();
         assert_eq!(tp.world_size(), world);
+        // The shards partition the matrices: together they hold what one unsharded backend holds.
+        assert_eq!(tp.weight_bytes(), CpuBackend::new(cfg, w, opts(geom)).unwrap().weight_bytes(), "{what}");
         let (logits, greedy) = run(tp, ids);
         let err = shelfserve::fidelity::compare(&ref_logits, &logits, cfg.vocab_size).max_rel_logit_err;
         println!("{what:<24} tp={world} max rel err {err:.3e} greedy same: {}", greedy == ref_greedy);
-        if err > MAX_REL_ERR {
-            failures.push(format!("{what} tp={world}: max relative logit error {err:.3e} > {MAX_REL_ERR:e}"));
+        if err > tolerance {
+            failures.push(format!("{what} tp={world}: max relative logit error {err:.3e} > {tolerance:e}"));
         }
         if greedy != ref_greedy {
             failures.push(format!("{what} tp={world}: greedy {greedy:?} != tp=1 {ref_greedy:?}"));
@@ -100,6 +123,13 @@ fn synthetic_llama_at_tp2_and_tp4_matches_tp1_in_every_storage_format() {
         let w = SyntheticWeights::new(&cfg, dtype, 5);
         compare(&format!("synthetic {dtype}"), &cfg, &w, &[2, 4], &ids, &mut failures);
     }
+    // GGUF-style models: GGML's RoPE (q/k written in adjacent-pair order) and biases on the
+    // row-parallel projections, which only rank 0 may add.
+    let ggml = LlamaConfig { rope_ggml_style: true, attention_out_bias: true, mlp_bias: true, ..wide_config() };
+    for dtype in [DType::F32, DType::Q8_0] {
+        let w = SyntheticWeights::new(&ggml, dtype, 6);
+        compare(&format!("synthetic ggml+bias {dtype}"), &ggml, &w, &[2, 4], &ids, &mut failures);
+    }
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
@@ -147,4 +177,73 @@ fn bad_steps_fail_on_every_rank_without_hanging() {
     // The group is still usable afterwards: the bad step never reached a collective.
     let good = SeqStep { tokens: &[4, 5], start_pos: 0, block_table: &[0], logits_rows: 1, state_slot: 0 };
     assert_eq!(tp.forward(&[good]).unwrap().data.len(), 301);
+}
+
+#[test]
+fn smollm2_gguf_at_tp3_stays_within_llamacpp_fidelity_of_tp1() {
+    // SmolLM2-135M: 9 heads, 3 kv heads, MLP 1536, 49152 tokens, Q4_1/Q8_0 blocks: its heads
+    // split 3 ways, on block boundaries. Quantized matmuls round their input to Q8 blocks, so the
+    // last-bit differences of the sharded sums flip a few roundings and grow over 30 layers: the
+    // logits are held to bounds in the spirit of `golden_llamacpp`'s "same model" check: top-1
+    // agreement ≥ 0.9, mean KL < 1e-2 and max |Δ| < 2 (there 2e-3 and 0.5).
+    // Measured: mean KL 4.9e-3, max |Δ| 0.90 on logits of ~25, top-1 15/16. The same model widened
+    // to f32 (next test) agrees to 5e-5, so the spread is the Q8 input rounding, not the shards.
+    let Some(gguf) = common::default_gguf() else { return };
+    let bundle = shelfserve::model::open(gguf.to_str().unwrap(), &CacheDir::from_env()).unwrap();
+    let (cfg, w) = (&bundle.config, bundle.weights.as_ref());
+    let ids: Vec<u32> = vec![1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 2, 17, 1041, 280, 5248, 30, 2];
+    let geom = single_sequence_geometry(64, 16);
+    let reference = Runner::new(CpuBackend::new(cfg, w, opts(geom)).unwrap()).score(&ids, 7).unwrap();
+    let tp = TpCpuBackend::new(cfg, w, opts(geom), 3).unwrap();
+    assert_eq!(tp.weight_bytes(), CpuBackend::new(cfg, w, opts(geom)).unwrap().weight_bytes());
+    let ours = Runner::new(tp).score(&ids, 7).unwrap();
+    let r = shelfserve::fidelity::compare(&reference, &ours, cfg.vocab_size);
+    println!("smollm2 tp=3 vs tp=1: {r:?}");
+    assert!(r.mean_kld < 1e-2 && r.max_abs_logit_diff < 2.0 && r.top1_agreement >= 0.9, "{r:?}");
+}
+
+/// A weight source serving another's tensors widened to f32 (no quantized matmuls).
+struct Widened {
+    origin: std::path::PathBuf,
+    tensors: std::collections::HashMap<String, (Vec<usize>, Vec<u8>)>,
+}
+
+impl Widened {
+    fn new(w: &dyn WeightSource) -> Self {
+        let tensors = w
+            .tensor_names()
+            .into_iter()
+            .map(|n| {
+                let t = w.tensor(&n).unwrap();
+                let vals = shelfserve::model::tensor::to_f32(&t);
+                (n, (t.shape.to_vec(), vals.iter().flat_map(|v| v.to_le_bytes()).collect()))
+            })
+            .collect();
+        Widened { origin: w.origin().to_path_buf(), tensors }
+    }
+}
+
+impl WeightSource for Widened {
+    fn origin(&self) -> &std::path::Path {
+        &self.origin
+    }
+    fn tensor(&self, name: &str) -> Option<shelfserve::model::TensorView<'_>> {
+        self.tensors.get(name).map(|(s, d)| shelfserve::model::TensorView { dtype: DType::F32, shape: s, data: d })
+    }
+    fn tensor_names(&self) -> Vec<String> {
+        self.tensors.keys().cloned().collect()
+    }
+}
+
+#[test]
+fn smollm2_widened_to_f32_at_tp3_matches_tp1() {
+    // The real model (GGML RoPE, tied 49152-token vocabulary) with no quantized matmuls: only the
+    // summation order differs, over 30 layers — held to 1e-4 (measured 5.2e-5) and the same greedy.
+    let Some(gguf) = common::default_gguf() else { return };
+    let bundle = shelfserve::model::open(gguf.to_str().unwrap(), &CacheDir::from_env()).unwrap();
+    let w = Widened::new(bundle.weights.as_ref());
+    let ids: Vec<u32> = vec![1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 2, 17, 1041, 280, 5248, 30, 2];
+    let mut failures = Vec::new();
+    compare_within("smollm2 widened to f32", &bundle.config, &w, &[3], &ids, 1e-4, &mut failures);
+    assert!(failures.is_empty(), "{failures:#?}");
 }

@@ -61,7 +61,12 @@ pub struct ModelArgs {
     pub threads: usize,
     /// Tensor-parallel ranks the model is split over (CPU: one thread group per rank; CUDA needs
     /// the NCCL collective, not available yet).
-    #[arg(long = "tensor-parallel-size", visible_alias = "tp", env = "SHELFSERVE_TENSOR_PARALLEL_SIZE", default_value_t = 1)]
+    #[arg(
+        long = "tensor-parallel-size",
+        visible_alias = "tp",
+        env = "SHELFSERVE_TENSOR_PARALLEL_SIZE",
+        default_value_t = 1
+    )]
     pub tensor_parallel_size: usize,
     /// CUDA device ordinal (with --device cuda or auto).
     #[arg(long, env = "SHELFSERVE_CUDA_DEVICE", default_value_t = 0)]

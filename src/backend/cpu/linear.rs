@@ -120,7 +120,10 @@ impl CpuLinear {
             WeightRows::Quant { dtype, data } if range.start % QK == 0 && range.end % QK == 0 => {
                 let (rb, bb) = (dtype.storage_bytes(cols).unwrap_or(0), dtype.block_bytes());
                 let (a, b) = (range.start / QK * bb, range.end / QK * bb);
-                WeightRows::Quant { dtype, data: data.chunks_exact(rb).flat_map(|row| row[a..b].iter().copied()).collect() }
+                WeightRows::Quant {
+                    dtype,
+                    data: data.chunks_exact(rb).flat_map(|row| row[a..b].iter().copied()).collect(),
+                }
             }
             WeightRows::Quant { dtype, data } => {
                 let rb = dtype.storage_bytes(cols).unwrap_or(0);

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 pub use self::attention::KvPrecision;
-pub use self::tp::TpCpuBackend;
 use self::attention::{paged_attention, AttnShape, PagedKv, TokenRef};
 use self::linear::{load_vector, CpuLinear, LinearScratch};
+pub use self::tp::TpCpuBackend;
 use super::{validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::model::llama::{LinearSpec, LlamaSpec};
