@@ -256,3 +256,45 @@ fn grow<T: Default + Clone>(buf: &mut Vec<T>, n: usize) -> &mut [T] {
     }
     &mut buf[..n]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::quant::quantize_weight;
+
+    /// Every row's f32 values.
+    fn dense(l: &CpuLinear) -> Vec<f32> {
+        let mut out = vec![0f32; l.rows * l.cols];
+        out.chunks_exact_mut(l.cols).enumerate().for_each(|(r, row)| l.row_f32(r, row));
+        out
+    }
+
+    fn linear(dtype: Option<DType>, rows: usize, cols: usize) -> CpuLinear {
+        let vals: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 201) as f32 / 100.0 - 1.0).collect();
+        let weight = match dtype {
+            None => WeightRows::F32(vals),
+            Some(d) => WeightRows::Quant { dtype: d, data: quantize_weight(d, &vals) },
+        };
+        CpuLinear { rows, cols, weight, bias: Some((0..rows).map(|r| r as f32).collect()) }
+    }
+
+    #[test]
+    fn shard_slices_equal_slices_of_the_dense_matrix() {
+        let (rows, cols) = (6, 128);
+        for dtype in [None, Some(DType::Q8_0), Some(DType::Q4_1)] {
+            let full = dense(&linear(dtype, rows, cols));
+            let r = linear(dtype, rows, cols).take_rows(2..5);
+            assert_eq!(dense(&r), full[2 * cols..5 * cols], "{dtype:?}");
+            assert_eq!(r.bias.as_deref(), Some(&[2.0, 3.0, 4.0][..]));
+            // Block-aligned columns stay quantized; the bias goes only where asked.
+            let c = linear(dtype, rows, cols).take_cols(32..96, false);
+            assert_eq!(dense(&c), crate::parallel::plan::take_cols(&full, cols, 32..96), "{dtype:?}");
+            assert!(c.bias.is_none());
+            assert_eq!(matches!(c.weight, WeightRows::Quant { .. }), dtype.is_some());
+            // Columns that split a block: widened to f32, values unchanged.
+            let u = linear(dtype, rows, cols).take_cols(16..80, true);
+            assert!(matches!(u.weight, WeightRows::F32(_)) && u.bias.is_some());
+            assert_eq!(dense(&u), crate::parallel::plan::take_cols(&full, cols, 16..80), "{dtype:?}");
+        }
+    }
+}
