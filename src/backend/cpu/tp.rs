@@ -89,7 +89,9 @@ impl Backend for TpCpuBackend {
         // Checked once here so a bad step fails on every rank alike, before any collective.
         validate_batch(batch, self.kv_geometry())?;
         check_token_ids(batch, self.vocab_size())?;
-        let (first, rest) = self.ranks.split_first_mut().expect("at least one rank");
+        let Some((first, rest)) = self.ranks.split_first_mut() else {
+            return Err(BackendError::InvalidStep("a tensor-parallel group without ranks".into()));
+        };
         let (lead, others) = std::thread::scope(|s| {
             let handles: Vec<_> = rest.iter_mut().map(|r| s.spawn(move || r.forward(batch))).collect();
             let lead = first.forward(batch);
