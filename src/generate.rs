@@ -3,7 +3,7 @@
 //! tests. It lays one sequence out over the whole KV store (blocks in order); the serving path
 //! gets its block tables from the KV pool instead.
 
-use crate::backend::cpu::{CpuBackend, CpuOptions};
+use crate::backend::cpu::{CpuBackend, CpuOptions, TpCpuBackend};
 use crate::backend::cuda::{CudaBackend, CudaOptions, Precision};
 use crate::backend::{Backend, BackendError, KvGeometry, SeqStep, StepLogits};
 use crate::model::{ModelBundle, ModelError};
@@ -79,6 +79,32 @@ pub fn any_cpu_backend(
     threads: usize,
     kv: KvGeometry,
 ) -> Result<(Box<dyn Backend>, LoadedBackendInfo), ModelError> {
+    any_cpu_backend_tp(bundle, threads, 1, kv)
+}
+
+/// [`any_cpu_backend`] split over `tensor_parallel` ranks on CPU threads (llama family only).
+pub fn any_cpu_backend_tp(
+    bundle: &ModelBundle,
+    threads: usize,
+    tensor_parallel: usize,
+    kv: KvGeometry,
+) -> Result<(Box<dyn Backend>, LoadedBackendInfo), ModelError> {
+    let is_glm5 = crate::model::glm5_next::MODEL_TYPES.contains(&bundle.config.model_type.as_str());
+    if tensor_parallel > 1 {
+        if is_glm5 {
+            return Err(ModelError::Config {
+                file: bundle.weights.origin().to_path_buf(),
+                msg: format!(
+                    "tensor parallelism is implemented for the llama family only, not `{}` yet; use --tp 1",
+                    bundle.config.model_type
+                ),
+            });
+        }
+        let opts = CpuOptions { threads, kv, kv_precision: None };
+        let b = TpCpuBackend::new(&bundle.config, bundle.weights.as_ref(), opts, tensor_parallel)?;
+        let info = LoadedBackendInfo { weight_bytes: b.weight_bytes(), kv_bytes: b.kv_bytes(), threads: b.threads() };
+        return Ok((Box::new(b), info));
+    }
     if crate::model::glm5_next::MODEL_TYPES.contains(&bundle.config.model_type.as_str()) {
         let cfg = crate::model::glm5_next::read_config(bundle.weights.origin())?;
         let b = crate::model::glm5_next::Glm5Backend::new(cfg, bundle.weights.as_ref(), threads, kv)?;
@@ -120,11 +146,19 @@ pub struct DeviceSelection {
     pub threads: usize,
     pub cuda_ordinal: usize,
     pub cuda_precision: Precision,
+    /// Tensor-parallel ranks (1 = unsharded).
+    pub tensor_parallel: usize,
 }
 
 impl Default for DeviceSelection {
     fn default() -> Self {
-        DeviceSelection { kind: DeviceKind::Cpu, threads: 0, cuda_ordinal: 0, cuda_precision: Precision::Bf16 }
+        DeviceSelection {
+            kind: DeviceKind::Cpu,
+            threads: 0,
+            cuda_ordinal: 0,
+            cuda_precision: Precision::Bf16,
+            tensor_parallel: 1,
+        }
     }
 }
 
@@ -167,6 +201,16 @@ pub fn make_backend(
                     reason: format!("`{}` models have no CUDA kernels yet; use --device cpu", bundle.config.model_type),
                 });
             }
+            if sel.tensor_parallel > 1 {
+                return Err(BackendError::Unavailable {
+                    device: format!("cuda:{}", sel.cuda_ordinal),
+                    reason: format!(
+                        "tensor parallel size {} needs the NCCL collective, which is not available yet; \
+                         use --tp 1 on CUDA or --device cpu",
+                        sel.tensor_parallel
+                    ),
+                });
+            }
             let opts = CudaOptions { ordinal: sel.cuda_ordinal, kv, precision: sel.cuda_precision };
             let b = CudaBackend::new(&bundle.config, bundle.weights.as_ref(), opts)?;
             tracing::info!(
@@ -180,12 +224,13 @@ pub fn make_backend(
             Box::new(b)
         }
         _ => {
-            let (b, info) = any_cpu_backend(bundle, sel.threads, kv)?;
+            let (b, info) = any_cpu_backend_tp(bundle, sel.threads, sel.tensor_parallel, kv)?;
             tracing::info!(
                 weights_mib = info.weight_bytes / (1 << 20),
                 kv_mib = info.kv_bytes / (1 << 20),
                 kv_tokens = kv.capacity_tokens(),
                 threads = info.threads,
+                tensor_parallel = sel.tensor_parallel,
                 secs = format!("{:.2}", started.elapsed().as_secs_f64()),
                 "model loaded on cpu"
             );

@@ -59,6 +59,15 @@ pub struct ModelArgs {
     /// CPU worker threads (0 = one per core).
     #[arg(long, env = "SHELFSERVE_THREADS", default_value_t = 0)]
     pub threads: usize,
+    /// Tensor-parallel ranks the model is split over (CPU: one thread group per rank; CUDA needs
+    /// the NCCL collective, not available yet).
+    #[arg(
+        long = "tensor-parallel-size",
+        visible_alias = "tp",
+        env = "SHELFSERVE_TENSOR_PARALLEL_SIZE",
+        default_value_t = 1
+    )]
+    pub tensor_parallel_size: usize,
     /// CUDA device ordinal (with --device cuda or auto).
     #[arg(long, env = "SHELFSERVE_CUDA_DEVICE", default_value_t = 0)]
     pub cuda_device: usize,
@@ -165,7 +174,16 @@ impl ModelArgs {
             "f32" => Precision::F32,
             other => return Err(CliError::Usage(format!("--cuda-precision must be bf16 or f32, not `{other}`"))),
         };
-        Ok(DeviceSelection { kind, threads: self.threads, cuda_ordinal: self.cuda_device, cuda_precision })
+        if self.tensor_parallel_size == 0 {
+            return Err(CliError::Usage("--tensor-parallel-size must be at least 1".into()));
+        }
+        Ok(DeviceSelection {
+            kind,
+            threads: self.threads,
+            cuda_ordinal: self.cuda_device,
+            cuda_precision,
+            tensor_parallel: self.tensor_parallel_size,
+        })
     }
 
     fn runner(&self, bundle: &ModelBundle, tokens: usize) -> Result<Runner<Box<dyn Backend>>, CliError> {

@@ -156,7 +156,8 @@ impl Collective for LocalComm {
                 expected: local.len() * world,
             });
         }
-        if world == 1 {
+        // Nothing to gather (every rank's part is empty, the sizes already checked above).
+        if world == 1 || local.is_empty() {
             out.copy_from_slice(local);
             return Ok(());
         }

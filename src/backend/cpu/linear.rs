@@ -3,6 +3,8 @@
 //! Every output element is one `dot_*` call over one weight row and one activation row, so the
 //! result for a row never depends on the other rows in the batch (exactness rule 3).
 
+use std::ops::Range;
+
 use rayon::prelude::*;
 
 use crate::backend::BackendError;
@@ -84,6 +86,55 @@ impl CpuLinear {
             Some(dtype) => WeightRows::Quant { dtype, data: bytes },
         };
         Ok(CpuLinear { rows, cols, weight, bias })
+    }
+
+    /// Keep only output rows `range` (a column-parallel shard). Quantized rows are whole rows, so
+    /// they stay in their stored format.
+    pub fn take_rows(self, range: Range<usize>) -> CpuLinear {
+        if range == (0..self.rows) {
+            return self;
+        }
+        let weight = match self.weight {
+            WeightRows::F32(v) => WeightRows::F32(v[range.start * self.cols..range.end * self.cols].to_vec()),
+            WeightRows::Quant { dtype, data } => {
+                let rb = dtype.storage_bytes(self.cols).unwrap_or(0);
+                WeightRows::Quant { dtype, data: data[range.start * rb..range.end * rb].to_vec() }
+            }
+        };
+        let bias = self.bias.map(|b| b[range.clone()].to_vec());
+        CpuLinear { rows: range.len(), cols: self.cols, weight, bias }
+    }
+
+    /// Keep only input columns `range` (a row-parallel shard whose partial outputs are summed
+    /// across ranks); the bias is kept only where `keep_bias` (one rank adds it, or the sum would
+    /// count it once per rank). Quantized rows stay quantized when the range falls on block
+    /// boundaries; otherwise this tensor is dequantized to f32, because a block cannot be split.
+    pub fn take_cols(self, range: Range<usize>, keep_bias: bool) -> CpuLinear {
+        let bias = if keep_bias { self.bias } else { None };
+        if range == (0..self.cols) {
+            return CpuLinear { bias, ..self };
+        }
+        let (rows, cols) = (self.rows, self.cols);
+        let weight = match self.weight {
+            WeightRows::F32(v) => WeightRows::F32(crate::parallel::plan::take_cols(&v, cols, range.clone())),
+            WeightRows::Quant { dtype, data } if range.start % QK == 0 && range.end % QK == 0 => {
+                let (rb, bb) = (dtype.storage_bytes(cols).unwrap_or(0), dtype.block_bytes());
+                let (a, b) = (range.start / QK * bb, range.end / QK * bb);
+                WeightRows::Quant {
+                    dtype,
+                    data: data.chunks_exact(rb).flat_map(|row| row[a..b].iter().copied()).collect(),
+                }
+            }
+            WeightRows::Quant { dtype, data } => {
+                let rb = dtype.storage_bytes(cols).unwrap_or(0);
+                let mut full = vec![0f32; rows * cols];
+                for (src, dst) in data.chunks_exact(rb).zip(full.chunks_exact_mut(cols)) {
+                    crate::model::quant::dequantize_into(dtype, src, dst);
+                }
+                WeightRows::F32(crate::parallel::plan::take_cols(&full, cols, range.clone()))
+            }
+        };
+        CpuLinear { rows, cols: range.len(), weight, bias }
     }
 
     /// The f32 values of row `r` (used for embedding lookups).
@@ -204,4 +255,46 @@ fn grow<T: Default + Clone>(buf: &mut Vec<T>, n: usize) -> &mut [T] {
         buf.resize(n, T::default());
     }
     &mut buf[..n]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::quant::quantize_weight;
+
+    /// Every row's f32 values.
+    fn dense(l: &CpuLinear) -> Vec<f32> {
+        let mut out = vec![0f32; l.rows * l.cols];
+        out.chunks_exact_mut(l.cols).enumerate().for_each(|(r, row)| l.row_f32(r, row));
+        out
+    }
+
+    fn linear(dtype: Option<DType>, rows: usize, cols: usize) -> CpuLinear {
+        let vals: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 201) as f32 / 100.0 - 1.0).collect();
+        let weight = match dtype {
+            None => WeightRows::F32(vals),
+            Some(d) => WeightRows::Quant { dtype: d, data: quantize_weight(d, &vals) },
+        };
+        CpuLinear { rows, cols, weight, bias: Some((0..rows).map(|r| r as f32).collect()) }
+    }
+
+    #[test]
+    fn shard_slices_equal_slices_of_the_dense_matrix() {
+        let (rows, cols) = (6, 128);
+        for dtype in [None, Some(DType::Q8_0), Some(DType::Q4_1)] {
+            let full = dense(&linear(dtype, rows, cols));
+            let r = linear(dtype, rows, cols).take_rows(2..5);
+            assert_eq!(dense(&r), full[2 * cols..5 * cols], "{dtype:?}");
+            assert_eq!(r.bias.as_deref(), Some(&[2.0, 3.0, 4.0][..]));
+            // Block-aligned columns stay quantized; the bias goes only where asked.
+            let c = linear(dtype, rows, cols).take_cols(32..96, false);
+            assert_eq!(dense(&c), crate::parallel::plan::take_cols(&full, cols, 32..96), "{dtype:?}");
+            assert!(c.bias.is_none());
+            assert_eq!(matches!(c.weight, WeightRows::Quant { .. }), dtype.is_some());
+            // Columns that split a block: widened to f32, values unchanged.
+            let u = linear(dtype, rows, cols).take_cols(16..80, true);
+            assert!(matches!(u.weight, WeightRows::F32(_)) && u.bias.is_some());
+            assert_eq!(dense(&u), crate::parallel::plan::take_cols(&full, cols, 16..80), "{dtype:?}");
+        }
+    }
 }

@@ -4,17 +4,37 @@
 
 mod attention;
 pub mod linear;
+mod tp;
+
+use std::ops::Range;
+use std::sync::Arc;
 
 use rayon::prelude::*;
 
 pub use self::attention::KvPrecision;
 use self::attention::{paged_attention, AttnShape, PagedKv, TokenRef};
 use self::linear::{load_vector, CpuLinear, LinearScratch};
+pub use self::tp::TpCpuBackend;
 use super::{validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::model::llama::{LinearSpec, LlamaSpec};
 use crate::model::quant::{expf_ggml, simd_available};
 use crate::model::{ModelError, WeightSource};
+use crate::parallel::{Collective, LlamaShard, TpRank};
+
+/// One rank's place in a tensor-parallel group and its handle to the group's communicator.
+#[derive(Clone)]
+pub struct TpShard {
+    pub rank: TpRank,
+    pub comm: Arc<dyn Collective>,
+}
+
+/// What a sharded backend needs at run time: the communicator and its vocabulary slice.
+struct TpRuntime {
+    comm: Arc<dyn Collective>,
+    world: usize,
+    vocab: Range<usize>,
+}
 
 #[derive(Clone, Copy, Debug)]
 pub struct CpuOptions {
@@ -33,9 +53,13 @@ enum Proj {
 }
 
 impl Proj {
-    fn load(w: &dyn WeightSource, specs: &[&LinearSpec]) -> Result<Self, ModelError> {
-        let parts =
-            specs.iter().map(|s| CpuLinear::load(w, &s.name, s.out, s.inp, s.bias)).collect::<Result<Vec<_>, _>>()?;
+    /// Load each projection and keep its output rows `rows[i]` (this rank's column-parallel slice).
+    fn load(w: &dyn WeightSource, specs: &[&LinearSpec], rows: &[Range<usize>]) -> Result<Self, ModelError> {
+        let parts = specs
+            .iter()
+            .zip(rows)
+            .map(|(s, r)| Ok(CpuLinear::load(w, &s.name, s.out, s.inp, s.bias)?.take_rows(r.clone())))
+            .collect::<Result<Vec<_>, ModelError>>()?;
         Ok(match CpuLinear::concat(parts) {
             Ok(f) => Proj::Fused(f),
             Err(parts) => Proj::Split(parts),
@@ -84,7 +108,11 @@ struct Layer {
 }
 
 pub struct CpuBackend {
+    /// The model's config with head counts and intermediate size reduced to this rank's share
+    /// (the full model when not sharded); the vocabulary stays whole.
     cfg: LlamaConfig,
+    /// `None` when this backend holds the whole model.
+    tp: Option<TpRuntime>,
     embed: CpuLinear,
     layers: Vec<Layer>,
     final_norm: Vec<f32>,
@@ -251,27 +279,73 @@ fn proj_bytes(p: &Proj) -> usize {
 
 impl CpuBackend {
     pub fn new(cfg: &LlamaConfig, w: &dyn WeightSource, opts: CpuOptions) -> Result<Self, ModelError> {
+        Self::new_shard(cfg, w, opts, None)
+    }
+
+    /// This rank's shard of the model (`None` = the whole model), following the plan in
+    /// [`crate::parallel::plan`]: full tensors are loaded, then sliced.
+    pub fn new_shard(
+        cfg: &LlamaConfig,
+        w: &dyn WeightSource,
+        opts: CpuOptions,
+        shard: Option<TpShard>,
+    ) -> Result<Self, ModelError> {
+        let config_error = |msg: String| ModelError::Config { file: w.origin().to_path_buf(), msg };
+        let rank = shard.as_ref().map_or(TpRank::single(), |s| s.rank);
+        if let Some(s) = &shard {
+            if s.comm.world_size() != rank.world || s.comm.rank() != rank.rank {
+                return Err(config_error(format!(
+                    "rank {} of {} was given the communicator of rank {} of {}",
+                    rank.rank,
+                    rank.world,
+                    s.comm.rank(),
+                    s.comm.world_size()
+                )));
+            }
+        }
+        let plan = LlamaShard::new(
+            rank,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+        )
+        .map_err(|e| config_error(e.to_string()))?;
         let spec = LlamaSpec::new(cfg);
-        let h = cfg.hidden_size;
-        let embed = CpuLinear::load(w, &spec.embed.replace(".weight", ""), cfg.vocab_size, h, false)?;
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let heads = |r: &Range<usize>| r.start * hd..r.end * hd;
+        let (q_rows, kv_rows) = (heads(&plan.q_heads), heads(&plan.kv_heads));
+        // Row-parallel outputs are summed over ranks: only rank 0 adds their bias.
+        let first = rank.rank == 0;
+        let embed = CpuLinear::load(w, &spec.embed.replace(".weight", ""), cfg.vocab_size, h, false)?
+            .take_rows(plan.vocab.clone());
         let mut layers = Vec::with_capacity(spec.layers.len());
         for l in &spec.layers {
             layers.push(Layer {
                 input_norm: load_vector(w, &l.input_norm, h)?,
-                qkv: Proj::load(w, &[&l.q, &l.k, &l.v])?,
-                q_norm: l.q_norm.as_ref().map(|n| load_vector(w, n, cfg.head_dim)).transpose()?,
-                k_norm: l.k_norm.as_ref().map(|n| load_vector(w, n, cfg.head_dim)).transpose()?,
-                o: CpuLinear::load(w, &l.o.name, l.o.out, l.o.inp, l.o.bias)?,
+                qkv: Proj::load(w, &[&l.q, &l.k, &l.v], &[q_rows.clone(), kv_rows.clone(), kv_rows.clone()])?,
+                q_norm: l.q_norm.as_ref().map(|n| load_vector(w, n, hd)).transpose()?,
+                k_norm: l.k_norm.as_ref().map(|n| load_vector(w, n, hd)).transpose()?,
+                o: CpuLinear::load(w, &l.o.name, l.o.out, l.o.inp, l.o.bias)?.take_cols(q_rows.clone(), first),
                 post_norm: load_vector(w, &l.post_attention_norm, h)?,
-                gate_up: Proj::load(w, &[&l.gate, &l.up])?,
-                down: CpuLinear::load(w, &l.down.name, l.down.out, l.down.inp, l.down.bias)?,
+                gate_up: Proj::load(w, &[&l.gate, &l.up], &[plan.intermediate.clone(), plan.intermediate.clone()])?,
+                down: CpuLinear::load(w, &l.down.name, l.down.out, l.down.inp, l.down.bias)?
+                    .take_cols(plan.intermediate.clone(), first),
             });
         }
         let lm_head = if cfg.tie_word_embeddings {
             None
         } else {
-            Some(CpuLinear::load(w, &spec.lm_head.name, cfg.vocab_size, h, false)?)
+            Some(CpuLinear::load(w, &spec.lm_head.name, cfg.vocab_size, h, false)?.take_rows(plan.vocab.clone()))
         };
+        let local_cfg = LlamaConfig {
+            num_attention_heads: plan.q_heads.len(),
+            num_key_value_heads: plan.kv_heads.len(),
+            intermediate_size: plan.intermediate.len(),
+            ..cfg.clone()
+        };
+        let tp = shard.map(|s| TpRuntime { comm: s.comm, world: rank.world, vocab: plan.vocab.clone() });
+        let cfg = &local_cfg;
         let threads =
             if opts.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { opts.threads };
         let pool = rayon::ThreadPoolBuilder::new()
@@ -290,6 +364,7 @@ impl CpuBackend {
         let kv_precision = opts.kv_precision.unwrap_or(if quantized { KvPrecision::F16 } else { KvPrecision::F32 });
         Ok(CpuBackend {
             cfg: cfg.clone(),
+            tp,
             embed,
             layers,
             final_norm: load_vector(w, &spec.final_norm, h)?,
@@ -328,17 +403,18 @@ impl CpuBackend {
             .collect();
         let ids: Vec<u32> = batch.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let t = ids.len();
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= c.vocab_size) {
-            return Err(BackendError::InvalidStep(format!(
-                "token id {bad} is outside the vocabulary ({})",
-                c.vocab_size
-            )));
-        }
 
+        // Vocabulary-parallel embedding: a rank fills the rows it holds, the rest stay zero, and
+        // the all-reduce assembles every row (exactly: one rank contributes each value).
+        let vocab_start = self.tp.as_ref().map_or(0, |tp| tp.vocab.start);
         let mut x = vec![0f32; t * h];
         for (row, &id) in x.chunks_exact_mut(h).zip(&ids) {
-            self.embed.row_f32(id as usize, row);
+            let local = (id as usize).wrapping_sub(vocab_start);
+            if local < self.embed.rows {
+                self.embed.row_f32(local, row);
+            }
         }
+        self.all_reduce(&mut x)?;
         // cos/sin per token, shared by all heads and layers.
         let half = hd / 2;
         let mut cos = vec![0f32; t * half];
@@ -382,6 +458,7 @@ impl CpuBackend {
             paged_attention(&self.kv, li, &shape, &tokens, &q, &mut attn, simd);
             let mut o = vec![0f32; t * h];
             layer.o.forward(&attn, t, &mut o, &mut self.scratch, simd)?;
+            all_reduce(&self.tp, &mut o)?;
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
@@ -396,6 +473,7 @@ impl CpuBackend {
             });
             let mut d = vec![0f32; t * h];
             layer.down.forward(&act, t, &mut d, &mut self.scratch, simd)?;
+            all_reduce(&self.tp, &mut d)?;
             for (a, b) in x.iter_mut().zip(&d) {
                 *a += b;
             }
@@ -418,9 +496,59 @@ impl CpuBackend {
             xs.extend_from_slice(&x[r * h..(r + 1) * h]);
         }
         rms_norm_rows(&mut xs, &self.final_norm, c.rms_norm_eps);
-        let mut data = vec![0f32; m * c.vocab_size];
-        self.lm_head.as_ref().unwrap_or(&self.embed).forward(&xs, m, &mut data, &mut self.scratch, simd)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let mut local = vec![0f32; m * head.rows];
+        head.forward(&xs, m, &mut local, &mut self.scratch, simd)?;
+        let data = match &self.tp {
+            None => local,
+            Some(tp) => gather_vocab(tp, &local, m, c.vocab_size)?,
+        };
         Ok(StepLogits { vocab: c.vocab_size, data, offsets })
+    }
+
+    fn all_reduce(&self, buf: &mut [f32]) -> Result<(), BackendError> {
+        all_reduce(&self.tp, buf)
+    }
+}
+
+/// Sum a row-parallel partial result over the ranks (nothing to do unsharded).
+fn all_reduce(tp: &Option<TpRuntime>, buf: &mut [f32]) -> Result<(), BackendError> {
+    match tp {
+        Some(tp) => tp.comm.all_reduce_sum(buf).map_err(|e| BackendError::Device(format!("tensor parallel: {e}"))),
+        None => Ok(()),
+    }
+}
+
+/// Join the ranks' logits slices (`local` is `[m, this rank's vocab slice]`) into `[m, vocab]`.
+/// Every slice but the last has `ceil(vocab / world)` columns; the last is zero-padded to that
+/// width for the all-gather and the padding dropped after.
+fn gather_vocab(tp: &TpRuntime, local: &[f32], m: usize, vocab: usize) -> Result<Vec<f32>, BackendError> {
+    if m == 0 {
+        return Ok(Vec::new());
+    }
+    let per = vocab.div_ceil(tp.world);
+    let mine = tp.vocab.len();
+    let mut padded = vec![0f32; m * per];
+    for (dst, src) in padded.chunks_exact_mut(per).zip(local.chunks_exact(mine.max(1))) {
+        dst[..mine].copy_from_slice(&src[..mine]);
+    }
+    let mut all = vec![0f32; tp.world * m * per];
+    tp.comm.all_gather(&padded, &mut all).map_err(|e| BackendError::Device(format!("tensor parallel: {e}")))?;
+    let mut data = vec![0f32; m * vocab];
+    for (r, part) in all.chunks_exact(m * per).enumerate() {
+        let (start, end) = ((r * per).min(vocab), ((r + 1) * per).min(vocab));
+        for (i, row) in part.chunks_exact(per).enumerate() {
+            data[i * vocab + start..i * vocab + end].copy_from_slice(&row[..end - start]);
+        }
+    }
+    Ok(data)
+}
+
+/// Reject token ids outside the vocabulary before any rank starts a collective.
+fn check_token_ids(batch: &[SeqStep<'_>], vocab: usize) -> Result<(), BackendError> {
+    match batch.iter().flat_map(|s| s.tokens.iter()).find(|&&id| id as usize >= vocab) {
+        Some(bad) => Err(BackendError::InvalidStep(format!("token id {bad} is outside the vocabulary ({vocab})"))),
+        None => Ok(()),
     }
 }
 
@@ -454,8 +582,14 @@ impl Backend for CpuBackend {
 
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {
         validate_batch(batch, self.kv.geom)?;
+        check_token_ids(batch, self.cfg.vocab_size)?;
         let pool = std::sync::Arc::clone(&self.pool);
-        pool.install(|| self.forward_inner(batch))
+        let out = pool.install(|| self.forward_inner(batch));
+        // A rank that fails mid-step releases the others from the collective they wait in.
+        if let (Err(e), Some(tp)) = (&out, &self.tp) {
+            tp.comm.abort(&e.to_string());
+        }
+        out
     }
 }
 

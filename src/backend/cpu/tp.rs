@@ -1,0 +1,147 @@
+//! Tensor parallelism on CPU threads: N rank backends, each holding its shard of the weights and
+//! its kv heads' part of the KV store, joined by an in-process [`LocalComm`] group. Every step runs
+//! on all ranks in lockstep (same batch, one thread per rank) and rank 0's logits are returned.
+//! This is what the engine's executor holds until one executor actor per rank exists; it makes no
+//! policy decisions and adds none of its own numerics (the ranks' collectives do the joining).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{check_token_ids, CpuBackend, CpuOptions, TpShard};
+use crate::backend::{validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
+use crate::config::LlamaConfig;
+use crate::model::{ModelError, WeightSource};
+use crate::parallel::{Collective, LlamaShard, LocalComm, TpRank};
+
+/// How long a rank waits for the others in a collective before the group is declared failed.
+/// Generous: a long prefill chunk on a loaded machine must not be mistaken for a dead rank.
+const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(600);
+
+pub struct TpCpuBackend {
+    ranks: Vec<CpuBackend>,
+}
+
+impl TpCpuBackend {
+    /// Load `world` shards of the model. `opts.threads` (0 = one per core) is shared out between
+    /// the ranks, at least one each. A world size that does not divide the model's heads, kv heads
+    /// or MLP is refused with the number that does not divide.
+    pub fn new(cfg: &LlamaConfig, w: &dyn WeightSource, opts: CpuOptions, world: usize) -> Result<Self, ModelError> {
+        let config_error = |msg: String| ModelError::Config { file: w.origin().to_path_buf(), msg };
+        if world == 0 {
+            return Err(config_error("tensor parallel size must be at least 1".into()));
+        }
+        // Check the plan once up front so an indivisible size fails before any weight is read.
+        LlamaShard::new(
+            TpRank::new(0, world).map_err(|e| config_error(e.to_string()))?,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+        )
+        .map_err(|e| config_error(e.to_string()))?;
+        let total =
+            if opts.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { opts.threads };
+        let rank_opts = CpuOptions { threads: (total / world).max(1), ..opts };
+        let comms = LocalComm::group(world, COLLECTIVE_TIMEOUT).map_err(|e| config_error(e.to_string()))?;
+        let mut ranks = Vec::with_capacity(world);
+        for (rank, comm) in comms.into_iter().enumerate() {
+            let rank = TpRank::new(rank, world).map_err(|e| config_error(e.to_string()))?;
+            let comm: Arc<dyn Collective> = Arc::new(comm);
+            ranks.push(CpuBackend::new_shard(cfg, w, rank_opts, Some(TpShard { rank, comm }))?);
+        }
+        Ok(TpCpuBackend { ranks })
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Bytes of weights held by all ranks together.
+    pub fn weight_bytes(&self) -> usize {
+        self.ranks.iter().map(CpuBackend::weight_bytes).sum()
+    }
+
+    /// Bytes of the KV stores of all ranks together.
+    pub fn kv_bytes(&self) -> usize {
+        self.ranks.iter().map(CpuBackend::kv_bytes).sum()
+    }
+
+    /// Worker threads over all ranks.
+    pub fn threads(&self) -> usize {
+        self.ranks.iter().map(CpuBackend::threads).sum()
+    }
+}
+
+impl Backend for TpCpuBackend {
+    fn device_name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn kv_geometry(&self) -> KvGeometry {
+        self.ranks[0].kv_geometry()
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.ranks[0].vocab_size()
+    }
+
+    fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {
+        // Checked once here so a bad step fails on every rank alike, before any collective.
+        validate_batch(batch, self.kv_geometry())?;
+        check_token_ids(batch, self.vocab_size())?;
+        let Some((first, rest)) = self.ranks.split_first_mut() else {
+            return Err(BackendError::InvalidStep("a tensor-parallel group without ranks".into()));
+        };
+        let (lead, others) = std::thread::scope(|s| {
+            let handles: Vec<_> = rest.iter_mut().map(|r| s.spawn(move || r.forward(batch))).collect();
+            let lead = first.forward(batch);
+            let others: Vec<_> = handles.into_iter().map(|h| h.join()).collect();
+            (lead, others)
+        });
+        for (i, r) in others.into_iter().enumerate() {
+            match r {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) if lead.is_ok() => return Err(e),
+                Ok(Err(_)) => {}
+                Err(_) => return Err(BackendError::Device(format!("tensor parallel rank {} panicked", i + 1))),
+            }
+        }
+        lead
+    }
+
+    /// One block of the image is every rank's image of that block, in rank order, so the image
+    /// stays block after block (the spill tier may cut it at block boundaries).
+    fn kv_block_bytes(&self) -> usize {
+        self.ranks.iter().map(Backend::kv_block_bytes).sum()
+    }
+
+    fn read_kv_blocks(&mut self, blocks: &[u32]) -> Result<Vec<u8>, BackendError> {
+        validate_kv_image(blocks, blocks.len() * self.kv_block_bytes(), self.kv_block_bytes(), self.kv_geometry())?;
+        let parts = self.ranks.iter_mut().map(|r| r.read_kv_blocks(blocks)).collect::<Result<Vec<_>, _>>()?;
+        let widths: Vec<usize> = self.ranks.iter().map(Backend::kv_block_bytes).collect();
+        let mut image = Vec::with_capacity(blocks.len() * self.kv_block_bytes());
+        for b in 0..blocks.len() {
+            for (part, &w) in parts.iter().zip(&widths) {
+                image.extend_from_slice(&part[b * w..(b + 1) * w]);
+            }
+        }
+        Ok(image)
+    }
+
+    fn write_kv_blocks(&mut self, blocks: &[u32], image: &[u8]) -> Result<(), BackendError> {
+        validate_kv_image(blocks, image.len(), self.kv_block_bytes(), self.kv_geometry())?;
+        let widths: Vec<usize> = self.ranks.iter().map(Backend::kv_block_bytes).collect();
+        let mut parts: Vec<Vec<u8>> = widths.iter().map(|w| Vec::with_capacity(w * blocks.len())).collect();
+        for block in image.chunks_exact(self.kv_block_bytes()) {
+            let mut at = 0;
+            for (part, &w) in parts.iter_mut().zip(&widths) {
+                part.extend_from_slice(&block[at..at + w]);
+                at += w;
+            }
+        }
+        for (rank, part) in self.ranks.iter_mut().zip(parts) {
+            rank.write_kv_blocks(blocks, &part)?;
+        }
+        Ok(())
+    }
+}
