@@ -12,10 +12,10 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use shelfserve::actors::{start_engine, Engine, EngineOptions, GenerationRequest, InferenceEngine, StreamEvent, Usage};
+use common::{run_greedy as run, synthetic_prompt as prompt};
+use shelfserve::actors::{start_engine, Engine, EngineOptions, InferenceEngine};
 use shelfserve::config::engine::EngineConfig;
 use shelfserve::model::default_model::CacheDir;
-use shelfserve::sampling::SamplingParams;
 
 const PAGE: usize = 32;
 
@@ -34,38 +34,6 @@ async fn engine(page_tokens: usize) -> Option<Arc<Engine>> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Some(e)
-}
-
-fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerationRequest {
-    GenerationRequest {
-        lane: "voice".into(),
-        prompt,
-        sampling: SamplingParams::default(),
-        max_tokens,
-        stop_strings: Vec::new(),
-        stop_token_ids: Vec::new(),
-        ignore_eos: true,
-        skip_special_tokens: true,
-    }
-}
-
-/// Runs a greedy request to the end: generated ids and usage.
-async fn run(e: &Engine, prompt: Vec<u32>, max_tokens: usize) -> (Vec<u32>, Usage) {
-    let mut rx = e.submit(request(prompt, max_tokens)).expect("submit");
-    let mut ids = Vec::new();
-    loop {
-        match tokio::time::timeout(Duration::from_secs(120), rx.recv()).await.expect("no event in 120 s") {
-            Some(StreamEvent::Delta { tokens, .. }) => ids.extend(tokens.iter().map(|t| t.id)),
-            Some(StreamEvent::Finished { usage, .. }) => return (ids, usage),
-            Some(StreamEvent::Error(err)) => panic!("request failed: {err}"),
-            None => panic!("stream ended without Finished"),
-        }
-    }
-}
-
-/// A deterministic prompt of real-looking token ids (all below SmolLM2's 49152 vocabulary).
-fn prompt(seed: u32, len: usize) -> Vec<u32> {
-    (0..len as u32).map(|i| 300 + (seed * 7919 + i * 104_729) % 40_000).collect()
 }
 
 async fn assert_idle(e: &Engine) {

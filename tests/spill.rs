@@ -10,12 +10,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::{run_greedy as run, synthetic_prompt as prompt};
 use shelfserve::actors::kvpool::PoolStats;
-use shelfserve::actors::{start_engine, Engine, EngineOptions, GenerationRequest, InferenceEngine, StreamEvent, Usage};
+use shelfserve::actors::{start_engine, Engine, EngineOptions, InferenceEngine};
 use shelfserve::config::engine::EngineConfig;
 use shelfserve::kv::MissReason;
 use shelfserve::model::default_model::CacheDir;
-use shelfserve::sampling::SamplingParams;
 
 const PAGE: usize = 32;
 
@@ -37,33 +37,6 @@ async fn engine(spill_dir: Option<&Path>) -> Option<Arc<Engine>> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Some(e)
-}
-
-async fn run(e: &Engine, prompt: Vec<u32>, max_tokens: usize) -> (Vec<u32>, Usage) {
-    let req = GenerationRequest {
-        lane: "voice".into(),
-        prompt,
-        sampling: SamplingParams::default(),
-        max_tokens,
-        stop_strings: Vec::new(),
-        stop_token_ids: Vec::new(),
-        ignore_eos: true,
-        skip_special_tokens: true,
-    };
-    let mut rx = e.submit(req).expect("submit");
-    let mut ids = Vec::new();
-    loop {
-        match tokio::time::timeout(Duration::from_secs(120), rx.recv()).await.expect("no event in 120 s") {
-            Some(StreamEvent::Delta { tokens, .. }) => ids.extend(tokens.iter().map(|t| t.id)),
-            Some(StreamEvent::Finished { usage, .. }) => return (ids, usage),
-            Some(StreamEvent::Error(err)) => panic!("request failed: {err}"),
-            None => panic!("stream ended without Finished"),
-        }
-    }
-}
-
-fn prompt(seed: u32, len: usize) -> Vec<u32> {
-    (0..len as u32).map(|i| 300 + (seed * 7919 + i * 104_729) % 40_000).collect()
 }
 
 async fn stats(e: &Engine) -> PoolStats {

@@ -3,8 +3,11 @@
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
+use std::time::Duration;
 
+use shelfserve::actors::{Engine, GenerationRequest, InferenceEngine, StreamEvent, Usage};
 use shelfserve::model::default_model::{ensure_default, CacheDir};
+use shelfserve::sampling::SamplingParams;
 
 /// The SmolLM2 GGUF: `SHELFSERVE_DEFAULT_GGUF` if set, else the default model from the cache
 /// (fetched once per test binary). Without it a test is skipped with a printed reason — except
@@ -29,4 +32,37 @@ pub fn default_gguf() -> Option<PathBuf> {
 
 pub fn fixture(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)
+}
+
+/// A greedy request on the voice lane that runs to `max_tokens` (EOS ignored).
+pub fn greedy_request(prompt: Vec<u32>, max_tokens: usize) -> GenerationRequest {
+    GenerationRequest {
+        lane: "voice".into(),
+        prompt,
+        sampling: SamplingParams::default(),
+        max_tokens,
+        stop_strings: Vec::new(),
+        stop_token_ids: Vec::new(),
+        ignore_eos: true,
+        skip_special_tokens: true,
+    }
+}
+
+/// Runs a greedy request to the end: generated ids and usage.
+pub async fn run_greedy(e: &Engine, prompt: Vec<u32>, max_tokens: usize) -> (Vec<u32>, Usage) {
+    let mut rx = e.submit(greedy_request(prompt, max_tokens)).expect("submit");
+    let mut ids = Vec::new();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(120), rx.recv()).await.expect("no event in 120 s") {
+            Some(StreamEvent::Delta { tokens, .. }) => ids.extend(tokens.iter().map(|t| t.id)),
+            Some(StreamEvent::Finished { usage, .. }) => return (ids, usage),
+            Some(StreamEvent::Error(err)) => panic!("request failed: {err}"),
+            None => panic!("stream ended without Finished"),
+        }
+    }
+}
+
+/// A deterministic prompt of real-looking token ids (all below SmolLM2's 49152 vocabulary).
+pub fn synthetic_prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| 300 + (seed * 7919 + i * 104_729) % 40_000).collect()
 }
