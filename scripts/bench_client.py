@@ -14,7 +14,8 @@ import json
 import sys
 import threading
 import time
-import urllib.request
+
+from sse import stream_chunks
 
 PROMPTS = [
     "Write a detailed story about a lighthouse keeper who finds a message in a bottle.",
@@ -36,23 +37,13 @@ def stream(base, prompt, max_tokens, out):
 
 
 def _stream(base, prompt, max_tokens, out):
-    body = json.dumps({"model": "default", "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True}).encode()
-    req = urllib.request.Request(base + "/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
     t0 = time.perf_counter()
     times = []
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                times.append(time.perf_counter())
+    for chunk in stream_chunks(base + "/completions", body, timeout=600):
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            times.append(time.perf_counter())
     out.append({"t0": t0, "times": times})
 
 

@@ -21,7 +21,8 @@ import random
 import sys
 import threading
 import time
-import urllib.request
+
+from sse import stream_chunks
 
 CONTEXT = (
     "You are reviewing a service that schedules work for a fleet of delivery robots. The service "
@@ -75,29 +76,19 @@ class Lane:
 
 
 def chat(base, messages, max_tokens, lane):
-    body = json.dumps({
+    body = {
         "model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True},
-    }).encode()
-    req = urllib.request.Request(base + "/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    }
     t0 = time.perf_counter()
     times, tokens = [], 0
     try:
-        with urllib.request.urlopen(req, timeout=900) as resp:
-            for raw in resp:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                for c in chunk.get("choices") or []:
-                    if (c.get("delta") or {}).get("content"):
-                        times.append(time.perf_counter())
+        for chunk in stream_chunks(base + "/chat/completions", body, timeout=900):
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for c in chunk.get("choices") or []:
+                if (c.get("delta") or {}).get("content"):
+                    times.append(time.perf_counter())
     except Exception as e:  # a refused or broken request must show in the report
         lane.fail(repr(e))
         return
