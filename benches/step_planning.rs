@@ -85,6 +85,7 @@ fn bench(c: &mut Criterion) {
         block_size: 16,
         num_blocks: 256 * 80,
         page_tokens: 0,
+        recurrent_state: false,
     };
     // One-token prompts: a new sequence decodes from its first step.
     let mut w = Workload::new(decode_cfg, 256, 1, 1024);
@@ -97,6 +98,7 @@ fn bench(c: &mut Criterion) {
         block_size: 16,
         num_blocks: 256 * 80,
         page_tokens: 0,
+        recurrent_state: false,
     };
     let mut w = Workload::new(mixed_cfg, 256, 1000, 128);
     group.bench_function(BenchmarkId::new("mixed", 256), |b| b.iter(|| w.step()));

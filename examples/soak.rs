@@ -21,6 +21,11 @@
 //! second; the second runs must restore pages from disk and still equal the solo runs, and the
 //! pool must return to idle.
 //!
+//! In-process, a drafted phase follows too (`--drafted-phase`, on by default): a third engine whose
+//! lanes both draft with the n-gram drafter (k = 7) runs every prompt that has a solo run, all at
+//! once; each reply must equal the un-drafted solo run (exactness rule 1 under concurrency), and
+//! drafts must have been both accepted and rejected.
+//!
 //! Prints per lane the request count, TTFT p50/p99, tokens/s and violations; exits non-zero on
 //! any violation.
 
@@ -41,6 +46,7 @@ use shelfserve::actors::{start_engine, Engine, EngineOptions, InferenceEngine};
 use shelfserve::api::{bind_all, ApiOptions};
 use shelfserve::config::engine::EngineConfig;
 use shelfserve::model::default_model::CacheDir;
+use shelfserve::spec::SpeculativeMethod;
 
 const CHAT: &str = "/v1/chat/completions";
 /// Bound on any single read from the server, so a hung request is reported instead of hanging
@@ -93,6 +99,9 @@ struct Args {
     /// KV pool of the spill phase's engine, in tokens (small, so pages are evicted to disk).
     #[arg(long, default_value_t = 768)]
     spill_pool_tokens: usize,
+    /// Run the drafted phase (n-gram speculative decoding checked against the solo runs).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    drafted_phase: bool,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -275,9 +284,24 @@ struct Local {
 }
 
 fn start_local(args: &Args, spill: Option<&std::path::Path>) -> Result<(Local, [Target; 2]), String> {
+    start_local_with(args, spill, SpeculativeMethod::None)
+}
+
+/// [`start_local`] with every lane drafting by `speculative` (k = 7).
+fn start_local_with(
+    args: &Args,
+    spill: Option<&std::path::Path>,
+    speculative: SpeculativeMethod,
+) -> Result<(Local, [Target; 2]), String> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
     let bundle = shelfserve::model::open(&args.model, &CacheDir::from_env()).map_err(|e| e.to_string())?;
     let mut cfg = EngineConfig::builtin();
+    if speculative != SpeculativeMethod::None {
+        for l in cfg.lanes.iter_mut() {
+            l.speculative = speculative.clone();
+            l.num_speculative_tokens = shelfserve::spec::MAX_SPECULATIVE_TOKENS;
+        }
+    }
     if let Some(dir) = spill {
         cfg.scheduler.kv_pool_tokens = args.spill_pool_tokens;
         cfg.scheduler.page_tokens = 32;
@@ -496,6 +520,9 @@ fn run(args: &Args) -> Result<usize, String> {
     println!("pages: {idle_note}");
     if let Some(local) = local {
         local.stop();
+        if args.drafted_phase {
+            drafted_phase(args, &plan, &solo, &mut violations)?;
+        }
         if args.spill_phase {
             spill_phase(args, &plan, &solo, &mut violations)?;
         }
@@ -562,6 +589,64 @@ fn spill_phase(
         "spill phase: {} agent prompts x 2 through a {}-token pool in {secs:.1} s; {} pages on disk, {} tokens \
          served from the cache, misses {:?}",
         n, args.spill_pool_tokens, stats.spilled_pages, stats.counters.hit_tokens, stats.counters.misses
+    );
+    local.stop();
+    Ok(())
+}
+
+/// The drafted phase (see the module doc): every prompt with a solo run, all at once, through an
+/// engine whose lanes draft with n-grams; each reply must equal its un-drafted solo run.
+fn drafted_phase(
+    args: &Args,
+    plan: &Plan,
+    solo: &BTreeMap<(usize, usize), Outcome>,
+    violations: &mut Vec<String>,
+) -> Result<(), String> {
+    let (local, targets) = start_local_with(args, None, SpeculativeMethod::Ngram)?;
+    let drafted_plan = Arc::new(Plan {
+        model: plan.model.clone(),
+        prompts: plan.prompts.clone(),
+        max_tokens: plan.max_tokens,
+        targets,
+    });
+    let started = Instant::now();
+    let keys: Vec<(usize, usize)> = solo.iter().filter(|(_, s)| s.error.is_none()).map(|(k, _)| *k).collect();
+    let runs: Vec<_> = keys
+        .iter()
+        .map(|&(lane, prompt)| {
+            let p = Arc::clone(&drafted_plan);
+            std::thread::spawn(move || run_one(&p, lane, prompt, None))
+        })
+        .collect();
+    for (key, run) in keys.iter().zip(runs) {
+        let o = run.join().map_err(|_| "a drafted-phase client panicked")?;
+        let what = format!("drafted phase, {} prompt {}", LANES[key.0], key.1);
+        if let Some(e) = &o.error {
+            violations.push(format!("{what}: {e}"));
+            continue;
+        }
+        let s = &solo[key];
+        let same = o.tokens.iter().map(|t| &t.bytes).eq(s.tokens.iter().map(|t| &t.bytes));
+        if !(same && o.text == s.text && o.finish == s.finish) {
+            violations.push(format!(
+                "{what}: differs from the un-drafted solo run\n    solo:    {:?} ({:?})\n    drafted: {:?} ({:?})",
+                s.text, s.finish, o.text, o.finish
+            ));
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let stats = local.rt.block_on(local.engine.stats()).ok_or("the scheduler does not answer")?;
+    if stats.accepted_tokens == 0 || stats.drafted_tokens == stats.accepted_tokens {
+        violations.push(format!("drafted phase: drafts were not both accepted and rejected ({stats:?})"));
+    }
+    if let Err(e) = local.wait_idle(Duration::from_secs(30)) {
+        violations.push(format!("drafted phase pages: {e}"));
+    }
+    println!(
+        "drafted phase: {} prompts at once with n-gram drafts (k = 7) in {secs:.1} s; {} of {} draft tokens accepted",
+        keys.len(),
+        stats.accepted_tokens,
+        stats.drafted_tokens
     );
     local.stop();
     Ok(())

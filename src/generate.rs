@@ -8,6 +8,8 @@ use crate::backend::cuda::{CudaBackend, CudaOptions, Precision};
 use crate::backend::{Backend, BackendError, KvGeometry, SeqStep, StepLogits};
 use crate::model::{ModelBundle, ModelError};
 use crate::sampling::{sample, PenaltyState, Sampled, SamplingParams};
+use crate::spec::step::sample_with_drafts;
+use crate::spec::DraftSource;
 
 /// Prefill chunk used when nothing else is said: large enough to amortise weight reads, small
 /// enough to bound scratch memory.
@@ -258,6 +260,14 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         (**self).forward(batch)
     }
 
+    fn forward_verify(&mut self, batch: &[SeqStep<'_>], verify: &[bool]) -> Result<StepLogits, BackendError> {
+        (**self).forward_verify(batch, verify)
+    }
+
+    fn commit_verified(&mut self, slot: u32, kept: usize) -> Result<(), BackendError> {
+        (**self).commit_verified(slot, kept)
+    }
+
     fn kv_block_bytes(&self) -> usize {
         (**self).kv_block_bytes()
     }
@@ -333,6 +343,21 @@ impl<B: Backend> Runner<B> {
         &mut self,
         prompt: &[u32],
         opts: &GenerateOptions,
+        on_token: impl FnMut(&Sampled) -> bool,
+    ) -> Result<GenerateOutput, GenerateError> {
+        self.generate_drafted(prompt, opts, None, on_token)
+    }
+
+    /// [`Runner::generate`] with speculative decoding: each step verifies the last token plus up
+    /// to `k` tokens proposed by `drafter` in one forward, keeps the accepted ones (rolling any
+    /// recurrent state back past the rest) and emits them in order, so EOS, `max_tokens` and the
+    /// callback cut an accepted run exactly where the un-drafted loop would stop. The output is
+    /// the un-drafted one: bitwise under greedy, in distribution when sampling.
+    pub fn generate_drafted(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        mut drafter: Option<(&mut dyn DraftSource, usize)>,
         mut on_token: impl FnMut(&Sampled) -> bool,
     ) -> Result<GenerateOutput, GenerateError> {
         if prompt.is_empty() {
@@ -355,6 +380,52 @@ impl<B: Backend> Runner<B> {
         let mut penalties = PenaltyState::new(prompt);
         let mut out = Vec::new();
         let mut pos = prompt.len();
+        if let Some((d, k)) = drafter.as_mut() {
+            const SEQ: u64 = 0;
+            d.forget(SEQ);
+            d.extend(SEQ, prompt);
+            let mut emitted = sample_with_drafts(&[&logits], &[], &opts.sampling, Some(&penalties), 0);
+            loop {
+                let mut last = None;
+                for s in emitted.tokens {
+                    if out.len() >= opts.max_tokens {
+                        return Ok(GenerateOutput { tokens: out, finish: FinishReason::Length });
+                    }
+                    if opts.eos_token_ids.contains(&s.token) {
+                        return Ok(GenerateOutput { tokens: out, finish: FinishReason::Stop });
+                    }
+                    penalties.push_output(s.token);
+                    d.extend(SEQ, &[s.token]);
+                    let keep_going = on_token(&s);
+                    last = Some(s.token);
+                    out.push(s);
+                    if !keep_going {
+                        return Ok(GenerateOutput { tokens: out, finish: FinishReason::Callback });
+                    }
+                }
+                if out.len() >= opts.max_tokens {
+                    return Ok(GenerateOutput { tokens: out, finish: FinishReason::Length });
+                }
+                // Drafts never run past max_tokens (the step's last emitted token is the bonus).
+                let draft = d.propose(SEQ, (*k).min(opts.max_tokens - out.len() - 1));
+                let mut tokens = vec![last.expect("verification emits at least one token")];
+                tokens.extend(&draft);
+                let step = SeqStep {
+                    tokens: &tokens,
+                    start_pos: pos,
+                    block_table: &self.table,
+                    logits_rows: tokens.len(),
+                    state_slot: 0,
+                };
+                let result = self.backend.forward_verify(&[step], &[!draft.is_empty()])?;
+                let rows: Vec<&[f32]> = result.rows(0).collect();
+                emitted = sample_with_drafts(&rows, &draft, &opts.sampling, Some(&penalties), out.len() as u64);
+                if !draft.is_empty() {
+                    self.backend.commit_verified(0, emitted.accepted + 1)?;
+                }
+                pos += emitted.accepted + 1;
+            }
+        }
         loop {
             if out.len() >= opts.max_tokens {
                 return Ok(GenerateOutput { tokens: out, finish: FinishReason::Length });

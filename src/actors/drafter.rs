@@ -7,6 +7,7 @@
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use crate::sched::SeqId;
+use crate::spec::adaptive::{Adaptive, AdaptiveConfig};
 use crate::spec::ngram::{NgramConfig, NgramDrafter};
 use crate::spec::{DraftError, DraftSource, SpeculativeMethod};
 
@@ -34,14 +35,16 @@ pub struct DrafterState {
     sources: Vec<Option<Box<dyn DraftSource>>>,
 }
 
-/// Build the source for each lane's method.
+/// Build the source for each lane's method. The n-gram drafter runs under the adaptive draft
+/// length (`spec::adaptive`): long drafts where they are being accepted, none where they fail.
 pub fn sources_for(methods: &[SpeculativeMethod]) -> Result<Vec<Option<Box<dyn DraftSource>>>, DraftError> {
     methods
         .iter()
         .map(|m| match m {
             SpeculativeMethod::None => Ok(None),
             SpeculativeMethod::Ngram => {
-                Ok(Some(Box::new(NgramDrafter::new(NgramConfig::default())?) as Box<dyn DraftSource>))
+                let ngram = NgramDrafter::new(NgramConfig::default())?;
+                Ok(Some(Box::new(Adaptive::new(ngram, AdaptiveConfig::default())) as Box<dyn DraftSource>))
             }
             SpeculativeMethod::DraftModel(path) => Err(DraftError::InvalidConfig(format!(
                 "draft-model drafting (draft:{path}) is not available yet; use ngram or none"

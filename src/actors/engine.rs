@@ -208,6 +208,8 @@ pub async fn start_engine(
         block_size: kv.block_size,
         num_blocks: kv.num_blocks,
         page_tokens,
+        // Known once the backend is built (`ExecutorReady` reports its state-slot size).
+        recurrent_state: false,
     };
     let card = CapacityCard::new(&bundle, kv.capacity_tokens(), page_tokens, s.spill_budget);
     card.log();
@@ -225,14 +227,6 @@ pub async fn start_engine(
     // Unnamed actors: ractor's registry is process-wide, and tests run several engines.
     let methods: Vec<_> = config.lanes.iter().map(|l| l.speculative.clone()).collect();
     let drafter = if methods.iter().any(|m| *m != SpeculativeMethod::None) {
-        if crate::model::glm5_next::MODEL_TYPES.contains(&bundle.config.model_type.as_str()) {
-            // Verification advances KDA recurrent state through every draft; rolling it back to the
-            // last accepted token is not implemented yet, so drafting would fail those requests.
-            return Err(EngineError::Invalid(format!(
-                "speculative decoding is not available for `{}` (hybrid recurrent state cannot be rolled back yet); set speculative = \"none\"",
-                bundle.config.model_type
-            )));
-        }
         let sources = sources_for(&methods).map_err(|e| EngineError::Invalid(e.to_string()))?;
         let (d, _) =
             Actor::spawn(None, DrafterActor, sources).await.map_err(|e| EngineError::Executor(e.to_string()))?;

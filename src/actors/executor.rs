@@ -125,7 +125,12 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan) -> StepResult {
         decode_tokens,
         error: None,
     };
-    match backend.forward(&steps) {
+    // Sequences verifying drafts ask the backend to keep per-token recurrent state, and are
+    // committed to their accepted length right after sampling (a no-op without recurrent state).
+    let verify: Vec<bool> = plan.seqs.iter().map(|s| s.num_draft > 0 && s.sample.is_some()).collect();
+    let forward =
+        if verify.contains(&true) { backend.forward_verify(&steps, &verify) } else { backend.forward(&steps) };
+    match forward {
         Ok(logits) => {
             for (i, s) in plan.seqs.iter().enumerate() {
                 let Some(spec) = &s.sample else { continue };
@@ -142,7 +147,15 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan) -> StepResult {
                 }
                 let draft = &s.tokens[s.tokens.len() - s.num_draft..];
                 let penalties: Option<&PenaltyState> = spec.penalties.as_deref();
-                result.sampled.push((s.seq, sample_with_drafts(&rows, draft, &spec.params, penalties, spec.step)));
+                let emitted = sample_with_drafts(&rows, draft, &spec.params, penalties, spec.step);
+                if s.num_draft > 0 {
+                    if let Err(e) = backend.commit_verified(s.state_slot, emitted.accepted + 1) {
+                        result.error = Some(format!("rolling back sequence {} after verification: {e}", s.seq));
+                        result.sampled.clear();
+                        break;
+                    }
+                }
+                result.sampled.push((s.seq, emitted));
             }
         }
         Err(e) => result.error = Some(e.to_string()),

@@ -541,6 +541,7 @@ impl Actor for SchedulerActor {
                 let mut cfg = st.args.policy.clone();
                 cfg.num_blocks = kv.num_blocks;
                 cfg.block_size = kv.block_size;
+                cfg.recurrent_state = state_slot_bytes > 0;
                 if state_slot_bytes > 0 && cfg.page_tokens > 0 {
                     // A cached page of a hybrid model must carry the recurrent state at its end;
                     // pages do not hold those snapshots yet, and a hit without one would resume a

@@ -96,6 +96,33 @@ pub trait Backend: Send {
     /// requested logits rows.
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError>;
 
+    /// Run a step in which some sequences verify draft tokens (`verify[i]` for `batch[i]`; a
+    /// shorter slice means `false` for the rest). For those, a backend with recurrent state keeps
+    /// that state after each of the step's tokens until [`Backend::commit_verified`] says how many
+    /// tokens were kept, so the state can be rolled back past rejected drafts. Attention-only
+    /// backends need nothing extra: a rejected draft's KV positions are simply overwritten by the
+    /// next step. That is the default, which refuses checkpoints it cannot keep.
+    fn forward_verify(&mut self, batch: &[SeqStep<'_>], verify: &[bool]) -> Result<StepLogits, BackendError> {
+        if self.state_slot_bytes() > 0 && verify.iter().any(|&v| v) {
+            return Err(BackendError::InvalidStep(
+                "this backend keeps recurrent state but cannot checkpoint it for draft verification".into(),
+            ));
+        }
+        self.forward(batch)
+    }
+    /// After a `forward_verify` step: keep the effect of the first `kept` tokens (the last known
+    /// token plus the accepted drafts) of the verified sequence in `slot` and roll its recurrent
+    /// state back to there. A no-op for attention-only backends.
+    fn commit_verified(&mut self, slot: u32, kept: usize) -> Result<(), BackendError> {
+        let _ = (slot, kept);
+        if self.state_slot_bytes() > 0 {
+            return Err(BackendError::InvalidStep(
+                "this backend keeps recurrent state but cannot roll it back after draft verification".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Bytes one block takes in a [`Backend::read_kv_blocks`] image (every layer's K and V).
     fn kv_block_bytes(&self) -> usize;
     /// Copy the KV contents of `blocks` out of device memory as one byte image, block after block,

@@ -11,6 +11,7 @@ use clap::{Args, Parser, Subcommand};
 pub mod bench;
 pub mod serve;
 
+use crate::actors::drafter::sources_for;
 use crate::backend::cuda::Precision;
 use crate::backend::{Backend, KvGeometry};
 use crate::fidelity::{compare, LogitsFile};
@@ -21,6 +22,7 @@ use crate::generate::{
 use crate::model::default_model::{fetch_default, CacheDir};
 use crate::model::ModelBundle;
 use crate::sampling::SamplingParams;
+use crate::spec::{validate_num_tokens, DraftError, SpeculativeMethod};
 use crate::tokenizer::chat::{ChatRender, ChatTemplate};
 use crate::tokenizer::detok::IncrementalDetokenizer;
 
@@ -113,6 +115,13 @@ pub struct GenerateArgs {
     /// Print the generated token ids (comma-separated) instead of text.
     #[arg(long, env = "SHELFSERVE_PRINT_IDS")]
     pub print_ids: bool,
+    /// Speculative decoding: `none`, `ngram` (suffix match over the prompt and output) or
+    /// `draft:PATH` (a smaller checkpoint with the same tokenizer).
+    #[arg(long, env = "SHELFSERVE_SPECULATIVE", default_value = "none")]
+    pub speculative: String,
+    /// Draft tokens verified per step (1..=7).
+    #[arg(long, env = "SHELFSERVE_NUM_SPECULATIVE_TOKENS", default_value_t = crate::spec::MAX_SPECULATIVE_TOKENS)]
+    pub num_speculative_tokens: usize,
 }
 
 #[derive(Args, Debug)]
@@ -235,6 +244,14 @@ pub fn run_generate(args: &GenerateArgs) -> Result<(), CliError> {
         eos_token_ids: bundle.eos_token_ids(),
         prefill_chunk: args.model.prefill_chunk,
     };
+    let method: SpeculativeMethod =
+        args.speculative.parse().map_err(|e: DraftError| CliError::Usage(format!("--speculative: {e}")))?;
+    let k = validate_num_tokens(args.num_speculative_tokens)
+        .map_err(|e| CliError::Usage(format!("--num-speculative-tokens: {e}")))?;
+    let mut drafter = sources_for(std::slice::from_ref(&method))
+        .map_err(|e| CliError::Usage(format!("--speculative: {e}")))?
+        .pop()
+        .flatten();
     let mut runner = args.model.runner(&bundle, prompt.len() + args.max_tokens)?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
@@ -243,7 +260,11 @@ pub fn run_generate(args: &GenerateArgs) -> Result<(), CliError> {
     let mut io_err = None;
     let mut first = true;
     let start = std::time::Instant::now();
-    let result = runner.generate(&prompt, &opts, |s| {
+    let drafts: Option<(&mut dyn crate::spec::DraftSource, usize)> = match drafter.as_mut() {
+        Some(d) => Some((d.as_mut(), k)),
+        None => None,
+    };
+    let result = runner.generate_drafted(&prompt, &opts, drafts, |s| {
         let res = if print_ids {
             let r = write!(out, "{}{}", if first { "" } else { "," }, s.token);
             first = false;

@@ -4,6 +4,7 @@
 //! The SchedulerActor holds a `Planner` and talks to the `KvPoolActor` by messages; `Policy` is the
 //! same pair composed synchronously (one `KvPool` in-process), used by tests and benches.
 
+pub mod drafts;
 pub mod policy;
 pub mod pooled;
 pub mod types;

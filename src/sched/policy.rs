@@ -66,6 +66,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
+use super::drafts::max_drafts_before_page_end;
 use crate::kv::{PoolOp, PoolReply};
 
 pub use super::types::{NewSeq, PlannedSeq, PolicyConfig, PolicyError, SeqId, SeqView, StepPlanOut};
@@ -821,7 +822,8 @@ impl Planner {
                 continue;
             }
             let fit = ((seq.held + self.avail) * bs).saturating_sub(start + 1);
-            let d = seq.draft.len().min(b.budget).min(fit);
+            let page_cap = max_drafts_before_page_end(start, self.cfg.page_tokens, self.cfg.recurrent_state);
+            let d = seq.draft.len().min(b.budget).min(fit).min(page_cap);
             if d == 0 {
                 continue;
             }

@@ -11,7 +11,14 @@ use super::*;
 use crate::sched::policy::{NewSeq, PlannedSeq, PolicyConfig, PolicyError, SeqId, StepPlanOut};
 
 fn cfg(budget: usize, max_seqs: usize, block_size: usize, num_blocks: usize) -> PolicyConfig {
-    PolicyConfig { max_num_batched_tokens: budget, max_num_seqs: max_seqs, block_size, num_blocks, page_tokens: 0 }
+    PolicyConfig {
+        max_num_batched_tokens: budget,
+        max_num_seqs: max_seqs,
+        block_size,
+        num_blocks,
+        page_tokens: 0,
+        recurrent_state: false,
+    }
 }
 
 fn policy(budget: usize, max_seqs: usize, block_size: usize, num_blocks: usize) -> Policy {

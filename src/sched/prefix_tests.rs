@@ -113,3 +113,44 @@ fn an_admission_whose_hit_pins_the_last_blocks_still_progresses() {
     }
     assert!(p.pool().counters().hit_tokens >= 16, "the follow-up was served from the cache");
 }
+
+/// Hybrid models: a verification run (last token + drafts) ends at most on a page boundary, so
+/// every page end is a step end where the recurrent state can be snapshot. Attention-only models
+/// draft across boundaries.
+#[test]
+fn hybrid_verify_runs_end_at_most_on_a_page_boundary() {
+    let hybrid = |page_tokens| {
+        Policy::new(PolicyConfig { page_tokens, recurrent_state: true, ..cfg(64, 4, 4, 64) }).expect("valid config")
+    };
+    let drafts = |id, from: usize| (from..from + 7).map(|p| truth(id, p)).collect::<Vec<_>>();
+    // Prompt of 5: the last token sits at 5, the run may cover 5..=7.
+    let mut p = hybrid(8);
+    add(&mut p, 1, 0, 5, 30);
+    step(&mut p);
+    assert_eq!(p.set_draft(1, drafts(1, 6)), 7);
+    let plan = p.plan_step().expect("decode + drafts");
+    assert_eq!((plan.seqs[0].start_pos, plan.seqs[0].num_draft), (5, 2));
+    complete(&mut p, &plan);
+    // Both accepted plus the bonus token: the next run starts on the boundary, a whole page fits.
+    assert_eq!(p.seq(1).expect("running").num_computed, 8);
+    p.set_draft(1, drafts(1, 9));
+    let plan = p.plan_step().expect("decode + drafts");
+    assert_eq!((plan.seqs[0].start_pos, plan.seqs[0].num_draft), (8, 7));
+    complete(&mut p, &plan);
+    // The last token is a page's last position: no drafts at all, the decode alone ends the page.
+    let mut p = hybrid(8);
+    add(&mut p, 2, 0, 7, 30);
+    step(&mut p);
+    p.set_draft(2, drafts(2, 8));
+    let plan = p.plan_step().expect("decode");
+    assert_eq!((plan.seqs[0].start_pos, plan.seqs[0].num_draft), (7, 0));
+    complete(&mut p, &plan);
+    // The same sequence on an attention-only model drafts across the boundary.
+    let mut p = cached(64, 4, 64, 8);
+    add(&mut p, 3, 0, 7, 30);
+    step(&mut p);
+    p.set_draft(3, drafts(3, 8));
+    let plan = p.plan_step().expect("decode + drafts");
+    assert_eq!((plan.seqs[0].start_pos, plan.seqs[0].num_draft), (7, 7));
+    complete(&mut p, &plan);
+}

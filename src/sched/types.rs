@@ -16,6 +16,9 @@ pub struct PolicyConfig {
     /// Prefix-cache page size in tokens (a multiple of `block_size`); 0 turns the cache off.
     /// Prefill chunks never cross a page boundary.
     pub page_tokens: usize,
+    /// The model keeps recurrent state (hybrid models): with pages, verification runs are capped
+    /// to end at most on a page boundary too (`sched::drafts`).
+    pub recurrent_state: bool,
 }
 
 impl PolicyConfig {

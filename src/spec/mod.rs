@@ -13,6 +13,7 @@
 //! the target's hidden states) implement the same trait — `extend` feeds them the accepted tokens,
 //! `propose` asks for up to k more.
 
+pub mod adaptive;
 pub mod ngram;
 pub mod stats;
 pub mod step;

@@ -1,6 +1,20 @@
 //! `Backend` for `glm5_next` on the CPU: the model plus its paged per-token cache (MLA latents,
 //! indexer keys and pooled keys) and recurrent-state slots (KDA conv windows and states), run on
 //! a rayon pool the backend owns. Images of blocks and slots are raw little-endian f32.
+//!
+//! # Rolling recurrent state back after draft verification
+//! A verification step runs the last known token plus k drafts through every KDA layer, so the
+//! conv windows and delta-rule states advance past drafts that may be rejected. Attention caches
+//! need no undo (rejected positions are overwritten by the next step), but recurrent state has no
+//! positions to overwrite. We keep per-position checkpoints: during a `forward_verify` step each
+//! verified sequence's slot is copied after every token but the last (k slot images, freed at the
+//! commit), and `commit_verified` copies back the one at the accepted length. The alternative,
+//! snapshot-and-recompute, saves one image but must replay the accepted tokens' recurrence (or the
+//! whole forward) after verification — more arithmetic on the critical path, and on CPU a memcpy
+//! of the state per token is far cheaper than a delta-rule step over it. The memory is bounded by
+//! k slot images per drafted sequence in the step, and only between forward and commit. Because
+//! the recurrence runs token by token in both paths, a checkpoint is bitwise the state an
+//! undrafted run reaches at that position.
 
 use std::sync::Arc;
 
@@ -87,10 +101,19 @@ impl Backend for Glm5Backend {
     }
 
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {
+        self.forward_verify(batch, &[])
+    }
+
+    fn forward_verify(&mut self, batch: &[SeqStep<'_>], verify: &[bool]) -> Result<StepLogits, BackendError> {
         validate_batch(batch, self.cache.geom)?;
         let pool = Arc::clone(&self.pool);
         let (model, cache, simd) = (&self.model, &mut self.cache, self.simd);
-        pool.install(|| model.forward(cache, batch, simd))
+        pool.install(|| model.forward(cache, batch, verify, simd))
+    }
+
+    fn commit_verified(&mut self, slot: u32, kept: usize) -> Result<(), BackendError> {
+        let s = self.check_slot(slot)?;
+        self.cache.commit_verified(s, kept).map_err(BackendError::InvalidStep)
     }
 
     fn kv_block_bytes(&self) -> usize {

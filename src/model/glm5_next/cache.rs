@@ -45,6 +45,21 @@ pub struct Glm5Cache {
     /// (the image carries no position). Lets the forward refuse a step that would continue
     /// another sequence's state.
     pub slot_pos: Vec<Option<usize>>,
+    /// Per slot, the states kept during a draft-verification step until it is committed.
+    pub checkpoints: Vec<Option<StepCheckpoints>>,
+}
+
+/// A slot's state after each token of a verification step but the last (the slot itself holds
+/// that one), so the step can be rolled back to any accepted length. Each image is a whole slot
+/// (every KDA layer's conv window and recurrent state), `slot_stride` floats.
+#[derive(Clone, Debug)]
+pub struct StepCheckpoints {
+    /// Position of the step's first token.
+    pub start_pos: usize,
+    /// Tokens in the step.
+    pub tokens: usize,
+    /// `tokens - 1` slot images: image `t` is the state after token `t`.
+    pub images: Vec<f32>,
 }
 
 impl Glm5Cache {
@@ -86,6 +101,7 @@ impl Glm5Cache {
             kda,
             state: vec![0f32; geom.state_slots * slot_stride],
             slot_pos: vec![Some(0); geom.state_slots],
+            checkpoints: vec![None; geom.state_slots],
         }
     }
 
@@ -105,6 +121,25 @@ impl Glm5Cache {
 
     pub fn slot_bytes(&self) -> usize {
         4 * self.slot_stride
+    }
+
+    /// Roll `slot` back to the state after the first `kept` tokens of its last verification step
+    /// (`kept` = last known token + accepted drafts) and drop the step's checkpoints. Keeping all
+    /// of the step's tokens leaves the slot as it is.
+    pub fn commit_verified(&mut self, slot: usize, kept: usize) -> Result<(), String> {
+        let ck = self.checkpoints[slot]
+            .take()
+            .ok_or_else(|| format!("recurrent-state slot {slot} has no verification step to commit"))?;
+        if kept == 0 || kept > ck.tokens {
+            return Err(format!("cannot keep {kept} tokens of a {}-token verification step", ck.tokens));
+        }
+        if kept < ck.tokens {
+            let stride = self.slot_stride;
+            let image = &ck.images[(kept - 1) * stride..kept * stride];
+            self.state[slot * stride..(slot + 1) * stride].copy_from_slice(image);
+        }
+        self.slot_pos[slot] = Some(ck.start_pos + kept);
+        Ok(())
     }
 
     pub fn slot_mut(&mut self, slot: usize) -> &mut [f32] {
@@ -139,6 +174,7 @@ impl Glm5Cache {
 
     pub fn write_slot(&mut self, slot: usize, image: &[u8]) {
         self.slot_pos[slot] = None;
+        self.checkpoints[slot] = None;
         for (d, s) in self.slot_mut(slot).iter_mut().zip(image.chunks_exact(4)) {
             *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
         }

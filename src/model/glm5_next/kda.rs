@@ -87,8 +87,12 @@ pub fn forward(
     let b = project(&w.b_proj, u, n_rows, simd)?;
     let z = project(&w.g_b, &project(&w.g_a, u, n_rows, simd)?, n_rows, simd)?;
     let mut core = vec![0f32; n_rows * q];
+    let stride = cache.slot_stride;
     for s in seqs {
-        let slot = cache.slot_mut(s.slot);
+        let slot = &mut cache.state[s.slot * stride..(s.slot + 1) * stride];
+        // A verification step keeps this layer's part of the slot after every token but the last,
+        // so the step can be rolled back to any accepted length (`Glm5Cache::commit_verified`).
+        let mut checkpoints = cache.checkpoints[s.slot].as_mut().map(|c| c.images.as_mut_slice());
         let (before_state, rest) = slot.split_at_mut(slots.state);
         let window = &mut before_state[slots.conv..slots.conv + (kw - 1) * q3];
         let rec = &mut rest[..heads * hd * hd];
@@ -110,13 +114,19 @@ pub fn forward(
                 window.copy_within(q3.., 0);
                 window[(kw - 2) * q3..].copy_from_slice(r);
             }
+            if let Some(images) = checkpoints.as_deref_mut().filter(|_| t + 1 < s.n) {
+                let at = t * stride + slots.conv;
+                images[at..at + window.len()].copy_from_slice(window);
+            }
         }
+        let keep_states = checkpoints.is_some();
         // Per head: the recurrence over the sequence's tokens in order.
-        let per_head: Vec<Vec<f32>> = rec
+        let per_head: Vec<(Vec<f32>, Vec<f32>)> = rec
             .par_chunks_mut(hd * hd)
             .enumerate()
             .map(|(h, st)| {
                 let mut outs = vec![0f32; s.n * hd];
+                let mut kept = Vec::with_capacity(if keep_states { (s.n - 1) * hd * hd } else { 0 });
                 let scale = 1.0 / (hd as f32).sqrt();
                 let (mut qh, mut kh, mut g) = (vec![0f32; hd], vec![0f32; hd], vec![0f32; hd]);
                 for t in 0..s.n {
@@ -135,11 +145,22 @@ pub fn forward(
                     let o = &mut outs[t * hd..(t + 1) * hd];
                     delta_rule_step(st, &qh, &kh, vh, &g, beta, o);
                     gated_rms_norm(o, &z[row * q + h * hd..row * q + (h + 1) * hd], &w.o_norm, c.rms_norm_eps);
+                    if keep_states && t + 1 < s.n {
+                        kept.extend_from_slice(st);
+                    }
                 }
-                outs
+                (outs, kept)
             })
             .collect();
-        for (h, outs) in per_head.iter().enumerate() {
+        if let Some(images) = checkpoints.as_deref_mut() {
+            for (h, (_, kept)) in per_head.iter().enumerate() {
+                for (t, state) in kept.chunks_exact(hd * hd).enumerate() {
+                    let at = t * stride + slots.state + h * hd * hd;
+                    images[at..at + hd * hd].copy_from_slice(state);
+                }
+            }
+        }
+        for (h, (outs, _)) in per_head.iter().enumerate() {
             for t in 0..s.n {
                 let row = s.row0 + t;
                 core[row * q + h * hd..row * q + (h + 1) * hd].copy_from_slice(&outs[t * hd..(t + 1) * hd]);

@@ -51,6 +51,9 @@ pub struct SeqRows<'a> {
     pub table: &'a [u32],
     /// Recurrent-state slot.
     pub slot: usize,
+    /// Keep the recurrent state after each token (a draft-verification step; see
+    /// `cache::StepCheckpoints`).
+    pub checkpoint: bool,
 }
 
 /// Whether `dir/config.json` declares a `glm5_next` model.
@@ -161,11 +164,14 @@ fn expand(c: &Glm5Config, hcw: &[HcWeights], x: &[f32], y: &[f32]) -> Vec<f32> {
 
 impl Glm5Model {
     /// Run one step over `batch`, appending to the cache, and return the requested logits.
-    /// Slots of sequences starting at position 0 are reset first.
+    /// Slots of sequences starting at position 0 are reset first. Sequences with `verify[i]` set
+    /// keep per-token state checkpoints until `Glm5Cache::commit_verified`; every other slot in
+    /// the batch drops checkpoints left from an earlier step.
     pub fn forward(
         &self,
         cache: &mut cache::Glm5Cache,
         batch: &[SeqStep<'_>],
+        verify: &[bool],
         simd: bool,
     ) -> Result<StepLogits, BackendError> {
         let c = &self.cfg;
@@ -197,7 +203,15 @@ impl Glm5Model {
                     )));
                 }
             }
-            seqs.push(SeqRows { row0, n: s.tokens.len(), start_pos: s.start_pos, table: s.block_table, slot });
+            let checkpoint = verify.get(seqs.len()).copied().unwrap_or(false);
+            seqs.push(SeqRows {
+                row0,
+                n: s.tokens.len(),
+                start_pos: s.start_pos,
+                table: s.block_table,
+                slot,
+                checkpoint,
+            });
             row0 += s.tokens.len();
         }
         if seqs.iter().enumerate().any(|(i, a)| seqs[..i].iter().any(|b| b.slot == a.slot)) {
@@ -208,6 +222,11 @@ impl Glm5Model {
                 cache.slot_mut(s.slot).fill(0.0);
             }
             cache.slot_pos[s.slot] = Some(s.start_pos + s.n);
+            cache.checkpoints[s.slot] = s.checkpoint.then(|| cache::StepCheckpoints {
+                start_pos: s.start_pos,
+                tokens: s.n,
+                images: vec![0f32; (s.n - 1) * cache.slot_stride],
+            });
         }
         let n_rows = row0;
         let mut x = vec![0f32; n_rows * m * d];

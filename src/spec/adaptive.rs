@@ -1,0 +1,223 @@
+//! A drafting policy that pays where verification is not free: choose each sequence's draft
+//! length from its recent acceptance, and stop drafting for sequences whose drafts keep failing.
+//!
+//! Verifying `k` drafts costs about `1 + c·k` decode steps, where `c` is the marginal cost of one
+//! more query row in the target forward (on a memory-bound GPU ≈ 0; on the CPU backend the
+//! multi-row matmul still does arithmetic per row: ≈ 0.25). If each draft token is accepted with
+//! probability `a` given the ones before it were, a step emits `1 + a + … + a^k` tokens in
+//! expectation. The policy picks the `k ≤ k_max` that maximises tokens per unit of cost, with
+//! `k = 0` (no draft) when even one draft does not pay. `a` is estimated per sequence from the
+//! drafts it was offered — a decayed count of accepted tokens over accepted-plus-first-rejected
+//! trials — so it follows the text: a sequence copying a span drafts long, prose drafts nothing.
+//! While a sequence does not draft its estimate decays back towards the prior, so it is tried
+//! again later (a copy may start at any time).
+//!
+//! The acceptance signal needs no help from the scheduler: the tokens a sequence accepted are the
+//! next `extend`, and comparing them with the last proposal gives the accepted run.
+
+use std::collections::HashMap;
+
+use super::{DraftSource, SeqId};
+
+/// Cost model and estimator parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdaptiveConfig {
+    /// Marginal cost of one more verified token relative to a plain decode step.
+    pub row_cost: f64,
+    /// Weight of history per checked proposal (counts are multiplied by it before adding the
+    /// newest), so the estimate follows the last few drafts.
+    pub decay: f64,
+    /// Weight of history per step without a checked proposal: slow, so a sequence whose drafts
+    /// failed probes again only every dozen or so steps.
+    pub idle_decay: f64,
+    /// Prior acceptance and its weight in pseudo-trials.
+    pub prior: f64,
+    pub prior_weight: f64,
+}
+
+impl Default for AdaptiveConfig {
+    fn default() -> Self {
+        Self { row_cost: 0.25, decay: 0.8, idle_decay: 0.97, prior: 0.6, prior_weight: 1.0 }
+    }
+}
+
+impl AdaptiveConfig {
+    /// The draft length in `0..=k_max` maximising expected emitted tokens per unit of cost for a
+    /// per-token acceptance probability `a`.
+    pub fn best_k(&self, a: f64, k_max: usize) -> usize {
+        let (mut best, mut best_value) = (0, 1.0);
+        let (mut emitted, mut term) = (1.0, 1.0);
+        for k in 1..=k_max {
+            term *= a;
+            emitted += term;
+            let value = emitted / (1.0 + self.row_cost * k as f64);
+            // Strictly better only: ties keep the shorter (cheaper, less memory) draft.
+            if value > best_value + 1e-12 {
+                (best, best_value) = (k, value);
+            }
+        }
+        best
+    }
+}
+
+/// One sequence's acceptance estimate and its last proposal.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct SeqAcceptance {
+    accepted: f64,
+    trials: f64,
+    last_proposal: Vec<u32>,
+}
+
+/// Wraps a draft source with the adaptive draft length.
+pub struct Adaptive<S> {
+    inner: S,
+    cfg: AdaptiveConfig,
+    seqs: HashMap<SeqId, SeqAcceptance>,
+}
+
+impl<S: DraftSource> Adaptive<S> {
+    pub fn new(inner: S, cfg: AdaptiveConfig) -> Self {
+        Self { inner, cfg, seqs: HashMap::new() }
+    }
+
+    /// The current acceptance estimate of `seq` (the prior for an unknown one).
+    pub fn acceptance(&self, seq: SeqId) -> f64 {
+        let s = self.seqs.get(&seq).cloned().unwrap_or_default();
+        (s.accepted + self.cfg.prior * self.cfg.prior_weight) / (s.trials + self.cfg.prior_weight)
+    }
+}
+
+impl<S: DraftSource> DraftSource for Adaptive<S> {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn extend(&mut self, seq: SeqId, tokens: &[u32]) {
+        let cfg = self.cfg;
+        let s = self.seqs.entry(seq).or_default();
+        let proposal = std::mem::take(&mut s.last_proposal);
+        if !proposal.is_empty() && !tokens.is_empty() {
+            let run = proposal.iter().zip(tokens).take_while(|(p, t)| p == t).count();
+            // The step shows `run` accepted tokens and, unless every proposed token it could check
+            // was accepted, one rejection.
+            let checked = proposal.len().min(tokens.len());
+            s.accepted = s.accepted * cfg.decay + run as f64;
+            s.trials = s.trials * cfg.decay + run as f64 + f64::from(u8::from(run < checked));
+        } else {
+            s.accepted *= cfg.idle_decay;
+            s.trials *= cfg.idle_decay;
+        }
+        self.inner.extend(seq, tokens);
+    }
+
+    fn propose(&mut self, seq: SeqId, k: usize) -> Vec<u32> {
+        let k = self.cfg.best_k(self.acceptance(seq), k);
+        let draft = if k == 0 { Vec::new() } else { self.inner.propose(seq, k) };
+        self.seqs.entry(seq).or_default().last_proposal = draft.clone();
+        draft
+    }
+
+    fn forget(&mut self, seq: SeqId) {
+        self.seqs.remove(&seq);
+        self.inner.forget(seq);
+    }
+
+    fn truncate(&mut self, seq: SeqId, len: usize) {
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.last_proposal.clear();
+        }
+        self.inner.truncate(seq, len);
+    }
+
+    fn len(&self, seq: SeqId) -> usize {
+        self.inner.len(seq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::ngram::{NgramConfig, NgramDrafter};
+
+    #[test]
+    fn the_draft_length_follows_acceptance_and_cost() {
+        let cfg = AdaptiveConfig::default();
+        // Hopeless drafts are not worth one row; certain ones are worth all seven.
+        assert_eq!(cfg.best_k(0.0, 7), 0);
+        assert_eq!(cfg.best_k(0.2, 7), 0);
+        assert_eq!(cfg.best_k(1.0, 7), 7);
+        // Monotone in the acceptance.
+        let ks: Vec<usize> = (0..=20).map(|i| cfg.best_k(i as f64 / 20.0, 7)).collect();
+        assert!(ks.windows(2).all(|w| w[0] <= w[1]), "{ks:?}");
+        // Free verification (a memory-bound GPU) drafts whenever anything can be accepted.
+        let free = AdaptiveConfig { row_cost: 0.0, ..cfg };
+        assert_eq!(free.best_k(0.05, 7), 7);
+        // The cap is respected.
+        assert_eq!(cfg.best_k(1.0, 3), 3);
+        // Brute force: the chosen k really maximises emitted / cost.
+        for i in 0..=50 {
+            let a = i as f64 / 50.0;
+            let value = |k: usize| (0..=k).map(|j| a.powi(j as i32)).sum::<f64>() / (1.0 + 0.25 * k as f64);
+            let k = cfg.best_k(a, 7);
+            assert!((0..=7).all(|j| value(j) <= value(k) + 1e-9), "a {a}: k {k}");
+        }
+    }
+
+    /// A source proposing a fixed script, to drive the estimator.
+    struct Script(Vec<u32>);
+
+    impl DraftSource for Script {
+        fn name(&self) -> &'static str {
+            "script"
+        }
+        fn extend(&mut self, _: SeqId, _: &[u32]) {}
+        fn propose(&mut self, _: SeqId, k: usize) -> Vec<u32> {
+            self.0.iter().copied().take(k).collect()
+        }
+        fn forget(&mut self, _: SeqId) {}
+        fn truncate(&mut self, _: SeqId, _: usize) {}
+        fn len(&self, _: SeqId) -> usize {
+            0
+        }
+    }
+
+    #[test]
+    fn rejections_shrink_the_draft_to_nothing_and_acceptance_grows_it() {
+        let mut d = Adaptive::new(Script(vec![1, 2, 3, 4, 5, 6, 7]), AdaptiveConfig::default());
+        // Every proposal rejected at its first token, for 60 steps: after the first two, the
+        // sequence only probes with a single token now and then.
+        let lengths: Vec<usize> = (0..60)
+            .map(|_| {
+                let n = d.propose(9, 7).len();
+                d.extend(9, &[99]);
+                n
+            })
+            .collect();
+        assert_eq!(lengths[0], 2, "the prior drafts a little: {lengths:?}");
+        let probes = lengths[2..].iter().filter(|&&n| n > 0).count();
+        assert!((1..=6).contains(&probes), "{probes} probes in 58 steps: {lengths:?}");
+        assert!(lengths[2..].iter().all(|&n| n <= 1), "{lengths:?}");
+        // Every proposal accepted: the draft grows to the cap within a few steps.
+        let mut grown = Vec::new();
+        for _ in 0..60 {
+            let p = d.propose(9, 7);
+            grown.push(p.len());
+            let mut accepted = p.clone();
+            accepted.push(0);
+            d.extend(9, &accepted);
+        }
+        assert_eq!(d.propose(9, 7).len(), 7, "{grown:?}");
+        assert!(d.acceptance(9) > 0.9);
+        d.forget(9);
+        assert_eq!(d.acceptance(9), 0.6, "forgotten: back to the prior");
+    }
+
+    #[test]
+    fn the_wrapped_ngram_drafter_still_proposes_its_matches() {
+        let mut d = Adaptive::new(NgramDrafter::new(NgramConfig::default()).unwrap(), AdaptiveConfig::default());
+        d.extend(1, &[10, 11, 12, 13, 14, 99, 10, 11, 12]);
+        let p = d.propose(1, 7);
+        assert!(!p.is_empty() && [13, 14, 99, 10, 11, 12].starts_with(&p), "{p:?}");
+        assert_eq!(d.len(1), 9);
+    }
+}
