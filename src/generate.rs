@@ -249,7 +249,8 @@ pub fn rank_backend_makers(
         return Ok(vec![Box::new(move || make_backend(&bundle, &sel, kv))]);
     }
     let cfg = &bundle.config;
-    let refuse = |reason: String| BackendError::Unavailable { device: format!("{:?}", sel.kind).to_lowercase(), reason };
+    let refuse =
+        |reason: String| BackendError::Unavailable { device: format!("{:?}", sel.kind).to_lowercase(), reason };
     if crate::model::glm5_next::MODEL_TYPES.contains(&cfg.model_type.as_str()) {
         return Err(refuse(format!(
             "tensor parallelism is implemented for the llama family only, not `{}` yet; use --tp 1",
@@ -271,7 +272,8 @@ pub fn rank_backend_makers(
         DeviceKind::Cuda => {
             let ordinals = crate::backend::cuda::group_devices(sel.cuda_ordinal, world)?;
             for comm in crate::backend::cuda::nccl_group(&ordinals)? {
-                let (bundle, opts) = (bundle.clone(), CudaOptions { ordinal: comm.ordinal(), kv, precision: sel.cuda_precision });
+                let (bundle, opts) =
+                    (bundle.clone(), CudaOptions { ordinal: comm.ordinal(), kv, precision: sel.cuda_precision });
                 makers.push(Box::new(move || {
                     let b = crate::backend::cuda::load_rank(&bundle.config, bundle.weights.as_ref(), opts, comm)?;
                     Ok(Box::new(b) as Box<dyn Backend>)

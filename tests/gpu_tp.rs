@@ -109,7 +109,9 @@ fn tiny_hf_fixtures_at_tp2_match_tp1() {
                 precision,
                 &ids,
                 24,
-                |world| TpCudaBackend::new(&bundle.config, bundle.weights.as_ref(), opts(geom, precision), world).unwrap(),
+                |world| {
+                    TpCudaBackend::new(&bundle.config, bundle.weights.as_ref(), opts(geom, precision), world).unwrap()
+                },
                 &mut failures,
             );
         }

@@ -267,7 +267,8 @@ pub async fn start_engine(
     .map_err(|e| EngineError::Executor(e.to_string()))?;
     // One executor per tensor-parallel rank, each loading its shard on its own thread; the
     // scheduler sends every step to all of them.
-    let makers = rank_backend_makers(Arc::new(bundle), &opts.device, kv).map_err(|e| EngineError::Invalid(e.to_string()))?;
+    let makers =
+        rank_backend_makers(Arc::new(bundle), &opts.device, kv).map_err(|e| EngineError::Invalid(e.to_string()))?;
     let mut executors = Vec::with_capacity(makers.len());
     for (rank, make) in makers.into_iter().enumerate() {
         let make_backend = Box::new(move || make().map_err(|e| e.to_string()));
@@ -277,7 +278,9 @@ pub async fn start_engine(
                 .map_err(|e| EngineError::Executor(e.to_string()))?;
         executors.push(executor);
     }
-    scheduler.cast(SchedulerMsg::AttachExecutor(executors.clone())).map_err(|e| EngineError::Executor(e.to_string()))?;
+    scheduler
+        .cast(SchedulerMsg::AttachExecutor(executors.clone()))
+        .map_err(|e| EngineError::Executor(e.to_string()))?;
     Ok(Arc::new(Engine { info, config, counters, scheduler, executors, drafter }))
 }
 

@@ -224,14 +224,14 @@ impl Actor for ExecutorActor {
                         .unwrap_or_else(|_| {
                             backend.abort_collectives(&format!("the backend of rank {rank} panicked"));
                             StepResult {
-                            step_id: plan.step_id,
-                            rank,
-                            sampled: Vec::new(),
-                            elapsed: Duration::ZERO,
-                            prefill_tokens: 0,
-                            decode_tokens: 0,
-                            error: Some(format!("the backend of rank {rank} panicked")),
-                        }
+                                step_id: plan.step_id,
+                                rank,
+                                sampled: Vec::new(),
+                                elapsed: Duration::ZERO,
+                                prefill_tokens: 0,
+                                decode_tokens: 0,
+                                error: Some(format!("the backend of rank {rank} panicked")),
+                            }
                         });
                         if scheduler.cast(SchedulerMsg::StepDone(result)).is_err() {
                             break;

@@ -35,7 +35,8 @@ impl RankBook {
     /// ranks' parts side by side).
     pub fn on_ready(&mut self, rank: usize, r: RankReady) -> Result<Option<RankReady>, String> {
         let world = self.world();
-        let slot = self.ready.get_mut(rank).ok_or_else(|| format!("rank {rank} reported ready in a group of {world}"))?;
+        let slot =
+            self.ready.get_mut(rank).ok_or_else(|| format!("rank {rank} reported ready in a group of {world}"))?;
         if slot.replace(r).is_some() {
             return Err(format!("rank {rank} reported ready twice"));
         }
@@ -67,9 +68,10 @@ impl RankBook {
         }
         let mut all: Vec<StepResult> = self.results.iter_mut().map(|r| r.take().expect("checked above")).collect();
         let elapsed = all.iter().map(|r| r.elapsed).max().unwrap_or_default();
-        let error = all.iter().enumerate().find_map(|(i, r)| {
-            r.error.as_ref().map(|e| if world > 1 { format!("rank {i}: {e}") } else { e.clone() })
-        });
+        let error = all
+            .iter()
+            .enumerate()
+            .find_map(|(i, r)| r.error.as_ref().map(|e| if world > 1 { format!("rank {i}: {e}") } else { e.clone() }));
         let mut lead = all.swap_remove(0);
         if let Some(id) = all.iter().map(|r| r.step_id).find(|&id| id != lead.step_id) {
             lead.error = Some(format!("ranks answered different steps ({} and {id})", lead.step_id));
@@ -94,7 +96,11 @@ mod tests {
         StepResult {
             step_id,
             rank: 0,
-            sampled: if sampled { vec![(7, StepTokens { tokens: Vec::new(), drafted: 0, accepted: 0 })] } else { Vec::new() },
+            sampled: if sampled {
+                vec![(7, StepTokens { tokens: Vec::new(), drafted: 0, accepted: 0 })]
+            } else {
+                Vec::new()
+            },
             elapsed: Duration::from_millis(ms),
             prefill_tokens: 3,
             decode_tokens: 1,

@@ -14,9 +14,9 @@ use tokio::sync::mpsc::Sender;
 
 use super::drafter::{DraftUpdate, DrafterMsg};
 use super::executor::{ExecutorMsg, PlanSeq, SampleSpec, StepPlan, StepResult};
-use super::ranks::{RankBook, RankReady};
 use super::handle::{EngineError, FinishReason, GenerationRequest, StreamEvent, TokenInfo};
 use super::kvpool::{KvPoolActor, KvPoolArgs, KvPoolMsg, PoolStats};
+use super::ranks::{RankBook, RankReady};
 use super::request::{RequestActor, RequestArgs, RequestMsg};
 use crate::backend::KvGeometry;
 use crate::config::engine::LaneConfig;
@@ -562,7 +562,10 @@ impl Actor for SchedulerActor {
                 if st.ranks.world() > 1 && st.args.spill.take().is_some() {
                     // Pages would have to be read from and written to every rank; only rank 0's
                     // executor is asked today.
-                    tracing::warn!(world = st.ranks.world(), "spill off under tensor parallelism (not implemented yet)");
+                    tracing::warn!(
+                        world = st.ranks.world(),
+                        "spill off under tensor parallelism (not implemented yet)"
+                    );
                 }
                 let mut cfg = st.args.policy.clone();
                 cfg.num_blocks = kv.num_blocks;

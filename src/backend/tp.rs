@@ -85,16 +85,27 @@ mod tests {
     #[test]
     fn lockstep_returns_the_lead_or_the_first_failure() {
         let mut ranks = vec![0u32; 3];
-        let out = lockstep(&mut ranks, |r| Ok(*r + 7), |r| {
-            *r += 1;
-            Ok(())
-        });
+        let out = lockstep(
+            &mut ranks,
+            |r| Ok(*r + 7),
+            |r| {
+                *r += 1;
+                Ok(())
+            },
+        );
         assert_eq!(out.unwrap(), 7);
         assert_eq!(ranks, [0, 1, 1]);
-        let e = lockstep(&mut ranks, |_| Ok(()), |r| if *r == 1 { Err(BackendError::Device("boom".into())) } else { Ok(()) });
+        let e = lockstep(
+            &mut ranks,
+            |_| Ok(()),
+            |r| if *r == 1 { Err(BackendError::Device("boom".into())) } else { Ok(()) },
+        );
         assert!(e.unwrap_err().to_string().contains("boom"));
-        let lead_first: Result<(), _> =
-            lockstep(&mut ranks, |_| Err(BackendError::Device("lead".into())), |_| Err(BackendError::Device("other".into())));
+        let lead_first: Result<(), _> = lockstep(
+            &mut ranks,
+            |_| Err(BackendError::Device("lead".into())),
+            |_| Err(BackendError::Device("other".into())),
+        );
         assert!(lead_first.unwrap_err().to_string().contains("lead"));
         let panicked = lockstep(&mut ranks, |_| Ok(()), |_| panic!("rank died"));
         assert!(panicked.unwrap_err().to_string().contains("panicked"));

@@ -181,8 +181,10 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
                 bw / 1e9,
                 100.0 * bw / copy_bw
             );
-            report.emit(serde_json::json!({"kind": "decode", "tp": world, "batch": batch, "ctx": ctx, "secs_per_step": secs,
-                "tok_per_s": batch as f64 / secs, "bytes_per_s": bw, "of_copy": bw / copy_bw}))?;
+            report.emit(
+                serde_json::json!({"kind": "decode", "tp": world, "batch": batch, "ctx": ctx, "secs_per_step": secs,
+                "tok_per_s": batch as f64 / secs, "bytes_per_s": bw, "of_copy": bw / copy_bw}),
+            )?;
         }
     }
 
@@ -219,8 +221,10 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
             flops / secs / 1e12,
             100.0 * flops / secs / gemm_rate
         );
-        report.emit(serde_json::json!({"kind": "prefill", "tp": world, "tokens": n, "secs": secs, "tok_per_s": n as f64 / secs,
-            "flops_per_s": flops / secs, "of_gemm": flops / secs / gemm_rate}))?;
+        report.emit(
+            serde_json::json!({"kind": "prefill", "tp": world, "tokens": n, "secs": secs, "tok_per_s": n as f64 / secs,
+            "flops_per_s": flops / secs, "of_gemm": flops / secs / gemm_rate}),
+        )?;
     }
     Ok(())
 }

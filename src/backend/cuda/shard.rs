@@ -297,10 +297,8 @@ pub fn cut_device(
             }
             Cut::PaddedRows { rows: r, to } => {
                 // SAFETY: `dst` has `to · cols · elem` bytes reserved in `out`.
-                unsafe {
-                    cudarc::driver::result::memset_d8_async(dst, 0, to * cols * elem, gpu.stream.cu_stream())
-                }
-                .map_err(|e| dev_err("zeroing padding rows", e))?;
+                unsafe { cudarc::driver::result::memset_d8_async(dst, 0, to * cols * elem, gpu.stream.cu_stream()) }
+                    .map_err(|e| dev_err("zeroing padding rows", e))?;
                 gpu.copy_dtod(dst, base + (r.start * cols * elem) as u64, r.len() * cols * elem)?;
             }
         }

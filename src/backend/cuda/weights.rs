@@ -117,7 +117,8 @@ impl DeviceWeights {
         }
         // Whole on every rank (see `shard`), padded with zero rows for a tied, cut lm_head.
         let embed_cut = Cut::PaddedRows { rows: 0..c.vocab_size, to: slices.embed_rows(c) };
-        let embed = upload_matrix(gpu, &embed_cut.apply(&to_f32(&w.expect(&spec.embed, &[c.vocab_size, h])?), h), prec)?;
+        let embed =
+            upload_matrix(gpu, &embed_cut.apply(&to_f32(&w.expect(&spec.embed, &[c.vocab_size, h])?), h), prec)?;
         let lm_head = if c.tie_word_embeddings {
             tied_head_slice(gpu, &embed, h, prec, slices)?
         } else {
