@@ -4,7 +4,7 @@
 //! gets its block tables from the KV pool instead.
 
 use crate::backend::cpu::{CpuBackend, CpuOptions, TpCpuBackend};
-use crate::backend::cuda::{CudaBackend, CudaOptions, Precision};
+use crate::backend::cuda::{CudaOptions, Precision, TpCudaBackend};
 use crate::backend::{Backend, BackendError, KvGeometry, SeqStep, StepLogits};
 use crate::model::{ModelBundle, ModelError};
 use crate::sampling::{sample, PenaltyState, Sampled, SamplingParams};
@@ -203,19 +203,10 @@ pub fn make_backend(
                     reason: format!("`{}` models have no CUDA kernels yet; use --device cpu", bundle.config.model_type),
                 });
             }
-            if sel.tensor_parallel > 1 {
-                return Err(BackendError::Unavailable {
-                    device: format!("cuda:{}", sel.cuda_ordinal),
-                    reason: format!(
-                        "tensor parallel size {} needs the NCCL collective, which is not available yet; \
-                         use --tp 1 on CUDA or --device cpu",
-                        sel.tensor_parallel
-                    ),
-                });
-            }
             let opts = CudaOptions { ordinal: sel.cuda_ordinal, kv, precision: sel.cuda_precision };
-            let b = CudaBackend::new(&bundle.config, bundle.weights.as_ref(), opts)?;
+            let b = TpCudaBackend::new(&bundle.config, bundle.weights.as_ref(), opts, sel.tensor_parallel.max(1))?;
             tracing::info!(
+                tensor_parallel = b.world_size(),
                 weights_mib = b.weight_bytes() / (1 << 20),
                 kv_mib = b.kv_bytes() / (1 << 20),
                 kv_tokens = kv.capacity_tokens(),
@@ -240,6 +231,85 @@ pub fn make_backend(
         }
     };
     Ok(b)
+}
+
+/// Builds one rank's backend on the thread that will use it (its executor's).
+pub type BackendMaker = Box<dyn FnOnce() -> Result<Box<dyn Backend>, BackendError> + Send>;
+
+/// One backend builder per tensor-parallel rank of the selection (one executor per rank): the
+/// group's communicators are made here (CPU: an in-process group; CUDA: NCCL over devices
+/// `cuda_ordinal..cuda_ordinal + N`), each rank's weights are loaded by its own builder. At one
+/// rank, the single builder is [`make_backend`].
+pub fn rank_backend_makers(
+    bundle: std::sync::Arc<ModelBundle>,
+    sel: &DeviceSelection,
+    kv: KvGeometry,
+) -> Result<Vec<BackendMaker>, BackendError> {
+    let world = sel.tensor_parallel.max(1);
+    if world == 1 {
+        let sel = *sel;
+        return Ok(vec![Box::new(move || make_backend(&bundle, &sel, kv))]);
+    }
+    let cfg = &bundle.config;
+    let refuse =
+        |reason: String| BackendError::Unavailable { device: format!("{:?}", sel.kind).to_lowercase(), reason };
+    if crate::model::glm5_next::MODEL_TYPES.contains(&cfg.model_type.as_str()) {
+        return Err(refuse(format!(
+            "tensor parallelism is implemented for the llama family only, not `{}` yet; use --tp 1",
+            cfg.model_type
+        )));
+    }
+    // The plan is checked before anything is loaded, so a bad size fails at once with its number.
+    let rank0 = crate::parallel::TpRank::new(0, world).map_err(|e| refuse(e.to_string()))?;
+    crate::parallel::LlamaShard::new(
+        rank0,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+    )
+    .map_err(|e| refuse(e.to_string()))?;
+    let mut makers: Vec<BackendMaker> = Vec::with_capacity(world);
+    match sel.resolve() {
+        DeviceKind::Cuda => {
+            let ordinals = crate::backend::cuda::group_devices(sel.cuda_ordinal, world)?;
+            for comm in crate::backend::cuda::nccl_group(&ordinals)? {
+                let (bundle, opts) =
+                    (bundle.clone(), CudaOptions { ordinal: comm.ordinal(), kv, precision: sel.cuda_precision });
+                makers.push(Box::new(move || {
+                    let b = crate::backend::cuda::load_rank(&bundle.config, bundle.weights.as_ref(), opts, comm)?;
+                    Ok(Box::new(b) as Box<dyn Backend>)
+                }));
+            }
+        }
+        _ => {
+            let total = if sel.threads == 0 {
+                std::thread::available_parallelism().map_or(1, |n| n.get())
+            } else {
+                sel.threads
+            };
+            let opts = CpuOptions { threads: (total / world).max(1), kv, kv_precision: None };
+            let comms = crate::parallel::LocalComm::group(world, crate::backend::cpu::COLLECTIVE_TIMEOUT)
+                .map_err(|e| refuse(e.to_string()))?;
+            for (rank, comm) in comms.into_iter().enumerate() {
+                let bundle = bundle.clone();
+                let rank = crate::parallel::TpRank::new(rank, world).map_err(|e| refuse(e.to_string()))?;
+                makers.push(Box::new(move || {
+                    let shard = crate::backend::cpu::TpShard { rank, comm: std::sync::Arc::new(comm) };
+                    let b = CpuBackend::new_shard(&bundle.config, bundle.weights.as_ref(), opts, Some(shard))?;
+                    tracing::info!(
+                        rank = rank.rank,
+                        world,
+                        weights_mib = b.weight_bytes() / (1 << 20),
+                        threads = b.threads(),
+                        "tensor-parallel rank loaded on cpu"
+                    );
+                    Ok(Box::new(b) as Box<dyn Backend>)
+                }));
+            }
+        }
+    }
+    Ok(makers)
 }
 
 /// A boxed backend is a backend (the CLI and executor pick the device at run time).
@@ -290,6 +360,10 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
 
     fn write_state_slot(&mut self, slot: u32, image: &[u8]) -> Result<(), BackendError> {
         (**self).write_state_slot(slot, image)
+    }
+
+    fn abort_collectives(&self, reason: &str) {
+        (**self).abort_collectives(reason)
     }
 }
 

@@ -1,8 +1,9 @@
 //! CPU tensor parallelism against the unsharded backend: TP=2 and TP=4 must give the same greedy
 //! continuation as TP=1 and logits within max relative error 1e-5 (max |Δ| / max(|ref|, 1) per
 //! position, f32 KV): the shards add the same products in a different order, nothing more. The
-//! HF fixtures (whose own goldens come from transformers) run at TP=2 — their 2 kv heads do not
-//! split 4 ways — and are also checked against the transformers greedy output; a synthetic
+//! HF fixtures (whose own goldens come from transformers) run at TP=2 and at TP=4 — where their 2
+//! kv heads are replicated, each on the two ranks whose query heads use it — and are also checked
+//! against the transformers greedy output; a synthetic
 //! llama with 8 heads / 4 kv heads and an uneven vocabulary (301, so the last rank's logits slice
 //! is padded) runs at TP=2 and TP=4 in f32 and in quantized (Q8_0, Q4_1) storage; and the real
 //! SmolLM2 GGUF runs at TP=3 (9 heads, 3 kv heads), widened to f32 and as shipped (quantized,
@@ -64,8 +65,14 @@ fn compare_within(
     for &world in worlds {
         let tp = TpCpuBackend::new(cfg, w, opts(geom), world).unwrap();
         assert_eq!(tp.world_size(), world);
-        // The shards partition the matrices: together they hold what one unsharded backend holds.
-        assert_eq!(tp.weight_bytes(), CpuBackend::new(cfg, w, opts(geom)).unwrap().weight_bytes(), "{what}");
+        // The shards partition the matrices: together they hold what one unsharded backend holds
+        // (more where kv heads are replicated: k/v rows are then held by several ranks).
+        let whole = CpuBackend::new(cfg, w, opts(geom)).unwrap().weight_bytes();
+        if cfg.num_key_value_heads % world == 0 {
+            assert_eq!(tp.weight_bytes(), whole, "{what}");
+        } else {
+            assert!(tp.weight_bytes() > whole, "{what}: replicated kv heads are held twice");
+        }
         let (logits, greedy) = run(tp, ids);
         let err = shelfserve::fidelity::compare(&ref_logits, &logits, cfg.vocab_size).max_rel_logit_err;
         println!("{what:<24} tp={world} max rel err {err:.3e} greedy same: {}", greedy == ref_greedy);
@@ -79,13 +86,13 @@ fn compare_within(
 }
 
 #[test]
-fn hf_fixtures_at_tp2_match_tp1_and_transformers() {
+fn hf_fixtures_at_tp2_and_tp4_match_tp1_and_transformers() {
     let mut failures = Vec::new();
     for name in ["llama3-tiny", "qwen2-tiny", "qwen3-tiny", "mistral-tiny", "llama-tok"] {
         let dir = common::fixture(&format!("hf/{name}"));
         let bundle = shelfserve::model::open(dir.to_str().unwrap(), &CacheDir::from_env()).unwrap();
         let ids: Vec<u32> = (0..19).map(|i| (i * 37 + 11) % 500).collect();
-        compare(name, &bundle.config, bundle.weights.as_ref(), &[2], &ids, &mut failures);
+        compare(name, &bundle.config, bundle.weights.as_ref(), &[2, 4], &ids, &mut failures);
         // The sharded model also reproduces the transformers greedy continuation on its golden.
         let bytes = std::fs::read(dir.join("golden.safetensors")).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -94,17 +101,20 @@ fn hf_fixtures_at_tp2_match_tp1_and_transformers() {
             t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect()
         };
         let (prompt, expected) = (ints("ids_0"), ints("greedy_0"));
-        let tp = TpCpuBackend::new(&bundle.config, bundle.weights.as_ref(), opts(single_sequence_geometry(128, 4)), 2);
-        let mut runner = Runner::new(tp.unwrap());
-        let gen = GenerateOptions {
-            max_tokens: expected.len(),
-            sampling: SamplingParams::default(),
-            eos_token_ids: Vec::new(),
-            prefill_chunk: 3,
-        };
-        let got = runner.generate(&prompt, &gen, |_| true).unwrap().ids();
-        if got != expected {
-            failures.push(format!("{name} tp=2: greedy {got:?} != transformers {expected:?}"));
+        for world in [2, 4] {
+            let geom = single_sequence_geometry(128, 4);
+            let tp = TpCpuBackend::new(&bundle.config, bundle.weights.as_ref(), opts(geom), world);
+            let mut runner = Runner::new(tp.unwrap());
+            let gen = GenerateOptions {
+                max_tokens: expected.len(),
+                sampling: SamplingParams::default(),
+                eos_token_ids: Vec::new(),
+                prefill_chunk: 3,
+            };
+            let got = runner.generate(&prompt, &gen, |_| true).unwrap().ids();
+            if got != expected {
+                failures.push(format!("{name} tp={world}: greedy {got:?} != transformers {expected:?}"));
+            }
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
@@ -162,8 +172,10 @@ fn indivisible_tensor_parallel_sizes_are_refused_with_the_number() {
     let geom = single_sequence_geometry(16, 4);
     let e = TpCpuBackend::new(&cfg, &w, opts(geom), 3).err().unwrap().to_string();
     assert!(e.contains("does not divide the attention heads (4)"), "{e}");
-    let e = TpCpuBackend::new(&cfg, &w, opts(geom), 4).err().unwrap().to_string();
-    assert!(e.contains("does not divide the key/value heads (2)"), "{e}");
+    // Kv heads are replicated when the group size is a multiple of them, refused otherwise.
+    let odd = LlamaConfig { num_attention_heads: 12, num_key_value_heads: 4, intermediate_size: 120, ..cfg.clone() };
+    let e = TpCpuBackend::new(&odd, &SyntheticWeights::new(&odd, DType::F32, 1), opts(geom), 6).err().unwrap();
+    assert!(e.to_string().contains("neither divides the key/value heads (4)"), "{e}");
     assert!(TpCpuBackend::new(&cfg, &w, opts(geom), 0).is_err());
 }
 
@@ -246,4 +258,53 @@ fn smollm2_widened_to_f32_at_tp3_matches_tp1() {
     let mut failures = Vec::new();
     compare_within("smollm2 widened to f32", &bundle.config, &w, &[3], &ids, 1e-4, &mut failures);
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_with_one_executor_per_rank_serves_what_tp1_serves() {
+    // The serving engine with one ExecutorActor per rank (TP=2, and TP=4 with replicated kv
+    // heads), all sent the same plans by the scheduler: four concurrent greedy requests of
+    // different lengths get exactly the replies of the unsharded engine, and those are the
+    // single-sequence runner's (itself checked against transformers above).
+    use shelfserve::actors::{start_engine, EngineOptions, InferenceEngine};
+    use shelfserve::generate::{DeviceKind, DeviceSelection};
+    let dir = common::fixture("hf/llama3-tiny");
+    let prompts: Vec<Vec<u32>> =
+        (0..4u32).map(|s| (0..9 + s * 5).map(|i| (i * 37 + s * 101 + 11) % 500).collect()).collect();
+    let mut replies = Vec::new();
+    for tp in [1, 2, 4] {
+        let bundle = shelfserve::model::open(dir.to_str().unwrap(), &CacheDir::from_env()).unwrap();
+        let mut cfg = shelfserve::config::engine::EngineConfig::builtin();
+        cfg.scheduler.kv_pool_tokens = 2048;
+        let device = DeviceSelection { kind: DeviceKind::Cpu, threads: 2, tensor_parallel: tp, ..Default::default() };
+        let e = start_engine(bundle, cfg, EngineOptions { device, served_model_name: "t".into() }).await.unwrap();
+        let t0 = std::time::Instant::now();
+        while !e.is_ready() {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(120), "tp={tp}: load timed out");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        let outs = futures_util::future::join_all(prompts.iter().map(|p| common::run_greedy(&e, p.clone(), 12))).await;
+        replies.push(outs.into_iter().map(|(ids, _)| ids).collect::<Vec<_>>());
+        e.shutdown();
+    }
+    let bundle = shelfserve::model::open(dir.to_str().unwrap(), &CacheDir::from_env()).unwrap();
+    for (p, served) in prompts.iter().zip(&replies[0]) {
+        let backend = CpuBackend::new(&bundle.config, bundle.weights.as_ref(), opts(single_sequence_geometry(64, 4)));
+        let (_, greedy) = run(backend.unwrap(), p);
+        assert_eq!(&greedy, served, "the tp=1 engine differs from the runner");
+    }
+    assert_eq!(replies[1], replies[0], "tp=2 engine");
+    assert_eq!(replies[2], replies[0], "tp=4 engine");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_refuses_an_impossible_group_before_loading() {
+    use shelfserve::actors::{start_engine, EngineOptions};
+    use shelfserve::generate::{DeviceKind, DeviceSelection};
+    let dir = common::fixture("hf/llama3-tiny"); // 4 heads, 2 kv heads
+    let bundle = shelfserve::model::open(dir.to_str().unwrap(), &CacheDir::from_env()).unwrap();
+    let device = DeviceSelection { kind: DeviceKind::Cpu, threads: 2, tensor_parallel: 3, ..Default::default() };
+    let cfg = shelfserve::config::engine::EngineConfig::builtin();
+    let e = start_engine(bundle, cfg, EngineOptions { device, served_model_name: "t".into() }).await.err().unwrap();
+    assert!(e.to_string().contains("does not divide the attention heads (4)"), "{e}");
 }

@@ -14,7 +14,7 @@ use super::kvpool::PoolStats;
 use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg, SchedulerStats, SharedCounters};
 use crate::backend::KvGeometry;
 use crate::config::engine::EngineConfig;
-use crate::generate::{make_backend, DeviceSelection};
+use crate::generate::{rank_backend_makers, DeviceSelection};
 use crate::kv::PoolIdentity;
 use crate::model::ModelBundle;
 use crate::sched::{align_budget_to_pages, PolicyConfig};
@@ -67,7 +67,8 @@ pub struct Engine {
     config: EngineConfig,
     counters: Arc<SharedCounters>,
     scheduler: ActorRef<SchedulerMsg>,
-    executor: ActorRef<ExecutorMsg>,
+    /// One per tensor-parallel rank, rank 0 first.
+    executors: Vec<ActorRef<ExecutorMsg>>,
     drafter: Option<ActorRef<DrafterMsg>>,
 }
 
@@ -221,7 +222,11 @@ pub async fn start_engine(
         model_fingerprint: fingerprint,
         // The device and its precision decide the image layout (CPU f16/f32 follows the weights,
         // which the fingerprint covers).
-        kv_layout: format!("{:?}/{:?}/block{}", opts.device.kind, opts.device.cuda_precision, kv.block_size),
+        kv_layout: match opts.device.tensor_parallel {
+            0 | 1 => format!("{:?}/{:?}/block{}", opts.device.kind, opts.device.cuda_precision, kv.block_size),
+            // Each rank's blocks hold its own kv heads.
+            tp => format!("{:?}/{:?}/block{}/tp{tp}", opts.device.kind, opts.device.cuda_precision, kv.block_size),
+        },
         rank: 0,
     };
     // Unnamed actors: ractor's registry is process-wide, and tests run several engines.
@@ -254,14 +259,23 @@ pub async fn start_engine(
     )
     .await
     .map_err(|e| EngineError::Executor(e.to_string()))?;
-    let device = opts.device;
-    let make_backend = Box::new(move || make_backend(&bundle, &device, kv).map_err(|e| e.to_string()));
-    let (executor, _) =
-        Actor::spawn(None, ExecutorActor, ExecutorArgs { make_backend, scheduler: scheduler.clone(), rank: 0 })
-            .await
-            .map_err(|e| EngineError::Executor(e.to_string()))?;
-    scheduler.cast(SchedulerMsg::AttachExecutor(executor.clone())).map_err(|e| EngineError::Executor(e.to_string()))?;
-    Ok(Arc::new(Engine { info, config, counters, scheduler, executor, drafter }))
+    // One executor per tensor-parallel rank, each loading its shard on its own thread; the
+    // scheduler sends every step to all of them.
+    let makers =
+        rank_backend_makers(Arc::new(bundle), &opts.device, kv).map_err(|e| EngineError::Invalid(e.to_string()))?;
+    let mut executors = Vec::with_capacity(makers.len());
+    for (rank, make) in makers.into_iter().enumerate() {
+        let make_backend = Box::new(move || make().map_err(|e| e.to_string()));
+        let (executor, _) =
+            Actor::spawn(None, ExecutorActor, ExecutorArgs { make_backend, scheduler: scheduler.clone(), rank })
+                .await
+                .map_err(|e| EngineError::Executor(e.to_string()))?;
+        executors.push(executor);
+    }
+    scheduler
+        .cast(SchedulerMsg::AttachExecutor(executors.clone()))
+        .map_err(|e| EngineError::Executor(e.to_string()))?;
+    Ok(Arc::new(Engine { info, config, counters, scheduler, executors, drafter }))
 }
 
 impl Engine {
@@ -284,7 +298,7 @@ impl Engine {
     pub fn shutdown(&self) {
         self.counters.ready.store(false, Ordering::SeqCst);
         self.scheduler.stop(None);
-        self.executor.stop(None);
+        self.executors.iter().for_each(|e| e.stop(None));
         if let Some(d) = &self.drafter {
             d.stop(None);
         }

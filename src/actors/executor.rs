@@ -1,6 +1,8 @@
 //! `ExecutorActor`: one per rank. It owns a backend (device, weights, KV memory) on a dedicated OS
-//! thread, runs exactly the `StepPlan` it is sent, samples where the plan says so, and reports
-//! the result to the scheduler. No policy lives here.
+//! thread, runs exactly the `StepPlan` it is sent, samples where the plan says so (rank 0 only:
+//! under tensor parallelism every rank runs the same plan in lockstep, joined by the backend's
+//! collectives, and the others report only success or failure), and reports the result to the
+//! scheduler. No policy lives here.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -50,6 +52,8 @@ pub struct StepPlan {
 #[derive(Debug)]
 pub struct StepResult {
     pub step_id: u64,
+    /// The tensor-parallel rank that ran it (0 without tensor parallelism).
+    pub rank: usize,
     /// Emitted tokens per sequence that asked for them, in plan order: one without drafts;
     /// accepted drafts plus the target's next token with them.
     pub sampled: Vec<(SeqId, StepTokens)>,
@@ -100,7 +104,8 @@ pub struct ExecutorState {
     thread: Option<JoinHandle<()>>,
 }
 
-fn run_plan(backend: &mut dyn Backend, plan: &StepPlan) -> StepResult {
+/// Run `plan` on `backend`; rank 0 samples, the other ranks only run the forward pass.
+fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResult {
     let start = Instant::now();
     let steps: Vec<SeqStep<'_>> = plan
         .seqs
@@ -119,6 +124,7 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan) -> StepResult {
     let decode_tokens = plan.seqs.iter().filter(|s| is_decode(s)).map(|s| s.tokens.len()).sum();
     let mut result = StepResult {
         step_id: plan.step_id,
+        rank,
         sampled: Vec::new(),
         elapsed: Duration::ZERO,
         prefill_tokens,
@@ -127,10 +133,13 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan) -> StepResult {
     };
     // Sequences verifying drafts ask the backend to keep per-token recurrent state, and are
     // committed to their accepted length right after sampling (a no-op without recurrent state).
+    // Only rank 0 samples, so only it knows the accepted length: tensor parallelism is refused for
+    // models with recurrent state (see `generate::rank_backend_makers`).
     let verify: Vec<bool> = plan.seqs.iter().map(|s| s.num_draft > 0 && s.sample.is_some()).collect();
     let forward =
         if verify.contains(&true) { backend.forward_verify(&steps, &verify) } else { backend.forward(&steps) };
     match forward {
+        Ok(_) if rank != 0 => {}
         Ok(logits) => {
             for (i, s) in plan.seqs.iter().enumerate() {
                 let Some(spec) = &s.sample else { continue };
@@ -223,7 +232,22 @@ impl Actor for ExecutorActor {
             while let Ok(job) = rx.recv() {
                 match job {
                     Job::Step(plan) => {
-                        let result = run_plan(backend.as_mut(), &plan);
+                        // A panicking backend must still answer, or the scheduler waits forever.
+                        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            run_plan(backend.as_mut(), &plan, rank)
+                        }))
+                        .unwrap_or_else(|_| {
+                            backend.abort_collectives(&format!("the backend of rank {rank} panicked"));
+                            StepResult {
+                                step_id: plan.step_id,
+                                rank,
+                                sampled: Vec::new(),
+                                elapsed: Duration::ZERO,
+                                prefill_tokens: 0,
+                                decode_tokens: 0,
+                                error: Some(format!("the backend of rank {rank} panicked")),
+                            }
+                        });
                         if scheduler.cast(SchedulerMsg::StepDone(result)).is_err() {
                             break;
                         }

@@ -16,6 +16,7 @@ use super::drafter::{DraftUpdate, DrafterMsg};
 use super::executor::{ExecutorMsg, PlanSeq, SampleSpec, StepPlan, StepResult};
 use super::handle::{EngineError, FinishReason, GenerationRequest, StreamEvent, TokenInfo};
 use super::kvpool::{KvPoolActor, KvPoolArgs, KvPoolMsg, PoolStats};
+use super::ranks::{RankBook, RankReady};
 use super::request::{RequestActor, RequestArgs, RequestMsg};
 use crate::backend::KvGeometry;
 use crate::config::engine::LaneConfig;
@@ -43,8 +44,9 @@ pub enum SchedulerMsg {
         reply: PoolReply,
         for_step: bool,
     },
-    /// The executor actor for rank 0 (sent once, right after it is spawned).
-    AttachExecutor(ActorRef<ExecutorMsg>),
+    /// The executor actors, one per tensor-parallel rank in rank order (sent once, right after
+    /// they are spawned). Every step goes to all of them; rank 0 samples.
+    AttachExecutor(Vec<ActorRef<ExecutorMsg>>),
     ExecutorReady {
         rank: usize,
         kv: KvGeometry,
@@ -128,7 +130,12 @@ pub struct SchedulerState {
     /// The last plan came back empty because admissions wait for pages read back from disk:
     /// plan again only when something changes (restore ended, step done, submit, cancel).
     restore_wait: bool,
+    /// Rank 0's executor (the one that samples, and reads/writes pages for the spill tier).
     executor: Option<ActorRef<ExecutorMsg>>,
+    /// The other ranks' executors, sent the same plans.
+    followers: Vec<ActorRef<ExecutorMsg>>,
+    /// Which ranks have loaded and answered the step in flight.
+    ranks: RankBook,
     in_flight: bool,
     next_step: u64,
     next_seq: SeqId,
@@ -317,7 +324,9 @@ impl SchedulerState {
             })
             .collect();
         self.next_step += 1;
-        if exec.cast(ExecutorMsg::Run(StepPlan { step_id: self.next_step, seqs })).is_ok() {
+        let plan = StepPlan { step_id: self.next_step, seqs };
+        let followers_sent = self.followers.iter().all(|f| f.cast(ExecutorMsg::Run(plan.clone())).is_ok());
+        if followers_sent && exec.cast(ExecutorMsg::Run(plan)).is_ok() {
             self.in_flight = true;
         } else if let Some(p) = self.policy.as_mut() {
             for id in p.on_step_failed() {
@@ -436,6 +445,8 @@ impl Actor for SchedulerActor {
             awaiting_pool: false,
             restore_wait: false,
             executor: None,
+            followers: Vec::new(),
+            ranks: RankBook::new(1),
             in_flight: false,
             next_step: 0,
             next_seq: 0,
@@ -515,6 +526,8 @@ impl Actor for SchedulerActor {
                 st.plan_next_step().await;
             }
             SchedulerMsg::StepDone(r) => {
+                // Under tensor parallelism the step is done when every rank has answered.
+                let Some(r) = st.ranks.on_result(r.rank, r) else { return Ok(()) };
                 st.on_step_done(r);
                 st.restore_wait = false;
                 st.plan_next_step().await;
@@ -533,11 +546,27 @@ impl Actor for SchedulerActor {
                 st.on_pool_committed(reply, for_step);
                 st.maybe_step();
             }
-            SchedulerMsg::AttachExecutor(exec) => {
-                st.executor = Some(exec);
+            SchedulerMsg::AttachExecutor(execs) => {
+                st.ranks = RankBook::new(execs.len());
+                st.executor = execs.first().cloned();
+                st.followers = execs.into_iter().skip(1).collect();
                 st.plan_next_step().await;
             }
             SchedulerMsg::ExecutorReady { rank, kv, kv_block_bytes, state_slot_bytes } => {
+                // The group is ready when every rank is; its KV image is the ranks' side by side.
+                let Some(RankReady { kv, kv_block_bytes, state_slot_bytes }) =
+                    st.ranks.on_ready(rank, RankReady { kv, kv_block_bytes, state_slot_bytes })?
+                else {
+                    return Ok(());
+                };
+                if st.ranks.world() > 1 && st.args.spill.take().is_some() {
+                    // Pages would have to be read from and written to every rank; only rank 0's
+                    // executor is asked today.
+                    tracing::warn!(
+                        world = st.ranks.world(),
+                        "spill off under tensor parallelism (not implemented yet)"
+                    );
+                }
                 let mut cfg = st.args.policy.clone();
                 cfg.num_blocks = kv.num_blocks;
                 cfg.block_size = kv.block_size;

@@ -6,6 +6,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod tp;
 
 use crate::model::ModelError;
 
@@ -153,6 +154,11 @@ pub trait Backend: Send {
             )))
         }
     }
+
+    /// Release the other ranks of this backend's tensor-parallel group from any collective they
+    /// wait in (this rank failed outside `forward`'s own error handling, e.g. it panicked).
+    /// Nothing to do for a backend that is not one rank of a group.
+    fn abort_collectives(&self, _reason: &str) {}
 }
 
 /// Check a KV image against the blocks it is meant for: the block ids in range and the image

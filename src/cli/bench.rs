@@ -11,7 +11,7 @@ use std::time::Instant;
 use clap::Args;
 
 use super::CliError;
-use crate::backend::cuda::{device_memory, CudaBackend, CudaOptions, Precision};
+use crate::backend::cuda::{device_memory, CudaOptions, Precision, TpCudaBackend};
 use crate::backend::{BackendError, KvGeometry, SeqStep};
 use crate::config::LlamaConfig;
 use crate::model::llama::LlamaSpec;
@@ -37,6 +37,10 @@ pub struct BenchArgs {
     pub block_size: usize,
     #[arg(long, default_value_t = 0)]
     pub cuda_device: usize,
+    /// Tensor-parallel ranks: the model is split over devices `cuda_device..cuda_device + N`
+    /// (NCCL; set NCCL_NVLS_ENABLE=0).
+    #[arg(long = "tensor-parallel-size", visible_alias = "tp", default_value_t = 1)]
+    pub tensor_parallel_size: usize,
     /// Append one JSON object per measurement to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -76,15 +80,19 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
     let text = std::fs::read_to_string(&args.config)?;
     let cfg = LlamaConfig::from_hf_json(&text, &args.config)?;
     let spec = LlamaSpec::new(&cfg);
+    let world = args.tensor_parallel_size.max(1);
     let weight_bytes = spec.decode_weight_elems() * 2;
     let kv_token_bytes = cfg.num_hidden_layers * 2 * cfg.kv_dim() * 2;
+    // Per device: its share of the weights (plus the whole embedding and the seeded whole tensor
+    // a rank cuts its share from) and of every token's KV.
+    let (device_weights, device_kv_token) = (weight_bytes / world, kv_token_bytes / world);
     let (free, total) = device_memory(args.cuda_device).map_err(device)?;
     // Everything but the weights and ~8 GiB of scratch (prefill activations, logits) is KV.
-    let kv_budget = free.saturating_sub(weight_bytes + (cfg.vocab_size + cfg.hidden_size) * 2 + (8 << 30));
-    let block_bytes = kv_token_bytes * args.block_size;
+    let kv_budget = free.saturating_sub(device_weights + (cfg.vocab_size + cfg.hidden_size) * 4 + (8 << 30));
+    let block_bytes = device_kv_token * args.block_size;
     let geom = KvGeometry { block_size: args.block_size, num_blocks: (kv_budget / block_bytes).max(1), state_slots: 0 };
     eprintln!(
-        "bench: {} ({} layers, hidden {}): weights {:.2} GB, KV {:.0} KiB/token; device {:.0}/{:.0} GiB free; KV store {} tokens",
+        "bench: {} ({} layers, hidden {}), tensor parallel {world}: weights {:.2} GB, KV {:.0} KiB/token; device {:.0}/{:.0} GiB free; KV store {} tokens",
         args.config.display(),
         cfg.num_hidden_layers,
         cfg.hidden_size,
@@ -96,21 +104,22 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
     );
     let started = Instant::now();
     let opts = CudaOptions { ordinal: args.cuda_device, kv: geom, precision: Precision::Bf16 };
-    let mut b = CudaBackend::synthetic(&cfg, 1234, opts).map_err(device)?;
+    let mut b = TpCudaBackend::synthetic(&cfg, 1234, opts, world).map_err(device)?;
     b.fill_kv_random(99).map_err(device)?;
-    eprintln!("bench: weights generated on {} in {:.1}s", b.gpu_name(), started.elapsed().as_secs_f64());
+    let gpu_name = b.lead().gpu_name().to_string();
+    eprintln!("bench: weights generated on {world} x {gpu_name} in {:.1}s", started.elapsed().as_secs_f64());
     let mut report = Report { json: args.json.as_ref().map(std::fs::File::create).transpose()? };
     let name = args.config.file_stem().map_or("model".into(), |s| s.to_string_lossy().to_string());
+    let name = if world > 1 { format!("{name}/tp{world}") } else { name };
 
     eprintln!("bench: measuring ceilings (2 GiB copy, 8192³ bf16 GEMM)");
-    let (copy_bw, gemm_rate) = b.measure_ceilings(2 << 30, 8192, 10).map_err(device)?;
+    let (copy_bw, gemm_rate) = b.lead().measure_ceilings(2 << 30, 8192, 10).map_err(device)?;
     println!(
-        "device {}   copy bandwidth {:.0} GB/s   bf16 GEMM {:.0} TFLOP/s",
-        b.gpu_name(),
+        "device {gpu_name} x {world}   copy bandwidth {:.0} GB/s   bf16 GEMM {:.0} TFLOP/s (one device)",
         copy_bw / 1e9,
         gemm_rate / 1e12
     );
-    report.emit(serde_json::json!({"kind": "ceiling", "copy_bytes_per_s": copy_bw, "gemm_flops": gemm_rate, "gpu": b.gpu_name()}))?;
+    report.emit(serde_json::json!({"kind": "ceiling", "copy_bytes_per_s": copy_bw, "gemm_flops": gemm_rate, "gpu": gpu_name, "tp": world}))?;
 
     println!(
         "{:<10} {:>6} {:>6} {:>10} {:>10} {:>10} {:>8}",
@@ -131,7 +140,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
                 (0..batch).map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect()).collect();
             let mut pos = ctx;
             let mut ids: Vec<u32> = (0..batch as u32).map(|i| (i * 7919 + 11) % vocab).collect();
-            let step = |b: &mut CudaBackend, pos: usize, ids: &mut Vec<u32>| -> Result<(), BackendError> {
+            let step = |b: &mut TpCudaBackend, pos: usize, ids: &mut Vec<u32>| -> Result<(), BackendError> {
                 let batch_steps: Vec<SeqStep<'_>> = ids
                     .iter()
                     .zip(&tables)
@@ -159,7 +168,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
             }
             let secs = t0.elapsed().as_secs_f64() / args.steps as f64;
             let mean_ctx = ctx + 3 + args.steps / 2;
-            let bytes = weight_bytes as f64 + (batch * mean_ctx * kv_token_bytes) as f64;
+            // Bytes per device (each reads its share), against one device's copy bandwidth.
+            let bytes = device_weights as f64 + (batch * mean_ctx * device_kv_token) as f64;
             let bw = bytes / secs;
             println!(
                 "{:<10} {:>6} {:>6} {:>10.2} {:>10.0} {:>10.0} {:>7.0}%",
@@ -171,8 +181,10 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
                 bw / 1e9,
                 100.0 * bw / copy_bw
             );
-            report.emit(serde_json::json!({"kind": "decode", "batch": batch, "ctx": ctx, "secs_per_step": secs,
-                "tok_per_s": batch as f64 / secs, "bytes_per_s": bw, "of_copy": bw / copy_bw}))?;
+            report.emit(
+                serde_json::json!({"kind": "decode", "tp": world, "batch": batch, "ctx": ctx, "secs_per_step": secs,
+                "tok_per_s": batch as f64 / secs, "bytes_per_s": bw, "of_copy": bw / copy_bw}),
+            )?;
         }
     }
 
@@ -209,8 +221,10 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
             flops / secs / 1e12,
             100.0 * flops / secs / gemm_rate
         );
-        report.emit(serde_json::json!({"kind": "prefill", "tokens": n, "secs": secs, "tok_per_s": n as f64 / secs,
-            "flops_per_s": flops / secs, "of_gemm": flops / secs / gemm_rate}))?;
+        report.emit(
+            serde_json::json!({"kind": "prefill", "tp": world, "tokens": n, "secs": secs, "tok_per_s": n as f64 / secs,
+            "flops_per_s": flops / secs, "of_gemm": flops / secs / gemm_rate}),
+        )?;
     }
     Ok(())
 }

@@ -1,5 +1,7 @@
-//! Collectives behind one trait: the in-process implementation for CPU ranks (threads of one
-//! process), here; NCCL for CUDA ranks lives with the CUDA backend and implements the same trait.
+//! Collectives behind two traits: [`Collective`] on host `f32` slices, with the in-process
+//! implementation for CPU ranks (threads of one process) here, and [`DeviceCollective`] on device
+//! memory, implemented by NCCL in the CUDA backend (`backend::cuda::nccl`). Both have the same
+//! semantics (sum in place, gather in rank order, abort releases the group).
 //!
 //! Reductions add the ranks' contributions in rank order on every rank, so all ranks hold
 //! bitwise-identical results and a run is reproducible (the same choice NCCL makes for a fixed
@@ -33,6 +35,28 @@ pub trait Collective: Send + Sync {
     /// (`out.len() == local.len() * world_size`).
     fn all_gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), CollectiveError>;
     /// Tell the other ranks this one failed, so they stop waiting.
+    fn abort(&self, reason: &str);
+}
+
+/// One rank's handle to a communicator over device memory: collectives are enqueued on the rank's
+/// stream (in order with its kernels) and complete asynchronously; errors are those of enqueueing
+/// (a peer's failure surfaces when the stream is synchronised, after the group was aborted).
+pub trait DeviceCollective: Send + Sync {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    /// Element-wise sum over ranks of `count` f32 at device address `buf`, in place.
+    ///
+    /// # Safety
+    /// `buf` must point to `count` f32 in this rank's device memory, live until the rank's stream
+    /// has passed this operation.
+    unsafe fn all_reduce_sum_f32(&self, buf: u64, count: usize) -> Result<(), CollectiveError>;
+    /// Every rank's `count` f32 at `send`, concatenated in rank order into `recv`.
+    ///
+    /// # Safety
+    /// `send` must hold `count` and `recv` `count · world_size` f32 in this rank's device memory,
+    /// live until the rank's stream has passed this operation.
+    unsafe fn all_gather_f32(&self, send: u64, recv: u64, count: usize) -> Result<(), CollectiveError>;
+    /// Tell the other ranks this one failed and release any of them waiting in a collective.
     fn abort(&self, reason: &str);
 }
 

@@ -9,5 +9,5 @@
 pub mod collective;
 pub mod plan;
 
-pub use collective::{Collective, CollectiveError, LocalComm};
+pub use collective::{Collective, CollectiveError, DeviceCollective, LocalComm};
 pub use plan::{LlamaShard, PlanError, Split, TpRank};

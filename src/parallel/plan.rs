@@ -4,7 +4,8 @@
 //!
 //! Llama family (Megatron-style):
 //! - q/k/v projections: column-parallel by heads (each rank holds whole query heads and the kv
-//!   heads they share, so attention runs locally with no communication);
+//!   heads they share, so attention runs locally with no communication; with fewer kv heads than
+//!   ranks, each kv head is replicated on the ranks whose query heads use it);
 //! - o_proj: row-parallel (input split by the same heads), partial sums all-reduced;
 //! - gate/up: column-parallel by intermediate rows; down: row-parallel, all-reduced;
 //! - embedding and lm_head: vocabulary-parallel; the embedding's rows outside a rank's range
@@ -20,6 +21,11 @@ use std::ops::Range;
 pub enum PlanError {
     #[error("tensor parallel size {world} does not divide {what} ({count}); choose a size that divides it")]
     Indivisible { what: &'static str, count: usize, world: usize },
+    #[error(
+        "tensor parallel size {world} neither divides the key/value heads ({kv_heads}) nor is a multiple of them; \
+         choose a size that does one or the other"
+    )]
+    KvHeads { kv_heads: usize, world: usize },
     #[error("invalid tensor parallel setting: {0}")]
     Invalid(String),
 }
@@ -86,8 +92,10 @@ pub struct LlamaShard {
 
 impl LlamaShard {
     /// The plan for `heads` query heads, `kv_heads` key/value heads, an MLP of `intermediate`
-    /// rows and `vocab` tokens. Query heads stay with the kv head they share (GQA), so both counts
-    /// must divide by the group size.
+    /// rows and `vocab` tokens. Query heads stay with the kv head they share (GQA): with at least
+    /// as many kv heads as ranks they are split evenly; with fewer (a group size that is a
+    /// multiple of the kv heads) each kv head is replicated on the ranks whose query heads use
+    /// it, so every rank holds exactly one kv head and attention stays local.
     pub fn new(
         tp: TpRank,
         heads: usize,
@@ -98,9 +106,20 @@ impl LlamaShard {
         if kv_heads == 0 || heads % kv_heads != 0 {
             return Err(PlanError::Invalid(format!("{heads} query heads do not group over {kv_heads} kv heads")));
         }
+        let q_heads = tp.even("the attention heads", heads)?;
+        let kv_heads = if kv_heads % tp.world == 0 {
+            tp.even("the key/value heads", kv_heads)?
+        } else if tp.world % kv_heads == 0 {
+            // `heads / world` query heads per rank divide the `heads / kv_heads` of one group
+            // (world is a multiple of kv_heads), so a rank's heads all use the same kv head.
+            let kv = q_heads.start / (heads / kv_heads);
+            kv..kv + 1
+        } else {
+            return Err(PlanError::KvHeads { kv_heads, world: tp.world });
+        };
         Ok(Self {
-            q_heads: tp.even("the attention heads", heads)?,
-            kv_heads: tp.even("the key/value heads", kv_heads)?,
+            q_heads,
+            kv_heads,
             intermediate: tp.even("the MLP intermediate size", intermediate)?,
             vocab: tp.vocab(vocab),
         })
@@ -147,6 +166,25 @@ mod tests {
             assert!(heads.iter().all(|&c| c == 1), "world {world}");
             assert!(vocab.iter().all(|&c| c == 1), "world {world}");
         }
+    }
+
+    #[test]
+    fn fewer_kv_heads_than_ranks_are_replicated_where_their_query_heads_go() {
+        // 8 query heads over 2 kv heads (groups of 4) at 4 ranks: ranks 0-1 use kv head 0,
+        // ranks 2-3 kv head 1; at 8 ranks, one query head each, same pairing by fours.
+        for (world, expect) in [(4, vec![0, 0, 1, 1]), (8, vec![0, 0, 0, 0, 1, 1, 1, 1])] {
+            for (rank, &kv) in expect.iter().enumerate() {
+                let s = LlamaShard::new(TpRank::new(rank, world).unwrap(), 8, 2, 64, 100).unwrap();
+                assert_eq!(s.kv_heads, kv..kv + 1, "world {world} rank {rank}");
+                // Every query head of the rank belongs to that kv head's group.
+                assert!(s.q_heads.clone().all(|h| h / 4 == kv));
+            }
+        }
+        // Multi-query attention (one kv head) at any size that divides the query heads.
+        let s = LlamaShard::new(TpRank::new(2, 3).unwrap(), 9, 1, 30, 100).unwrap();
+        assert_eq!((s.q_heads, s.kv_heads), (6..9, 0..1));
+        let e = LlamaShard::new(TpRank::new(0, 6).unwrap(), 12, 4, 60, 100).unwrap_err().to_string();
+        assert!(e.contains("neither divides the key/value heads (4)"), "{e}");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 pub use self::attention::KvPrecision;
 use self::attention::{paged_attention, AttnShape, PagedKv, TokenRef};
 use self::linear::{load_vector, CpuLinear, LinearScratch};
-pub use self::tp::TpCpuBackend;
+pub use self::tp::{TpCpuBackend, COLLECTIVE_TIMEOUT};
 use super::{validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::model::llama::{LinearSpec, LlamaSpec};
@@ -578,6 +578,12 @@ impl Backend for CpuBackend {
         validate_kv_image(blocks, image.len(), self.kv_block_bytes(), self.kv.geom)?;
         self.kv.write_blocks(blocks, image);
         Ok(())
+    }
+
+    fn abort_collectives(&self, reason: &str) {
+        if let Some(tp) = &self.tp {
+            tp.comm.abort(reason);
+        }
     }
 
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {

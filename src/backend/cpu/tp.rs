@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{check_token_ids, CpuBackend, CpuOptions, TpShard};
+use crate::backend::tp::{group_block_bytes, lockstep, read_group_kv, write_group_kv};
 use crate::backend::{validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
 use crate::config::LlamaConfig;
 use crate::model::{ModelError, WeightSource};
@@ -15,7 +16,7 @@ use crate::parallel::{Collective, LlamaShard, LocalComm, TpRank};
 
 /// How long a rank waits for the others in a collective before the group is declared failed.
 /// Generous: a long prefill chunk on a loaded machine must not be mistaken for a dead rank.
-const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(600);
+pub const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(600);
 
 pub struct TpCpuBackend {
     ranks: Vec<CpuBackend>,
@@ -89,59 +90,22 @@ impl Backend for TpCpuBackend {
         // Checked once here so a bad step fails on every rank alike, before any collective.
         validate_batch(batch, self.kv_geometry())?;
         check_token_ids(batch, self.vocab_size())?;
-        let Some((first, rest)) = self.ranks.split_first_mut() else {
-            return Err(BackendError::InvalidStep("a tensor-parallel group without ranks".into()));
-        };
-        let (lead, others) = std::thread::scope(|s| {
-            let handles: Vec<_> = rest.iter_mut().map(|r| s.spawn(move || r.forward(batch))).collect();
-            let lead = first.forward(batch);
-            let others: Vec<_> = handles.into_iter().map(|h| h.join()).collect();
-            (lead, others)
-        });
-        for (i, r) in others.into_iter().enumerate() {
-            match r {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) if lead.is_ok() => return Err(e),
-                Ok(Err(_)) => {}
-                Err(_) => return Err(BackendError::Device(format!("tensor parallel rank {} panicked", i + 1))),
-            }
-        }
-        lead
+        lockstep(&mut self.ranks, |r| r.forward(batch), |r| r.forward(batch).map(|_| ()))
     }
 
     /// One block of the image is every rank's image of that block, in rank order, so the image
     /// stays block after block (the spill tier may cut it at block boundaries).
     fn kv_block_bytes(&self) -> usize {
-        self.ranks.iter().map(Backend::kv_block_bytes).sum()
+        group_block_bytes(&self.ranks)
     }
 
     fn read_kv_blocks(&mut self, blocks: &[u32]) -> Result<Vec<u8>, BackendError> {
         validate_kv_image(blocks, blocks.len() * self.kv_block_bytes(), self.kv_block_bytes(), self.kv_geometry())?;
-        let parts = self.ranks.iter_mut().map(|r| r.read_kv_blocks(blocks)).collect::<Result<Vec<_>, _>>()?;
-        let widths: Vec<usize> = self.ranks.iter().map(Backend::kv_block_bytes).collect();
-        let mut image = Vec::with_capacity(blocks.len() * self.kv_block_bytes());
-        for b in 0..blocks.len() {
-            for (part, &w) in parts.iter().zip(&widths) {
-                image.extend_from_slice(&part[b * w..(b + 1) * w]);
-            }
-        }
-        Ok(image)
+        read_group_kv(&mut self.ranks, blocks)
     }
 
     fn write_kv_blocks(&mut self, blocks: &[u32], image: &[u8]) -> Result<(), BackendError> {
         validate_kv_image(blocks, image.len(), self.kv_block_bytes(), self.kv_geometry())?;
-        let widths: Vec<usize> = self.ranks.iter().map(Backend::kv_block_bytes).collect();
-        let mut parts: Vec<Vec<u8>> = widths.iter().map(|w| Vec::with_capacity(w * blocks.len())).collect();
-        for block in image.chunks_exact(self.kv_block_bytes()) {
-            let mut at = 0;
-            for (part, &w) in parts.iter_mut().zip(&widths) {
-                part.extend_from_slice(&block[at..at + w]);
-                at += w;
-            }
-        }
-        for (rank, part) in self.ranks.iter_mut().zip(parts) {
-            rank.write_kv_blocks(blocks, &part)?;
-        }
-        Ok(())
+        write_group_kv(&mut self.ranks, blocks, image)
     }
 }

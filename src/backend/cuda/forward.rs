@@ -7,6 +7,7 @@ use std::collections::HashMap;
 
 use super::gpu::{cfg, grid_for, DevBuf, DeviceRepr, Gpu, Precision, GEMV_MAX_ROWS};
 use super::plan::{StepLayout, ROWS_PER_ITEM};
+use super::shard;
 use super::CudaBackend;
 use crate::backend::{BackendError, SeqStep};
 use crate::launch;
@@ -20,7 +21,7 @@ pub struct Scratch {
 }
 
 impl Scratch {
-    fn get(&mut self, gpu: &Gpu, name: &'static str, bytes: usize) -> Result<u64, BackendError> {
+    pub(super) fn get(&mut self, gpu: &Gpu, name: &'static str, bytes: usize) -> Result<u64, BackendError> {
         let grow = self.bufs.get(name).is_none_or(|b| b.bytes() < bytes);
         if grow {
             // Drop the old one first so peak memory is one copy; 1/8 headroom limits regrowth.
@@ -140,6 +141,7 @@ impl CudaBackend {
         let m = layout.logit_rows.len();
         let xs = s.get(gpu, "final_x", m.max(1) * h * eb)?;
         let logits = s.get(gpu, "logits", m.max(1) * c.vocab_size * 4)?;
+        let tp_logits = shard::reserve_logits_scratch(gpu, s, &self.tp, m)?;
 
         // Decode-sized steps (every matmul on our GEMV kernel, no cuBLAS, no tensor-core items)
         // replay a captured CUDA graph: same shapes and buffers, same launches, no launch gaps.
@@ -283,22 +285,24 @@ impl CudaBackend {
                     &attn,
                     &dims
                 )?;
-                gpu.matmul(prec, t, h, qd, attn, lw.o.ptr(), x, true)?;
+                gpu.matmul(prec, t, h, qd, attn, lw.o.ptr(), x, shard::residual_accumulates(&self.tp))?;
                 add_bias(gpu, x, &lw.o_bias, h)?;
+                shard::all_reduce(&self.tp, x, t * h)?;
                 let w = lw.post_norm.ptr();
                 launch!(gpu, norm_f.clone(), cfg((t as u32, 1), NORM_THREADS, 0), &x, &null, &w, &xn, &h32, &eps)?;
                 gpu.matmul(prec, t, 2 * inter, h, xn, lw.gate_up.ptr(), gu, false)?;
                 add_bias(gpu, gu, &lw.gate_up_bias, 2 * inter)?;
                 let n = (t * inter) as i64;
                 launch!(gpu, swiglu_f.clone(), cfg((grid_for(t * inter, 256), 1), 256, 0), &gu, &act, &inter32, &n)?;
-                gpu.matmul(prec, t, h, inter, act, lw.down.ptr(), x, true)?;
+                gpu.matmul(prec, t, h, inter, act, lw.down.ptr(), x, shard::residual_accumulates(&self.tp))?;
                 add_bias(gpu, x, &lw.down_bias, h)?;
+                shard::all_reduce(&self.tp, x, t * h)?;
             }
             if m > 0 {
                 let w = self.weights.final_norm.ptr();
                 launch!(gpu, norm_f, cfg((m as u32, 1), NORM_THREADS, 0), &x, &logit_rows, &w, &xs, &h32, &eps)?;
                 let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed).ptr();
-                gpu.matmul(prec, m, c.vocab_size, h, xs, head, logits, false)?;
+                shard::lm_head(gpu, &self.tp, &tp_logits, prec, (m, c.vocab_size, h), xs, head, logits)?;
             }
             Ok(())
         })();

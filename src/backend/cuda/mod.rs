@@ -3,14 +3,19 @@
 //! the CUDA libraries at run time, so this module builds and its host-side parts test on
 //! machines without CUDA; kernels (`cuda/*.cu`) are compiled by NVRTC when a backend opens.
 //! Owns the device, its weights and KV memory; makes no scheduling decisions and never touches
-//! the CPU backend.
+//! the CPU backend. Tensor parallelism: a backend can be one rank of a group (`shard`, `nccl`),
+//! driven in lockstep with the others by [`TpCudaBackend`].
 
 mod forward;
 pub mod gpu;
+pub mod nccl;
 pub mod plan;
+pub mod shard;
+mod tp;
 mod weights;
 
 pub use gpu::{device_count, device_memory, Precision};
+pub use tp::{group_devices, load_rank, nccl_group, TpCudaBackend};
 
 use self::gpu::{DevBuf, Gpu};
 use self::plan::KvLayout;
@@ -78,24 +83,58 @@ pub struct CudaBackend {
     /// Replay decode steps as CUDA graphs (`SHELFSERVE_CUDA_GRAPHS=0` turns it off).
     cuda_graphs: bool,
     graphs: std::collections::HashMap<forward::GraphKey, forward::StepGraph>,
+    /// This rank's communicator and slices; `None` when the backend holds the whole model.
+    tp: Option<shard::CudaTp>,
 }
 
 impl CudaBackend {
     /// Open device `opts.ordinal` and load `w` onto it.
     pub fn new(cfg: &LlamaConfig, w: &dyn WeightSource, opts: CudaOptions) -> Result<Self, BackendError> {
         let gpu = Gpu::open(opts.ordinal)?;
-        let weights = DeviceWeights::load(&gpu, cfg, w, opts.precision)?;
-        Self::assemble(cfg, gpu, weights, opts)
+        Self::rank(cfg, gpu, opts, None, |gpu, s| DeviceWeights::load(gpu, cfg, w, opts.precision, s))
     }
 
     /// Seeded random weights generated on the device (benchmarks of any model size).
     pub fn synthetic(cfg: &LlamaConfig, seed: u64, opts: CudaOptions) -> Result<Self, BackendError> {
-        let mut gpu = Gpu::open(opts.ordinal)?;
-        let weights = DeviceWeights::synthetic(&mut gpu, cfg, opts.precision, seed)?;
-        Self::assemble(cfg, gpu, weights, opts)
+        let gpu = Gpu::open(opts.ordinal)?;
+        Self::rank(cfg, gpu, opts, None, |gpu, s| DeviceWeights::synthetic(gpu, cfg, opts.precision, seed, s))
     }
 
-    fn assemble(cfg: &LlamaConfig, gpu: Gpu, weights: DeviceWeights, opts: CudaOptions) -> Result<Self, BackendError> {
+    /// One rank of a tensor-parallel group (`comm` = `None`: the whole model) on an opened
+    /// device, its weights made by `weights` for its slices. Call on the rank's own thread.
+    pub fn rank(
+        cfg: &LlamaConfig,
+        mut gpu: Gpu,
+        opts: CudaOptions,
+        comm: Option<nccl::NcclComm>,
+        weights: impl FnOnce(&mut Gpu, &shard::RankSlices) -> Result<DeviceWeights, BackendError>,
+    ) -> Result<Self, BackendError> {
+        use crate::parallel::DeviceCollective as _;
+        let comm = comm.map(|mut c| {
+            c.bind_stream(gpu.stream.cu_stream());
+            c
+        });
+        let tp_rank = match &comm {
+            Some(c) => crate::parallel::TpRank::new(c.rank(), c.world_size())
+                .map_err(|e| BackendError::Device(format!("tensor parallel: {e}")))?,
+            None => crate::parallel::TpRank::single(),
+        };
+        let slices = shard::RankSlices::new(cfg, tp_rank)?;
+        check_shapes(cfg)?;
+        let local = slices.local_config(cfg);
+        gpu.bind()?;
+        let weights = weights(&mut gpu, &slices)?;
+        let tp = comm.map(|comm| shard::CudaTp { comm: std::sync::Arc::new(comm), slices });
+        Self::assemble(&local, gpu, weights, opts, tp)
+    }
+
+    fn assemble(
+        cfg: &LlamaConfig,
+        gpu: Gpu,
+        weights: DeviceWeights,
+        opts: CudaOptions,
+        tp: Option<shard::CudaTp>,
+    ) -> Result<Self, BackendError> {
         check_shapes(cfg)?;
         let kv_layout =
             KvLayout { block_size: opts.kv.block_size, layers: cfg.num_hidden_layers, kv_dim: cfg.kv_dim() };
@@ -123,6 +162,7 @@ impl CudaBackend {
             tensor_cores: gpu_cc.0 >= 8 && std::env::var("SHELFSERVE_CUDA_MMA_ATTENTION").map_or(true, |v| v != "0"),
             cuda_graphs: std::env::var("SHELFSERVE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             graphs: std::collections::HashMap::new(),
+            tp,
         })
     }
 
@@ -162,8 +202,25 @@ impl CudaBackend {
     pub fn forward_greedy(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<u32>, BackendError> {
         validate_batch(batch, self.geom)?;
         self.gpu.bind()?;
-        let rows = self.forward_device(batch)?;
-        self.argmax(rows)
+        let out = self.forward_device(batch).and_then(|rows| self.argmax(rows));
+        self.abort_group_on(out)
+    }
+
+    /// Run a step and wait for it, keeping nothing (the other ranks of a tensor-parallel group:
+    /// rank 0 reads the logits).
+    pub fn forward_follow(&mut self, batch: &[SeqStep<'_>]) -> Result<(), BackendError> {
+        validate_batch(batch, self.geom)?;
+        self.gpu.bind()?;
+        let out = self.forward_device(batch).and_then(|_| self.gpu.sync());
+        self.abort_group_on(out)
+    }
+
+    /// A rank that fails mid-step releases the others from the collective they wait in.
+    fn abort_group_on<T>(&self, out: Result<T, BackendError>) -> Result<T, BackendError> {
+        if let (Err(e), Some(tp)) = (&out, &self.tp) {
+            tp.comm.abort(&e.to_string());
+        }
+        out
     }
 
     /// Wait for queued device work (benchmarks time with this).
@@ -219,11 +276,19 @@ impl Backend for CudaBackend {
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {
         validate_batch(batch, self.geom)?;
         self.gpu.bind()?;
-        let layout = self.forward_device(batch)?;
-        let v = self.cfg.vocab_size;
-        let mut data = vec![0f32; layout.logit_rows.len() * v];
-        self.gpu.copy_dtoh(&mut data, self.scratch.logits_ptr())?;
-        Ok(StepLogits { vocab: v, data, offsets: layout.offsets })
+        let out = self.forward_device(batch).and_then(|layout| {
+            let v = self.cfg.vocab_size;
+            let mut data = vec![0f32; layout.logit_rows.len() * v];
+            self.gpu.copy_dtoh(&mut data, self.scratch.logits_ptr())?;
+            Ok(StepLogits { vocab: v, data, offsets: layout.offsets })
+        });
+        self.abort_group_on(out)
+    }
+
+    fn abort_collectives(&self, reason: &str) {
+        if let Some(tp) = &self.tp {
+            tp.comm.abort(reason);
+        }
     }
 
     // The inherent methods (forward.rs) do the device copies; these make them the trait's.

@@ -1,11 +1,13 @@
 //! Model weights in device memory: matrices in the backend's storage precision (f16/f32/bf16
 //! converted and GGUF blocks dequantized at load, through the `WeightSource`), q/k/v and
 //! gate/up stacked into one matrix each so one GEMM computes them; norms and biases in f32.
-//! Or seeded random weights generated on the device, for benchmarks of any size.
+//! Or seeded random weights generated on the device, for benchmarks of any size. A tensor-parallel
+//! rank keeps its share of each tensor (`shard::RankSlices`).
 
 use rayon::prelude::*;
 
 use super::gpu::{cfg, grid_for, DevBuf, Gpu, Precision};
+use super::shard::{cut_device, Cut, RankSlices};
 use crate::backend::BackendError;
 use crate::config::LlamaConfig;
 use crate::launch;
@@ -65,75 +67,118 @@ impl DeviceWeights {
                 .sum::<usize>()
     }
 
-    /// Load every tensor of `w`, converting matrices to `prec`.
-    pub fn load(gpu: &Gpu, c: &LlamaConfig, w: &dyn WeightSource, prec: Precision) -> Result<Self, BackendError> {
+    /// Load this rank's share (`slices`; the whole model at one rank) of every tensor of `w`,
+    /// converting matrices to `prec`. Tensors are cut on the host before upload.
+    pub fn load(
+        gpu: &Gpu,
+        c: &LlamaConfig,
+        w: &dyn WeightSource,
+        prec: Precision,
+        slices: &RankSlices,
+    ) -> Result<Self, BackendError> {
         let spec = LlamaSpec::new(c);
         let h = c.hidden_size;
-        let matrix = |parts: &[&LinearSpec]| -> Result<DevBuf, BackendError> {
+        let matrix = |parts: &[(&LinearSpec, Cut)]| -> Result<DevBuf, BackendError> {
             let mut all = Vec::new();
-            for p in parts {
-                all.extend(to_f32(&w.expect(&p.weight(), &[p.out, p.inp])?));
+            for (p, cut) in parts {
+                all.extend(cut.apply(&to_f32(&w.expect(&p.weight(), &[p.out, p.inp])?), p.inp));
             }
             upload_matrix(gpu, &all, prec)
         };
-        let bias = |parts: &[&LinearSpec]| -> Result<Option<DevBuf>, BackendError> {
-            if !parts[0].bias {
-                return Ok(None);
-            }
+        let bias = |parts: &[(&LinearSpec, Cut)]| -> Result<Option<DevBuf>, BackendError> {
+            let Some(cuts) = bias_cuts(parts, slices) else { return Ok(None) };
             let mut all = Vec::new();
-            for p in parts {
-                all.extend(to_f32(&w.expect(&p.bias_name(), &[p.out])?));
+            for ((p, _), cut) in parts.iter().zip(cuts) {
+                all.extend(cut.apply(&to_f32(&w.expect(&p.bias_name(), &[p.out])?), 1));
             }
             Ok(Some(gpu.upload(&all)?))
         };
         let vector =
             |name: &str, len: usize| -> Result<DevBuf, BackendError> { gpu.upload(&to_f32(&w.expect(name, &[len])?)) };
+        let cuts = LayerCuts::new(slices);
         let mut layers = Vec::with_capacity(spec.layers.len());
         for l in &spec.layers {
+            let qkv = [(&l.q, cuts.q.clone()), (&l.k, cuts.kv.clone()), (&l.v, cuts.kv.clone())];
+            let gate_up = [(&l.gate, cuts.inter.clone()), (&l.up, cuts.inter.clone())];
             layers.push(LayerWeights {
                 input_norm: vector(&l.input_norm, h)?,
-                qkv: matrix(&[&l.q, &l.k, &l.v])?,
-                qkv_bias: bias(&[&l.q, &l.k, &l.v])?,
+                qkv: matrix(&qkv)?,
+                qkv_bias: bias(&qkv)?,
                 q_norm: l.q_norm.as_ref().map(|n| vector(n, c.head_dim)).transpose()?,
                 k_norm: l.k_norm.as_ref().map(|n| vector(n, c.head_dim)).transpose()?,
-                o: matrix(&[&l.o])?,
-                o_bias: bias(&[&l.o])?,
+                o: matrix(&[(&l.o, cuts.o.clone())])?,
+                o_bias: bias(&[(&l.o, cuts.o.clone())])?,
                 post_norm: vector(&l.post_attention_norm, h)?,
-                gate_up: matrix(&[&l.gate, &l.up])?,
-                gate_up_bias: bias(&[&l.gate, &l.up])?,
-                down: matrix(&[&l.down])?,
-                down_bias: bias(&[&l.down])?,
+                gate_up: matrix(&gate_up)?,
+                gate_up_bias: bias(&gate_up)?,
+                down: matrix(&[(&l.down, cuts.down.clone())])?,
+                down_bias: bias(&[(&l.down, cuts.down.clone())])?,
             });
         }
-        let embed = upload_matrix(gpu, &to_f32(&w.expect(&spec.embed, &[c.vocab_size, h])?), prec)?;
-        let lm_head = if c.tie_word_embeddings { None } else { Some(matrix(&[&spec.lm_head])?) };
+        // Whole on every rank (see `shard`), padded with zero rows for a tied, cut lm_head.
+        let embed_cut = Cut::PaddedRows { rows: 0..c.vocab_size, to: slices.embed_rows(c) };
+        let embed =
+            upload_matrix(gpu, &embed_cut.apply(&to_f32(&w.expect(&spec.embed, &[c.vocab_size, h])?), h), prec)?;
+        let lm_head = if c.tie_word_embeddings {
+            tied_head_slice(gpu, &embed, h, prec, slices)?
+        } else {
+            Some(matrix(&[(&spec.lm_head, slices.lm_head_cut(c.vocab_size))])?)
+        };
         Ok(DeviceWeights { embed, layers, final_norm: vector(&spec.final_norm, h)?, lm_head })
     }
 
     /// Seeded uniform weights made on the device with the distributions of
     /// `model::synthetic::SyntheticWeights` (matrices ±1/√fan_in, embedding ±1, norms 1 ± 0.1,
-    /// biases ±0.1); not the same values, which are drawn on the host there.
-    pub fn synthetic(gpu: &mut Gpu, c: &LlamaConfig, prec: Precision, seed: u64) -> Result<Self, BackendError> {
+    /// biases ±0.1); not the same values, which are drawn on the host there. Every tensor is
+    /// generated whole and then cut to this rank's share, so all rank counts see one model.
+    pub fn synthetic(
+        gpu: &mut Gpu,
+        c: &LlamaConfig,
+        prec: Precision,
+        seed: u64,
+        slices: &RankSlices,
+    ) -> Result<Self, BackendError> {
         let spec = LlamaSpec::new(c);
         let h = c.hidden_size;
         let mut f = Filler { counter: seed.wrapping_mul(1_000_003) };
-        let lin =
-            |gpu: &mut Gpu, f: &mut Filler, parts: &[&LinearSpec]| -> Result<(DevBuf, Option<DevBuf>), BackendError> {
-                let n: usize = parts.iter().map(|p| p.out * p.inp).sum();
-                let w = f.fill(gpu, n, prec, 0.0, 1.0 / (parts[0].inp as f32).sqrt())?;
-                let b = if parts[0].bias {
-                    Some(f.fill(gpu, parts.iter().map(|p| p.out).sum(), Precision::F32, 0.0, 0.1)?)
-                } else {
-                    None
-                };
-                Ok((w, b))
+        let lin = |gpu: &mut Gpu,
+                   f: &mut Filler,
+                   parts: &[(&LinearSpec, Cut)]|
+         -> Result<(DevBuf, Option<DevBuf>), BackendError> {
+            let n: usize = parts.iter().map(|(p, _)| p.out * p.inp).sum();
+            let whole = f.fill(gpu, n, prec, 0.0, 1.0 / (parts[0].0.inp as f32).sqrt())?;
+            let mut at = 0;
+            let blocks: Vec<(usize, usize, Cut)> = parts
+                .iter()
+                .map(|(p, cut)| {
+                    at += p.out;
+                    (at - p.out, p.out, cut.clone())
+                })
+                .collect();
+            let w = cut_device(gpu, whole, parts[0].0.inp, prec.bytes(), &blocks)?;
+            let b = if parts[0].0.bias {
+                let whole = f.fill(gpu, parts.iter().map(|(p, _)| p.out).sum(), Precision::F32, 0.0, 0.1)?;
+                match bias_cuts(parts, slices) {
+                    Some(cuts) => {
+                        let blocks: Vec<_> = blocks.iter().zip(cuts).map(|(&(at, rows, _), c)| (at, rows, c)).collect();
+                        Some(cut_device(gpu, whole, 1, 4, &blocks)?)
+                    }
+                    None => None,
+                }
+            } else {
+                None
             };
+            Ok((w, b))
+        };
+        let cuts = LayerCuts::new(slices);
         let mut layers = Vec::with_capacity(spec.layers.len());
         for l in &spec.layers {
-            let (qkv, qkv_bias) = lin(gpu, &mut f, &[&l.q, &l.k, &l.v])?;
-            let (o, o_bias) = lin(gpu, &mut f, &[&l.o])?;
-            let (gate_up, gate_up_bias) = lin(gpu, &mut f, &[&l.gate, &l.up])?;
-            let (down, down_bias) = lin(gpu, &mut f, &[&l.down])?;
+            let qkv_parts = [(&l.q, cuts.q.clone()), (&l.k, cuts.kv.clone()), (&l.v, cuts.kv.clone())];
+            let (qkv, qkv_bias) = lin(gpu, &mut f, &qkv_parts)?;
+            let (o, o_bias) = lin(gpu, &mut f, &[(&l.o, cuts.o.clone())])?;
+            let gate_up_parts = [(&l.gate, cuts.inter.clone()), (&l.up, cuts.inter.clone())];
+            let (gate_up, gate_up_bias) = lin(gpu, &mut f, &gate_up_parts)?;
+            let (down, down_bias) = lin(gpu, &mut f, &[(&l.down, cuts.down.clone())])?;
             let q_norm = if c.qk_norm { Some(f.fill(gpu, c.head_dim, Precision::F32, 1.0, 0.1)?) } else { None };
             let k_norm = if c.qk_norm { Some(f.fill(gpu, c.head_dim, Precision::F32, 1.0, 0.1)?) } else { None };
             layers.push(LayerWeights {
@@ -152,15 +197,75 @@ impl DeviceWeights {
             });
         }
         let embed = f.fill(gpu, c.vocab_size * h, prec, 0.0, 1.0)?;
+        let embed_cut = Cut::PaddedRows { rows: 0..c.vocab_size, to: slices.embed_rows(c) };
+        let embed = cut_device(gpu, embed, h, prec.bytes(), &[(0, c.vocab_size, embed_cut)])?;
         let lm_head = if c.tie_word_embeddings {
-            None
+            tied_head_slice(gpu, &embed, h, prec, slices)?
         } else {
-            Some(f.fill(gpu, c.vocab_size * h, prec, 0.0, 1.0 / (h as f32).sqrt())?)
+            let whole = f.fill(gpu, c.vocab_size * h, prec, 0.0, 1.0 / (h as f32).sqrt())?;
+            Some(cut_device(gpu, whole, h, prec.bytes(), &[(0, c.vocab_size, slices.lm_head_cut(c.vocab_size))])?)
         };
         let final_norm = f.fill(gpu, h, Precision::F32, 1.0, 0.1)?;
         gpu.sync()?;
         Ok(DeviceWeights { embed, layers, final_norm, lm_head })
     }
+}
+
+/// A tied lm_head under tensor parallelism: this rank's vocabulary rows of the (zero-padded)
+/// embedding, as their own matrix (`None` unsharded: the embedding itself is the head).
+fn tied_head_slice(
+    gpu: &Gpu,
+    embed: &DevBuf,
+    h: usize,
+    prec: Precision,
+    slices: &RankSlices,
+) -> Result<Option<DevBuf>, BackendError> {
+    if slices.is_whole() {
+        return Ok(None);
+    }
+    let (row, per) = (h * prec.bytes(), slices.vocab_per_rank);
+    let head = gpu.alloc(per * row)?;
+    // The embedding has `vocab_per_rank · world` rows, so the last rank's slice is in range.
+    gpu.copy_dtod(head.ptr(), embed.ptr() + (slices.tp.rank * per * row) as u64, per * row)?;
+    gpu.sync()?;
+    Ok(Some(head))
+}
+
+/// The cut of each kind of layer for a rank.
+struct LayerCuts {
+    q: Cut,
+    kv: Cut,
+    o: Cut,
+    inter: Cut,
+    down: Cut,
+}
+
+impl LayerCuts {
+    fn new(s: &RankSlices) -> Self {
+        LayerCuts {
+            q: Cut::Rows(s.q_rows.clone()),
+            kv: Cut::Rows(s.kv_rows.clone()),
+            o: Cut::Cols(s.q_rows.clone()),
+            inter: Cut::Rows(s.inter.clone()),
+            down: Cut::Cols(s.inter.clone()),
+        }
+    }
+}
+
+/// How the biases of `parts` are cut (`None`: no bias on this rank). A column-parallel layer's
+/// bias follows its rows; a row-parallel layer's bias is added once, by rank 0.
+fn bias_cuts(parts: &[(&LinearSpec, Cut)], slices: &RankSlices) -> Option<Vec<Cut>> {
+    if !parts[0].0.bias {
+        return None;
+    }
+    parts
+        .iter()
+        .map(|(p, cut)| match cut {
+            Cut::Cols(_) if !slices.keeps_row_parallel_bias() => None,
+            Cut::Cols(_) => Some(Cut::Rows(0..p.out)),
+            rows => Some(rows.clone()),
+        })
+        .collect()
 }
 
 fn upload_matrix(gpu: &Gpu, values: &[f32], prec: Precision) -> Result<DevBuf, BackendError> {
