@@ -5,6 +5,7 @@
 //! Owns the device, its weights and KV memory; makes no scheduling decisions and never touches
 //! the CPU backend.
 
+mod decode;
 mod forward;
 pub mod gpu;
 pub mod plan;
@@ -83,7 +84,8 @@ pub struct CudaBackend {
 impl CudaBackend {
     /// Open device `opts.ordinal` and load `w` onto it.
     pub fn new(cfg: &LlamaConfig, w: &dyn WeightSource, opts: CudaOptions) -> Result<Self, BackendError> {
-        let gpu = Gpu::open(opts.ordinal)?;
+        let mut gpu = Gpu::open(opts.ordinal)?;
+        gpu.load_gemv(opts.precision)?;
         let weights = DeviceWeights::load(&gpu, cfg, w, opts.precision)?;
         Self::assemble(cfg, gpu, weights, opts)
     }
@@ -91,6 +93,7 @@ impl CudaBackend {
     /// Seeded random weights generated on the device (benchmarks of any model size).
     pub fn synthetic(cfg: &LlamaConfig, seed: u64, opts: CudaOptions) -> Result<Self, BackendError> {
         let mut gpu = Gpu::open(opts.ordinal)?;
+        gpu.load_gemv(opts.precision)?;
         let weights = DeviceWeights::synthetic(&mut gpu, cfg, opts.precision, seed)?;
         Self::assemble(cfg, gpu, weights, opts)
     }
