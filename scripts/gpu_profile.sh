@@ -27,7 +27,7 @@ head = rows[0] if rows else []
 if "Kernel Name" not in head:
     print("profile: no kernel rows"); print(open(sys.argv[1]).read()[-2000:]); sys.exit(0)
 ki, ui, vi, gi = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value"), head.index("Grid Size")
-scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
+scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
 tot, cnt, grid = collections.Counter(), collections.Counter(), {}
 for r in rows[1:]:
     name = r[ki].split("(")[0]
