@@ -91,31 +91,23 @@ __device__ void attn_partial_impl(const int* items, const float* q, const T* k_c
             }
             __syncthreads();
             if ((hd & 7) == 0) {
-                // 16-byte loads of 8 elements (rows start at multiples of 8 elements); every load of
-                // the tile is issued before the first store (hd/32 ≤ C per thread of 128), so the
-                // tile costs one memory round trip, not one per load.
+                // 16-byte loads of 8 elements (rows start at multiples of 8 elements).
                 const int vec = hd >> 3;
-                float kv[C][8], vv[C][8];
-#pragma unroll
-                for (int u = 0; u < C; ++u) {
-                    const int i = threadIdx.x + u * blockDim.x, k = i / vec, c = (i - k * vec) * 8;
-                    const i64 row = i < KT * vec ? off_s[k] : -1;
+                for (int i = threadIdx.x; i < KT * vec; i += blockDim.x) {
+                    const int k = i / vec, c = (i - k * vec) * 8;
+                    const i64 row = off_s[k];
+                    float kv[8], vv[8];
                     if (row >= 0) {
-                        load8(k_cache + row + kvh * hd + c, kv[u]);
-                        load8(v_cache + row + kvh * hd + c, vv[u]);
+                        load8(k_cache + row + kvh * hd + c, kv);
+                        load8(v_cache + row + kvh * hd + c, vv);
                     } else {
 #pragma unroll
-                        for (int j = 0; j < 8; ++j) kv[u][j] = vv[u][j] = 0.f;
+                        for (int j = 0; j < 8; ++j) kv[j] = vv[j] = 0.f;
                     }
-                }
-#pragma unroll
-                for (int u = 0; u < C; ++u) {
-                    const int i = threadIdx.x + u * blockDim.x, k = i / vec, c = (i - k * vec) * 8;
-                    if (i >= KT * vec) continue;
 #pragma unroll
                     for (int j = 0; j < 8; ++j) {
-                        ks[k * ld + c + j] = kv[u][j];
-                        vs[k * ld + c + j] = vv[u][j];
+                        ks[k * ld + c + j] = kv[j];
+                        vs[k * ld + c + j] = vv[j];
                     }
                 }
             } else {

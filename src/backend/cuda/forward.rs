@@ -256,7 +256,17 @@ impl CudaBackend {
                     launch_gemv(gpu, GemvKind::Norm, prec, &a)?;
                     rope(gpu)?;
                 } else {
-                    launch!(gpu, norm_f.clone(), cfg((t as u32, 1), NORM_THREADS, 0), &x, &null, &norm_in, &xn, &h32, &eps)?;
+                    launch!(
+                        gpu,
+                        norm_f.clone(),
+                        cfg((t as u32, 1), NORM_THREADS, 0),
+                        &x,
+                        &null,
+                        &norm_in,
+                        &xn,
+                        &h32,
+                        &eps
+                    )?;
                     gpu.gemm(prec, t, qd + 2 * kvd, h, xn, lw.qkv.ptr(), qkv, false)?;
                     add_bias(gpu, qkv, &lw.qkv_bias, qd + 2 * kvd)?;
                     rope(gpu)?;
@@ -279,15 +289,35 @@ impl CudaBackend {
                 )?;
                 let norm_post = lw.post_norm.ptr();
                 if fused {
-                    launch_gemv(gpu, GemvKind::Add, prec, &GemvArgs { x: attn, y: x, ..gemv(&lw.o, &lw.o_bias, h, qd) })?;
+                    launch_gemv(
+                        gpu,
+                        GemvKind::Add,
+                        prec,
+                        &GemvArgs { x: attn, y: x, ..gemv(&lw.o, &lw.o_bias, h, qd) },
+                    )?;
                     let a = GemvArgs { norm_w: norm_post, y: act, ..gemv(&lw.gate_up, &lw.gate_up_bias, 2 * inter, h) };
                     launch_gemv(gpu, GemvKind::NormSwiglu, prec, &a)?;
-                    launch_gemv(gpu, GemvKind::Add, prec, &GemvArgs { x: act, y: x, ..gemv(&lw.down, &lw.down_bias, h, inter) })?;
+                    launch_gemv(
+                        gpu,
+                        GemvKind::Add,
+                        prec,
+                        &GemvArgs { x: act, y: x, ..gemv(&lw.down, &lw.down_bias, h, inter) },
+                    )?;
                     continue;
                 }
                 gpu.gemm(prec, t, h, qd, attn, lw.o.ptr(), x, true)?;
                 add_bias(gpu, x, &lw.o_bias, h)?;
-                launch!(gpu, norm_f.clone(), cfg((t as u32, 1), NORM_THREADS, 0), &x, &null, &norm_post, &xn, &h32, &eps)?;
+                launch!(
+                    gpu,
+                    norm_f.clone(),
+                    cfg((t as u32, 1), NORM_THREADS, 0),
+                    &x,
+                    &null,
+                    &norm_post,
+                    &xn,
+                    &h32,
+                    &eps
+                )?;
                 gpu.gemm(prec, t, 2 * inter, h, xn, lw.gate_up.ptr(), gu, false)?;
                 add_bias(gpu, gu, &lw.gate_up_bias, 2 * inter)?;
                 let n = (t * inter) as i64;
@@ -300,7 +330,13 @@ impl CudaBackend {
                 let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed);
                 if fused_decode_fits(m, &[h]) {
                     // Final norm of the logits rows and the LM head in one pass.
-                    let a = GemvArgs { rows: logit_rows, norm_w: w, y: logits, m: m as i32, ..gemv(head, &None, c.vocab_size, h) };
+                    let a = GemvArgs {
+                        rows: logit_rows,
+                        norm_w: w,
+                        y: logits,
+                        m: m as i32,
+                        ..gemv(head, &None, c.vocab_size, h)
+                    };
                     launch_gemv(gpu, GemvKind::Norm, prec, &a)?;
                 } else {
                     launch!(gpu, norm_f, cfg((m as u32, 1), NORM_THREADS, 0), &x, &logit_rows, &w, &xs, &h32, &eps)?;
