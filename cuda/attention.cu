@@ -187,22 +187,43 @@ __device__ void attn_partial_impl(const int* items, const float* q, const T* k_c
     }
 }
 
-// One block per (token, head), one thread per head dimension.
+// One block per (token, head), one thread per head dimension. The splits' maxima and weights
+// are read in parallel (a decode step at 8k context has 128 splits, and a loop of dependent
+// loads over them cost more than the attention itself); the weighted sums still run in split
+// order, so the result is the same as a sequential merge.
+#define COMBINE_CHUNK 128
 template <typename T>
 __device__ void attn_combine_impl(const float* part_acc, const float* part_ml, const int* splits, T* out,
                                   AttnDims d) {
+    __shared__ float w_s[COMBINE_CHUNK], l_s[COMBINE_CHUNK], red[32];
     const int tok = blockIdx.x, head = blockIdx.y, c = threadIdx.x;
     const int ns = splits[tok];
+    const long long row = (long long)tok * d.nh + head, stride = (long long)d.total_tokens * d.nh;
     float mx = -INFINITY;
-    for (int s = 0; s < ns; ++s) mx = fmaxf(mx, part_ml[(((long long)s * d.total_tokens + tok) * d.nh + head) * 2]);
+    for (int s = threadIdx.x; s < ns; s += blockDim.x) mx = fmaxf(mx, part_ml[(s * stride + row) * 2]);
+    mx = warp_max(mx);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mx;
+    __syncthreads();
+    mx = -INFINITY;
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) mx = fmaxf(mx, red[i]);
     float sum = 0.f, acc = 0.f;
-    for (int s = 0; s < ns; ++s) {
-        const long long pidx = ((long long)s * d.total_tokens + tok) * d.nh + head;
-        const float w = expf(part_ml[pidx * 2] - mx);
-        sum += part_ml[pidx * 2 + 1] * w;
-        if (c < d.hd) acc += part_acc[pidx * d.hd + c] * w;
+    for (int s0 = 0; s0 < ns; s0 += COMBINE_CHUNK) {
+        const int n = min(COMBINE_CHUNK, ns - s0);
+        __syncthreads();
+        for (int j = threadIdx.x; j < n; j += blockDim.x) {
+            const long long pidx = (s0 + j) * stride + row;
+            w_s[j] = expf(part_ml[pidx * 2] - mx);
+            l_s[j] = part_ml[pidx * 2 + 1];
+        }
+        __syncthreads();
+        const float* pa = part_acc + ((long long)s0 * stride + row) * d.hd + c;
+#pragma unroll 16
+        for (int j = 0; j < n; ++j) {
+            sum += l_s[j] * w_s[j];
+            if (c < d.hd) acc += pa[(long long)j * stride * d.hd] * w_s[j];
+        }
     }
-    if (c < d.hd) out[((long long)tok * d.nh + head) * d.hd + c] = from_f<T>(acc / sum);
+    if (c < d.hd) out[row * d.hd + c] = from_f<T>(acc / sum);
 }
 
 #define ATTN_KERNELS(T, S)                                                                                     \

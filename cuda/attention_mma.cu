@@ -1,12 +1,16 @@
 // Prefill attention on the tensor cores (bf16 storage only): the same work items and partial
 // outputs as `attn_partial` in attention.cu, but 64 query rows per block (16 per warp) and
 // 64-key tiles, with S = Q·Kᵀ and O += P·V as mma.sync m16n8k16 (bf16 in, f32 accumulate) and
-// an online softmax in registers. q is rounded to bf16 here; P is rounded to bf16 before P·V.
-// Each output row depends only on its own q row and keys, so batch invariance is kept.
+// an online softmax in registers (base 2). q is rounded to bf16 here; P is rounded to bf16
+// before P·V. FlashAttention-2 style: K and V tiles stay row-major in shared memory, two stages
+// deep, filled by cp.async while the previous tile computes; B fragments come from ldmatrix
+// (.trans for V). Each output row depends only on its own q row and keys, so batch invariance
+// is kept.
 
 #define MMA_ROWS 64
 #define MKT 64
 #define ITEM_INTS 8
+#define LOG2E 1.4426950408889634f
 
 struct AttnDims {
     i64 block_stride;
@@ -27,15 +31,41 @@ __device__ __forceinline__ void mma_bf16(float* d, const unsigned* a, unsigned b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes global → shared without registers; `ok` false fills zeros (reads nothing).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(ok ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
 template <int HD>
 __device__ void attn_prefill_mma_impl(const int* items, const float* q, const bf16* k_cache, const bf16* v_cache,
                                       const int* tables, const int* table_off, const int* positions, AttnDims d,
                                       float* part_acc, float* part_ml) {
-    constexpr int KLD = HD + 8;   // bf16 per K row in shared memory (padding: no bank conflicts)
-    constexpr int VLD = MKT + 8;  // bf16 per transposed V row
-    __shared__ __align__(16) bf16 ks[MKT * KLD];
-    __shared__ __align__(16) bf16 vt[HD * VLD];
-    __shared__ i64 off_s[MKT];
+    constexpr int LD = HD + 8;  // bf16 per K/V row in shared memory (16-byte pad: no bank conflicts)
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16* ks = reinterpret_cast<bf16*>(smem_raw);  // [2 stages][MKT keys][LD]
+    bf16* vs = ks + 2 * MKT * LD;                  // [2 stages][MKT keys][LD]
     __shared__ int pos_s[MMA_ROWS];
 
     const int* it = items + blockIdx.x * ITEM_INTS;
@@ -43,6 +73,21 @@ __device__ void attn_prefill_mma_impl(const int* items, const float* q, const bf
     const int group = d.nh / d.nkv, rows = ntok * group, kvd = d.nkv * HD;
     const int* table = tables + table_off[seq];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+
+    // Issue the copies of the tile starting at key `kt0` into `stage` (one commit group).
+    auto load_tile = [&](int kt0, int stage) {
+        for (int i = threadIdx.x; i < MKT * (HD / 8); i += blockDim.x) {
+            const int k = i / (HD / 8), c = (i % (HD / 8)) * 8;
+            const int p = kt0 + k;
+            const bool ok = p < key1;
+            const i64 off = ok ? table[p / d.block_size] * d.block_stride + (i64)(p % d.block_size) * kvd + kvh * HD + c : 0;
+            cp_async16(ks + (stage * MKT + k) * LD + c, k_cache + off, ok);
+            cp_async16(vs + (stage * MKT + k) * LD + c, v_cache + off, ok);
+        }
+        cp_async_commit();
+    };
+    const int ntiles = (key1 - key0 + MKT - 1) / MKT;
+    if (ntiles > 0) load_tile(key0, 0);
 
     if (threadIdx.x < MMA_ROWS) {
         const int r = threadIdx.x;
@@ -66,46 +111,37 @@ __device__ void attn_prefill_mma_impl(const int* items, const float* q, const bf
     float o[HD / 8][4];
 #pragma unroll
     for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    // Running max (base-2 units of scaled scores) and sum of rows g and g + 8.
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    const float sl2 = d.scale * LOG2E;
     __syncthreads();
     const int p0 = pos_s[r0 < MMA_ROWS ? r0 : 0], p1 = pos_s[r1 < MMA_ROWS ? r1 : 0];
     const int lo0 = d.window > 0 ? p0 + 1 - d.window : 0, lo1 = d.window > 0 ? p1 + 1 - d.window : 0;
+    // ldmatrix lane roles: matrix lane/8, row lane%8 of it.
+    const int lm = lane >> 3, lr = lane & 7;
 
-    for (int kt0 = key0; kt0 < key1; kt0 += MKT) {
-        __syncthreads();
-        if (threadIdx.x < MKT) {
-            const int p = kt0 + threadIdx.x;
-            off_s[threadIdx.x] = p < key1 ? table[p / d.block_size] * d.block_stride + (i64)(p % d.block_size) * kvd : -1;
+    for (int ti = 0; ti < ntiles; ++ti) {
+        const int stage = ti & 1, kt0 = key0 + ti * MKT;
+        if (ti + 1 < ntiles) {
+            load_tile(kt0 + MKT, stage ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
         __syncthreads();
-        for (int i = threadIdx.x; i < MKT * (HD / 8); i += blockDim.x) {
-            const int k = i / (HD / 8), c = (i % (HD / 8)) * 8;
-            const i64 row = off_s[k];
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (row >= 0) {
-                kv = *reinterpret_cast<const uint4*>(k_cache + row + kvh * HD + c);
-                vv = *reinterpret_cast<const uint4*>(v_cache + row + kvh * HD + c);
-            }
-            *reinterpret_cast<uint4*>(ks + k * KLD + c) = kv;
-            const unsigned w[4] = {vv.x, vv.y, vv.z, vv.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                vt[(c + 2 * j) * VLD + k] = (bf16)(w[j] & 0xffffu);
-                vt[(c + 2 * j + 1) * VLD + k] = (bf16)(w[j] >> 16);
-            }
-        }
-        __syncthreads();
-        // S = Q·Kᵀ for 8 tiles of 8 keys.
+        const bf16* kst = ks + stage * MKT * LD;
+        const bf16* vst = vs + stage * MKT * LD;
+        // S = Q·Kᵀ for 8 tiles of 8 keys; one ldmatrix.x4 feeds two k-steps.
         float s[MKT / 8][4];
 #pragma unroll
         for (int n = 0; n < MKT / 8; ++n) {
             s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-            const bf16* kr = ks + (n * 8 + g) * KLD + 2 * t;
 #pragma unroll
-            for (int kk = 0; kk < HD / 16; ++kk) {
-                const unsigned b0 = *reinterpret_cast<const unsigned*>(kr + kk * 16);
-                const unsigned b1 = *reinterpret_cast<const unsigned*>(kr + kk * 16 + 8);
-                mma_bf16(s[n], qa[kk], b0, b1);
+            for (int kk = 0; kk < HD / 16; kk += 2) {
+                unsigned b[4];
+                ldmatrix_x4(b, kst + (n * 8 + lr) * LD + (kk + (lm >> 1)) * 16 + (lm & 1) * 8);
+                mma_bf16(s[n], qa[kk], b[0], b[1]);
+                mma_bf16(s[n], qa[kk + 1], b[2], b[3]);
             }
         }
         // Mask, scale, online softmax (rows g and g + 8; a row's 4 threads share it via shuffles).
@@ -117,8 +153,8 @@ __device__ void attn_prefill_mma_impl(const int* items, const float* q, const bf
                 const int key = kt0 + n * 8 + 2 * t + j;
                 const bool v0 = key < key1 && key <= p0 && key >= lo0;
                 const bool v1 = key < key1 && key <= p1 && key >= lo1;
-                s[n][j] = v0 ? s[n][j] * d.scale : -INFINITY;
-                s[n][2 + j] = v1 ? s[n][2 + j] * d.scale : -INFINITY;
+                s[n][j] = v0 ? s[n][j] * sl2 : -INFINITY;
+                s[n][2 + j] = v1 ? s[n][2 + j] * sl2 : -INFINITY;
                 mx0 = fmaxf(mx0, s[n][j]);
                 mx1 = fmaxf(mx1, s[n][2 + j]);
             }
@@ -128,14 +164,14 @@ __device__ void attn_prefill_mma_impl(const int* items, const float* q, const bf
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
         const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
-        const float c0 = nm0 == -INFINITY ? 1.f : expf(m0 - nm0), c1 = nm1 == -INFINITY ? 1.f : expf(m1 - nm1);
+        const float c0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0), c1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
         float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
         for (int n = 0; n < MKT / 8; ++n) {
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
-                s[n][j] = s[n][j] == -INFINITY ? 0.f : expf(s[n][j] - nm0);
-                s[n][2 + j] = s[n][2 + j] == -INFINITY ? 0.f : expf(s[n][2 + j] - nm1);
+                s[n][j] = s[n][j] == -INFINITY ? 0.f : exp2f(s[n][j] - nm0);
+                s[n][2 + j] = s[n][2 + j] == -INFINITY ? 0.f : exp2f(s[n][2 + j] - nm1);
                 sum0 += s[n][j];
                 sum1 += s[n][2 + j];
             }
@@ -155,20 +191,25 @@ __device__ void attn_prefill_mma_impl(const int* items, const float* q, const bf
             o[n][2] *= c1;
             o[n][3] *= c1;
         }
-        // O += P·V: P's accumulator layout of two adjacent key tiles is the A layout of one k-step.
+        // O += P·V: P's accumulator layout of two adjacent key tiles is the A layout of one k-step;
+        // one ldmatrix.x4.trans of row-major V feeds two 8-wide dim tiles.
 #pragma unroll
         for (int kk = 0; kk < MKT / 16; ++kk) {
             const unsigned pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
                                     pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                                     pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
-            for (int n = 0; n < HD / 8; ++n) {
-                const bf16* vr = vt + (n * 8 + g) * VLD + kk * 16 + 2 * t;
-                mma_bf16(o[n], pa, *reinterpret_cast<const unsigned*>(vr), *reinterpret_cast<const unsigned*>(vr + 8));
+            for (int n = 0; n < HD / 8; n += 2) {
+                unsigned b[4];
+                ldmatrix_x4_trans(b, vst + (kk * 16 + (lm & 1) * 8 + lr) * LD + (n + (lm >> 1)) * 8);
+                mma_bf16(o[n], pa, b[0], b[1]);
+                mma_bf16(o[n + 1], pa, b[2], b[3]);
             }
         }
+        // Everyone is done with this stage before the next iteration refills it.
+        __syncthreads();
     }
-    // Partial results for the combine kernel (attention.cu's layout).
+    // Partial results for the combine kernel (attention.cu's layout; max back in natural units).
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = half ? r1 : r0;
@@ -181,12 +222,15 @@ __device__ void attn_prefill_mma_impl(const int* items, const float* q, const bf
             part_acc[pidx * HD + n * 8 + 2 * t + 1] = o[n][2 * half + 1];
         }
         if (t == 0) {
-            part_ml[pidx * 2] = half ? m1 : m0;
+            const float mm = half ? m1 : m0;
+            part_ml[pidx * 2] = mm == -INFINITY ? mm : mm / LOG2E;
             part_ml[pidx * 2 + 1] = half ? l1 : l0;
         }
     }
 }
 
+// Dynamic shared memory: 2 stages × (K + V) × MKT × (HD + 8) bf16 (`mma_attention_smem` in
+// src/backend/cuda/decode.rs).
 extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma_d64(const int* items, const float* q, const bf16* kc,
                                                                        const bf16* vc, const int* tables, const int* toff,
                                                                        const int* pos, AttnDims d, float* pa, float* pm) {

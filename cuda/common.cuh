@@ -49,3 +49,28 @@ __device__ float block_sum(float v) {
 
 // Instantiate `name_f32` and `name_bf16` from a template `name_impl<T>` whose storage type is T.
 #define FOR_STORAGE_TYPES(X) X(float, f32) X(bf16, bf16)
+
+// How RoPE angles are computed (mirrors the CPU backend's `RopeAngles`); shared by the RoPE
+// kernel in llama.cu and the fused q/k/v GEMV in gemv.cu so both rotate identically.
+struct RopeParams {
+    int mode;           // 0: angle = pos · inv_freq[j] (HF); 1: GGML's iterated θ (llama.cpp)
+    float theta_scale;  // GGML: base^(−2/d)
+    float freq_scale;   // GGML: 1 / linear factor
+};
+
+// Angle of rotation pair `j` at position `p` (freqs: HF inverse frequencies, or GGML's Llama 3
+// factors, or null).
+__device__ __forceinline__ float rope_angle(RopeParams rp, const float* freqs, float p, int j) {
+    if (rp.mode == 0) return p * freqs[j];
+    float theta = p;
+    for (int k = 0; k < j; ++k) theta *= rp.theta_scale;
+    return rp.freq_scale * (freqs ? theta / freqs[j] : theta);
+}
+
+// Rotate the pair (a, b) by `ang`: a' = a·cos − b·sin, b' = a·sin + b·cos.
+__device__ __forceinline__ void rope_rotate(float ang, float& a, float& b) {
+    const float c = cosf(ang), s = sinf(ang);
+    const float na = fmaf(a, c, -(b * s)), nb = fmaf(a, s, b * c);
+    a = na;
+    b = nb;
+}

@@ -35,12 +35,6 @@ __device__ void swiglu_impl(const float* gu, T* out, int inter, i64 n) {
     }
 }
 
-struct RopeParams {
-    int mode;           // 0: angle = pos · inv_freq[j] (HF); 1: GGML's iterated θ (llama.cpp)
-    float theta_scale;  // GGML: base^(−2/d)
-    float freq_scale;   // GGML: 1 / linear factor
-};
-
 // One block per token; one warp per head. q heads are normed (optional), rotated and written to
 // `q_out` (f32); k heads likewise but stored into the paged cache at element offset `row_off[t]`
 // from this layer's K (and V) base; v is copied.
@@ -69,16 +63,8 @@ __device__ void qkv_rope_store_impl(const float* qkv, float* q_out, T* k_cache, 
                 a = nw[j] * (a * inv);
                 b = nw[j + half] * (b * inv);
             }
-            float ang;
-            if (rp.mode == 0) {
-                ang = p * freqs[j];
-            } else {
-                float theta = p;
-                for (int k = 0; k < j; ++k) theta *= rp.theta_scale;
-                ang = rp.freq_scale * (freqs ? theta / freqs[j] : theta);
-            }
-            const float c = cosf(ang), s = sinf(ang);
-            const float na = fmaf(a, c, -(b * s)), nb = fmaf(a, s, b * c);
+            float na = a, nb = b;
+            rope_rotate(rope_angle(rp, freqs, p, j), na, nb);
             if (h < nh) {
                 q_out[(i64)t * qd + h * hd + j] = na;
                 q_out[(i64)t * qd + h * hd + j + half] = nb;
@@ -149,61 +135,3 @@ extern "C" __global__ void copy_blocks(unsigned char* cache, unsigned char* stag
         if (dir == 0) s[i] = c[i]; else c[i] = s[i];
     }
 }
-
-// Skinny GEMM for decode steps (m ≤ 8 rows): y[m, n] (+)= x[m, k] · w[n, k]ᵀ, one warp per output
-// column, 16-byte weight loads, f32 accumulation. Memory-bound like decode itself; each output's
-// reduction order is fixed by k alone, so a row's result does not depend on m (batch company).
-#define GEMV_MAX_ROWS 8
-__device__ __forceinline__ void load8w(const bf16* p, float* o) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        o[2 * j] = __uint_as_float(w[j] << 16);
-        o[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
-    }
-}
-__device__ __forceinline__ void load8w(const float* p, float* o) {
-    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
-    o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
-}
-
-template <typename T>
-__device__ void gemv_impl(const T* x, const T* w, float* y, int m, int n, int k, int accumulate) {
-    const int lane = threadIdx.x & 31;
-    const int col = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (col >= n) return;
-    const T* wr = w + (i64)col * k;
-    float acc[GEMV_MAX_ROWS];
-#pragma unroll
-    for (int r = 0; r < GEMV_MAX_ROWS; ++r) acc[r] = 0.f;
-#pragma unroll 4
-    for (int c = lane * 8; c < k; c += 256) {
-        float wv[8];
-        load8w(wr + c, wv);
-#pragma unroll
-        for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-            if (r >= m) break;
-            float xv[8];
-            load8w(x + (i64)r * k + c, xv);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc[r] = fmaf(wv[j], xv[j], acc[r]);
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-        if (r >= m) break;
-        const float v = warp_sum(acc[r]);
-        if (lane == 0) {
-            float* o = y + (i64)r * n + col;
-            *o = accumulate ? *o + v : v;
-        }
-    }
-}
-
-#define GEMV_KERNELS(T, S)                                                                                     \
-    extern "C" __global__ void gemv_##S(const T* x, const T* w, float* y, int m, int n, int k, int acc) {     \
-        gemv_impl<T>(x, w, y, m, n, k, acc);                                                                   \
-    }
-FOR_STORAGE_TYPES(GEMV_KERNELS)

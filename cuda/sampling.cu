@@ -4,9 +4,19 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, int* out)
     const float* row = logits + (long long)blockIdx.x * vocab;
     float best = -INFINITY;
     int idx = 0x7fffffff;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float v = row[i];
-        if (v > best || (v == best && i < idx)) { best = v; idx = i; }
+    // Eight loads in flight per thread before comparing (one block reads the whole row).
+    for (int i0 = threadIdx.x; i0 < vocab; i0 += 8 * blockDim.x) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int i = i0 + u * blockDim.x;
+            v[u] = i < vocab ? row[i] : -INFINITY;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int i = i0 + u * blockDim.x;
+            if (i < vocab && (v[u] > best || (v[u] == best && i < idx))) { best = v[u]; idx = i; }
+        }
     }
     for (int o = 16; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(0xffffffffu, best, o);

@@ -17,7 +17,7 @@ for l in sys.stdin:
     if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="gpu_validate": print(m["executable"])' | tail -1)
 strip -o "$DEST/shelfserve" target/release/shelfserve
 strip -o "$DEST/gpu_validate" "$test_bin"
-cp scripts/gpu_validate.sh scripts/gpu_bench.sh scripts/bench_peer.py "$DEST/"
+cp scripts/gpu_validate.sh scripts/gpu_bench.sh scripts/gpu_profile.sh scripts/bench_peer.py "$DEST/"
 mkdir -p "$DEST/configs" && cp configs/bench/*.json "$DEST/configs/"
 # The test binary finds its fixtures under the manifest directory it was built in.
 echo "$PWD" > "$DEST/manifest_dir"

@@ -5,7 +5,11 @@
 
 use std::collections::HashMap;
 
-use super::gpu::{cfg, grid_for, DevBuf, DeviceRepr, Gpu, Precision, GEMV_MAX_ROWS};
+use super::decode::{
+    allow_dynamic_smem, fused_decode_fits, launch_gemv, mma_attention_smem, AttnDims, AttnLaunch, GemvArgs, GemvKind,
+    RopeParams,
+};
+use super::gpu::{cfg, grid_for, DevBuf, Gpu, Precision};
 use super::plan::{StepLayout, ROWS_PER_ITEM};
 use super::shard;
 use super::CudaBackend;
@@ -64,31 +68,6 @@ pub struct StepGraph(cudarc::driver::CudaGraph);
 // one thread at a time (`&mut self`).
 unsafe impl Send for StepGraph {}
 
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct RopeParams {
-    mode: i32,
-    theta_scale: f32,
-    freq_scale: f32,
-}
-// SAFETY: plain `#[repr(C)]` data matching `RopeParams` in cuda/llama.cu.
-unsafe impl DeviceRepr for RopeParams {}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct AttnDims {
-    block_stride: i64,
-    nh: i32,
-    nkv: i32,
-    hd: i32,
-    block_size: i32,
-    window: i32,
-    total_tokens: i32,
-    scale: f32,
-}
-// SAFETY: plain `#[repr(C)]` data matching `AttnDims` in cuda/attention.cu.
-unsafe impl DeviceRepr for AttnDims {}
-
 /// Pack several i32/i64 host arrays into one upload; returns each array's device address.
 fn upload_layout(gpu: &Gpu, scratch: &mut Scratch, l: &StepLayout) -> Result<[u64; 9], BackendError> {
     // Block tables last: they grow every few tokens, and nothing after them moves when they do.
@@ -143,13 +122,12 @@ impl CudaBackend {
         let logits = s.get(gpu, "logits", m.max(1) * c.vocab_size * 4)?;
         let tp_logits = shard::reserve_logits_scratch(gpu, s, &self.tp, m)?;
 
-        // Decode-sized steps (every matmul on our GEMV kernel, no cuBLAS, no tensor-core items)
-        // replay a captured CUDA graph: same shapes and buffers, same launches, no launch gaps.
-        let graph_key = (self.cuda_graphs
-            && t <= GEMV_MAX_ROWS
-            && layout.mma_items.is_empty()
-            && [h, qd, inter].iter().all(|d| d % 8 == 0))
-        .then_some(GraphKey {
+        // Decode-sized steps run on the fused GEMVs (no cuBLAS, no tensor-core items) and replay
+        // a captured CUDA graph: same shapes and buffers, same launches, no launch gaps.
+        let fused = fused_decode_fits(t, &[h, qd, inter]) && layout.mma_items.is_empty();
+        // RoPE joins the q/k/v GEMV unless q/k are normed per head first (that needs the whole head).
+        let rope_fused = fused && self.weights.layers.iter().all(|l| l.q_norm.is_none() && l.k_norm.is_none());
+        let graph_key = (self.cuda_graphs && fused).then_some(GraphKey {
             tokens: t,
             logit_rows: m,
             seqs: layout.table_off.len(),
@@ -177,13 +155,10 @@ impl CudaBackend {
             let combine_f = gpu.func("attention", &format!("attn_combine_{sfx}"))?;
             let mma_f = if mma { Some(gpu.func("attention_mma", &format!("attn_prefill_mma_d{hd}"))?) } else { None };
             let attn_smem = ((2 * 32 * (hd + 1) + ROWS_PER_ITEM * hd) * 4) as u32;
-            if attn_smem > 48 * 1024 {
-                partial_f
-                    .set_attribute(
-                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        attn_smem as i32,
-                    )
-                    .map_err(|e| super::gpu::dev_err("raising the attention kernel's shared memory", e))?;
+            allow_dynamic_smem(&partial_f, attn_smem)?;
+            let mma_smem = mma_attention_smem(hd);
+            if let Some(f) = &mma_f {
+                allow_dynamic_smem(f, mma_smem)?;
             }
 
             let (h32, eps) = (h as i32, c.rms_norm_eps);
@@ -196,17 +171,27 @@ impl CudaBackend {
                 freq_scale: self.rope.freq_scale,
             };
             let freqs = self.rope.table.as_ref().map_or(0, DevBuf::ptr);
-            let dims = AttnDims {
-                block_stride: self.kv_layout.block_elems() as i64,
-                nh: nh as i32,
-                nkv: nkv as i32,
-                hd: hd as i32,
-                block_size: self.kv_layout.block_size as i32,
-                window: c.sliding_window.unwrap_or(0) as i32,
-                total_tokens: t as i32,
-                scale: 1.0 / (hd as f32).sqrt(),
-            };
             let (nh32, nkv32, hd32, inter32) = (nh as i32, nkv as i32, hd as i32, inter as i32);
+            let mut attn_args = AttnLaunch {
+                q,
+                k_base: 0,
+                v_base: 0,
+                tables,
+                table_off,
+                positions,
+                dims: AttnDims {
+                    block_stride: self.kv_layout.block_elems() as i64,
+                    nh: nh32,
+                    nkv: nkv32,
+                    hd: hd32,
+                    block_size: self.kv_layout.block_size as i32,
+                    window: c.sliding_window.unwrap_or(0) as i32,
+                    total_tokens: t as i32,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                },
+                part_acc,
+                part_ml,
+            };
             let add_bias = |gpu: &Gpu, y: u64, b: &Option<DevBuf>, cols: usize| -> Result<(), BackendError> {
                 if let Some(b) = b {
                     let (bp, cols32, n) = (b.ptr(), cols as i32, (t * cols) as i64);
@@ -214,66 +199,85 @@ impl CudaBackend {
                 }
                 Ok(())
             };
+            let ptr = |b: &Option<DevBuf>| b.as_ref().map_or(0, DevBuf::ptr);
+            // A fused GEMV over `t` token rows reading the residual stream `x` (or `input`).
+            let gemv = |w: &DevBuf, bias: &Option<DevBuf>, n: usize, k: usize| GemvArgs {
+                x,
+                w: w.ptr(),
+                bias: ptr(bias),
+                m: t as i32,
+                n: n as i32,
+                k: k as i32,
+                eps,
+                ..Default::default()
+            };
             for (li, lw) in self.weights.layers.iter().enumerate() {
                 let kbase = self.kv.at(self.kv_layout.layer_offset(li) * eb);
                 let vbase = kbase + (self.kv_layout.plane_elems() * eb) as u64;
-                let w = lw.input_norm.ptr();
-                launch!(gpu, norm_f.clone(), cfg((t as u32, 1), NORM_THREADS, 0), &x, &null, &w, &xn, &h32, &eps)?;
-                gpu.matmul(prec, t, qd + 2 * kvd, h, xn, lw.qkv.ptr(), qkv, false)?;
-                add_bias(gpu, qkv, &lw.qkv_bias, qd + 2 * kvd)?;
-                let (qn, kn) = (lw.q_norm.as_ref().map_or(0, DevBuf::ptr), lw.k_norm.as_ref().map_or(0, DevBuf::ptr));
-                launch!(
-                    gpu,
-                    rope_f.clone(),
-                    cfg((t as u32, 1), NORM_THREADS, 0),
-                    &qkv,
-                    &q,
-                    &kbase,
-                    &vbase,
-                    &row_off,
-                    &positions,
-                    &qn,
-                    &kn,
-                    &freqs,
-                    &rope_p,
-                    &eps,
-                    &nh32,
-                    &nkv32,
-                    &hd32
-                )?;
-                if layout.num_items() > 0 {
+                let (qn, kn) = (ptr(&lw.q_norm), ptr(&lw.k_norm));
+                let norm_in = lw.input_norm.ptr();
+                let rope = |gpu: &Gpu| -> Result<(), BackendError> {
                     launch!(
                         gpu,
-                        partial_f.clone(),
-                        cfg((layout.num_items() as u32, 1), 128, attn_smem),
-                        &items,
+                        rope_f.clone(),
+                        cfg((t as u32, 1), NORM_THREADS, 0),
+                        &qkv,
                         &q,
                         &kbase,
                         &vbase,
-                        &tables,
-                        &table_off,
+                        &row_off,
                         &positions,
-                        &dims,
-                        &part_acc,
-                        &part_ml
+                        &qn,
+                        &kn,
+                        &freqs,
+                        &rope_p,
+                        &eps,
+                        &nh32,
+                        &nkv32,
+                        &hd32
+                    )
+                };
+                if rope_fused {
+                    let a = GemvArgs {
+                        norm_w: norm_in,
+                        y: q,
+                        k_cache: kbase,
+                        v_cache: vbase,
+                        row_off,
+                        pos: positions,
+                        freqs,
+                        rp: rope_p,
+                        nh: nh32,
+                        nkv: nkv32,
+                        hd: hd32,
+                        ..gemv(&lw.qkv, &lw.qkv_bias, qd + 2 * kvd, h)
+                    };
+                    launch_gemv(gpu, GemvKind::NormRope, prec, &a)?;
+                } else if fused {
+                    let a = GemvArgs { norm_w: norm_in, y: qkv, ..gemv(&lw.qkv, &lw.qkv_bias, qd + 2 * kvd, h) };
+                    launch_gemv(gpu, GemvKind::Norm, prec, &a)?;
+                    rope(gpu)?;
+                } else {
+                    launch!(
+                        gpu,
+                        norm_f.clone(),
+                        cfg((t as u32, 1), NORM_THREADS, 0),
+                        &x,
+                        &null,
+                        &norm_in,
+                        &xn,
+                        &h32,
+                        &eps
                     )?;
+                    gpu.gemm(prec, t, qd + 2 * kvd, h, xn, lw.qkv.ptr(), qkv, false)?;
+                    add_bias(gpu, qkv, &lw.qkv_bias, qd + 2 * kvd)?;
+                    rope(gpu)?;
                 }
-                if let (Some(f), true) = (&mma_f, layout.num_mma_items() > 0) {
-                    launch!(
-                        gpu,
-                        f.clone(),
-                        cfg((layout.num_mma_items() as u32, 1), 128, 0),
-                        &mma_items,
-                        &q,
-                        &kbase,
-                        &vbase,
-                        &tables,
-                        &table_off,
-                        &positions,
-                        &dims,
-                        &part_acc,
-                        &part_ml
-                    )?;
+                attn_args.k_base = kbase;
+                attn_args.v_base = vbase;
+                attn_args.launch(gpu, &partial_f, items, layout.num_items(), attn_smem)?;
+                if let Some(f) = &mma_f {
+                    attn_args.launch(gpu, f, mma_items, layout.num_mma_items(), mma_smem)?;
                 }
                 launch!(
                     gpu,
@@ -283,26 +287,72 @@ impl CudaBackend {
                     &part_ml,
                     &token_splits,
                     &attn,
-                    &dims
+                    &attn_args.dims
                 )?;
-                gpu.matmul(prec, t, h, qd, attn, lw.o.ptr(), x, shard::residual_accumulates(&self.tp))?;
+                let norm_post = lw.post_norm.ptr();
+                let accumulate = shard::residual_accumulates(&self.tp);
+                if fused {
+                    // Row-parallel under tensor parallelism: the fused kernel adds into `x`, so the
+                    // ranks other than 0 clear their copy first and the all-reduce sums x + partials.
+                    shard::clear_partial(gpu, &self.tp, x, t * h)?;
+                    launch_gemv(
+                        gpu,
+                        GemvKind::Add,
+                        prec,
+                        &GemvArgs { x: attn, y: x, ..gemv(&lw.o, &lw.o_bias, h, qd) },
+                    )?;
+                    shard::all_reduce(&self.tp, x, t * h)?;
+                    let a = GemvArgs { norm_w: norm_post, y: act, ..gemv(&lw.gate_up, &lw.gate_up_bias, 2 * inter, h) };
+                    launch_gemv(gpu, GemvKind::NormSwiglu, prec, &a)?;
+                    shard::clear_partial(gpu, &self.tp, x, t * h)?;
+                    launch_gemv(
+                        gpu,
+                        GemvKind::Add,
+                        prec,
+                        &GemvArgs { x: act, y: x, ..gemv(&lw.down, &lw.down_bias, h, inter) },
+                    )?;
+                    shard::all_reduce(&self.tp, x, t * h)?;
+                    continue;
+                }
+                gpu.gemm(prec, t, h, qd, attn, lw.o.ptr(), x, accumulate)?;
                 add_bias(gpu, x, &lw.o_bias, h)?;
                 shard::all_reduce(&self.tp, x, t * h)?;
-                let w = lw.post_norm.ptr();
-                launch!(gpu, norm_f.clone(), cfg((t as u32, 1), NORM_THREADS, 0), &x, &null, &w, &xn, &h32, &eps)?;
-                gpu.matmul(prec, t, 2 * inter, h, xn, lw.gate_up.ptr(), gu, false)?;
+                launch!(
+                    gpu,
+                    norm_f.clone(),
+                    cfg((t as u32, 1), NORM_THREADS, 0),
+                    &x,
+                    &null,
+                    &norm_post,
+                    &xn,
+                    &h32,
+                    &eps
+                )?;
+                gpu.gemm(prec, t, 2 * inter, h, xn, lw.gate_up.ptr(), gu, false)?;
                 add_bias(gpu, gu, &lw.gate_up_bias, 2 * inter)?;
                 let n = (t * inter) as i64;
                 launch!(gpu, swiglu_f.clone(), cfg((grid_for(t * inter, 256), 1), 256, 0), &gu, &act, &inter32, &n)?;
-                gpu.matmul(prec, t, h, inter, act, lw.down.ptr(), x, shard::residual_accumulates(&self.tp))?;
+                gpu.gemm(prec, t, h, inter, act, lw.down.ptr(), x, accumulate)?;
                 add_bias(gpu, x, &lw.down_bias, h)?;
                 shard::all_reduce(&self.tp, x, t * h)?;
             }
             if m > 0 {
                 let w = self.weights.final_norm.ptr();
-                launch!(gpu, norm_f, cfg((m as u32, 1), NORM_THREADS, 0), &x, &logit_rows, &w, &xs, &h32, &eps)?;
-                let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed).ptr();
-                shard::lm_head(gpu, &self.tp, &tp_logits, prec, (m, c.vocab_size, h), xs, head, logits)?;
+                let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed);
+                if self.tp.is_none() && fused_decode_fits(m, &[h]) {
+                    // Final norm of the logits rows and the LM head in one pass.
+                    let a = GemvArgs {
+                        rows: logit_rows,
+                        norm_w: w,
+                        y: logits,
+                        m: m as i32,
+                        ..gemv(head, &None, c.vocab_size, h)
+                    };
+                    launch_gemv(gpu, GemvKind::Norm, prec, &a)?;
+                } else {
+                    launch!(gpu, norm_f, cfg((m as u32, 1), NORM_THREADS, 0), &x, &logit_rows, &w, &xs, &h32, &eps)?;
+                    shard::lm_head(gpu, &self.tp, &tp_logits, prec, (m, c.vocab_size, h), xs, head.ptr(), logits)?;
+                }
             }
             Ok(())
         })();

@@ -20,6 +20,8 @@ pub const MODULES: &[(&str, &str)] = &[
     ("attention_mma", include_str!("../../../cuda/attention_mma.cu")),
     ("sampling", include_str!("../../../cuda/sampling.cu")),
 ];
+/// The fused decode GEMVs: compiled per backend for its storage type only ([`Gpu::load_gemv`]).
+pub const GEMV_SOURCE: &str = include_str!("../../../cuda/gemv.cu");
 
 pub fn dev_err(what: &str, e: impl std::fmt::Debug) -> BackendError {
     BackendError::Device(format!("{what}: {e:?}"))
@@ -127,10 +129,10 @@ impl Drop for DevBuf {
     }
 }
 
-/// Most rows [`Gpu::matmul`] sends to the skinny kernel (which takes up to 8, `GEMV_MAX_ROWS`
-/// in cuda/llama.cu). Measured on the H200 (8B shapes): at 8 rows it re-reads the activations
-/// from L1 once per row and loses to cuBLAS (16.3 ms/step at batch 8 vs 13.3 ms for cuBLAS at
-/// batch 32), so steps of more than 4 rows go to cuBLAS.
+/// Most token rows a step may have to run on the fused decode GEMVs (`cuda/gemv.cu`, compiled
+/// for up to 4 rows). Measured on the H200 (8B shapes, session 2's skinny kernel): at 8 rows
+/// a GEMV re-reads the activations once per row and loses to cuBLAS (16.3 ms/step at batch 8
+/// vs 13.3 ms for cuBLAS at batch 32), so steps of more than 4 rows go to cuBLAS.
 pub const GEMV_MAX_ROWS: usize = 4;
 
 /// Launch dimensions.
@@ -187,6 +189,11 @@ impl Gpu {
             gpu.compile(module, src)?;
         }
         Ok(gpu)
+    }
+
+    /// Compile the decode GEMV module (`cuda/gemv.cu`) for storage precision `prec` alone.
+    pub fn load_gemv(&mut self, prec: Precision) -> Result<(), BackendError> {
+        self.compile("gemv", &format!("#define GEMV_STORAGE_{}\n{GEMV_SOURCE}", prec.suffix()))
     }
 
     fn compile(&mut self, module: &'static str, src: &str) -> Result<(), BackendError> {
@@ -271,28 +278,6 @@ impl Gpu {
         self.stream.synchronize().map_err(|e| dev_err("stream synchronize", e))
     }
 
-    /// `y[m, n] (+)= x[m, k] · w[n, k]ᵀ` like [`Gpu::gemm`], through our skinny kernel when
-    /// `m ≤ GEMV_MAX_ROWS` (decode steps: memory-bound, and batch-invariant), else cuBLAS.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul(
-        &mut self,
-        prec: Precision,
-        m: usize,
-        n: usize,
-        k: usize,
-        x: u64,
-        w: u64,
-        y: u64,
-        accumulate: bool,
-    ) -> Result<(), BackendError> {
-        if m == 0 || m > GEMV_MAX_ROWS || k % 8 != 0 {
-            return self.gemm(prec, m, n, k, x, w, y, accumulate);
-        }
-        let f = self.func("llama", &format!("gemv_{}", prec.suffix()))?;
-        let (m32, n32, k32, acc) = (m as i32, n as i32, k as i32, i32::from(accumulate));
-        crate::launch!(self, f, cfg((n.div_ceil(8) as u32, 1), 256, 0), &x, &w, &y, &m32, &n32, &k32, &acc)
-    }
-
     /// `y[m, n] (+)= x[m, k] · w[n, k]ᵀ` with row-major `x` (`prec`), row-major `w` (`prec`) and
     /// f32 `y`, accumulating in f32. `accumulate` adds into `y` (fused residual add).
     #[allow(clippy::too_many_arguments)]
@@ -369,7 +354,7 @@ mod tests {
     #[ignore = "needs the NVRTC library (libnvrtc); run scripts/gpu_validate.sh"]
     fn every_kernel_module_compiles_for_hopper_and_ampere() {
         for cc in [(9, 0), (8, 0)] {
-            for (module, src) in MODULES {
+            for (module, src) in MODULES.iter().chain([&("gemv", GEMV_SOURCE)]) {
                 let ptx = compile_module(module, src, cc).unwrap_or_else(|e| panic!("{e}"));
                 assert!(ptx.to_src().contains(".entry"), "{module}: no kernels in the PTX");
             }

@@ -6,6 +6,7 @@
 //! the CPU backend. Tensor parallelism: a backend can be one rank of a group (`shard`, `nccl`),
 //! driven in lockstep with the others by [`TpCudaBackend`].
 
+mod decode;
 mod forward;
 pub mod gpu;
 pub mod nccl;
@@ -123,6 +124,7 @@ impl CudaBackend {
         check_shapes(cfg)?;
         let local = slices.local_config(cfg);
         gpu.bind()?;
+        gpu.load_gemv(opts.precision)?;
         let weights = weights(&mut gpu, &slices)?;
         let tp = comm.map(|comm| shard::CudaTp { comm: std::sync::Arc::new(comm), slices });
         Self::assemble(&local, gpu, weights, opts, tp)

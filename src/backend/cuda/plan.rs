@@ -148,8 +148,19 @@ impl StepLayout {
             l.logit_rows.extend((end - s.logits_rows..end).map(|r| r as i32));
             l.offsets.push(l.logit_rows.len());
         }
+        l.mma_items = longest_first(&l.mma_items);
         Ok(l)
     }
+}
+
+/// Causal prefill tiles grow with their position: the last tile of an 8k prompt reads 8k keys,
+/// the first 64. The device starts blocks in list order, so the longest go first and the short
+/// ones fill the gaps at the end instead of one long block running alone (each item writes only
+/// its own rows, so the order changes no result). Stable: equal lengths keep their order.
+fn longest_first(items: &[i32]) -> Vec<i32> {
+    let mut chunks: Vec<&[i32]> = items.chunks_exact(ITEM_INTS).collect();
+    chunks.sort_by_key(|c| std::cmp::Reverse(c[5] - c[4]));
+    chunks.concat()
 }
 
 #[cfg(test)]
@@ -220,6 +231,20 @@ mod tests {
         };
         assert_eq!(strip(items(&solo), 0, 0), strip(items(&both), 1, 5));
         assert_eq!(both.offsets, vec![0, 2, 3]);
+    }
+
+    #[test]
+    fn tensor_core_items_come_longest_first() {
+        let table: Vec<u32> = (0..200).collect();
+        let toks: Vec<u32> = vec![1; 200];
+        let s = SeqStep { tokens: &toks, start_pos: 0, block_table: &table, logits_rows: 1, state_slot: 0 };
+        let l = StepLayout::new(&[s], KV, 10, 2, 4, true).unwrap();
+        let it: Vec<[i32; ITEM_INTS]> = l.mma_items.chunks_exact(ITEM_INTS).map(|c| c.try_into().unwrap()).collect();
+        assert_eq!(it.len(), 2 * 200usize.div_ceil(16), "2 kv heads × tiles of 16 tokens");
+        assert!(it.windows(2).all(|w| w[0][5] - w[0][4] >= w[1][5] - w[1][4]), "not longest first");
+        assert_eq!((it[0][1], it[0][5], it[0][3]), (192, 200, 0), "last tile of kv head 0 first");
+        assert_eq!((it[1][1], it[1][3]), (192, 1), "then the same tile of kv head 1");
+        assert_eq!(*it.last().unwrap(), [0, 0, 16, 1, 0, 16, 0, 0]);
     }
 
     #[test]

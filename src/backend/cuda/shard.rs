@@ -164,6 +164,18 @@ pub fn residual_accumulates(tp: &Option<CudaTp>) -> bool {
     tp.as_ref().is_none_or(|t| t.slices.tp.rank == 0)
 }
 
+/// Before a kernel that can only add into the residual `x` (the fused decode GEMVs): the ranks
+/// other than 0 zero their copy, so after the kernel it holds their partial sum and the
+/// all-reduce yields `x + Σ partials`, as with [`residual_accumulates`].
+pub fn clear_partial(gpu: &Gpu, tp: &Option<CudaTp>, buf: u64, count: usize) -> Result<(), BackendError> {
+    if residual_accumulates(tp) {
+        return Ok(());
+    }
+    // SAFETY: `buf` is the step's residual buffer of at least `count` f32, on this stream.
+    unsafe { cudarc::driver::result::memset_d8_async(buf, 0, count * 4, gpu.stream.cu_stream()) }
+        .map_err(|e| dev_err("clearing a rank's partial residual", e))
+}
+
 /// Sum `count` f32 at `buf` over the ranks (nothing to do unsharded).
 pub fn all_reduce(tp: &Option<CudaTp>, buf: u64, count: usize) -> Result<(), BackendError> {
     match tp {
@@ -210,10 +222,10 @@ pub fn lm_head(
     logits: u64,
 ) -> Result<(), BackendError> {
     let Some(t) = tp else {
-        return gpu.matmul(prec, m, vocab, h, xs, head, logits, false);
+        return gpu.gemm(prec, m, vocab, h, xs, head, logits, false);
     };
     let per = t.slices.vocab_per_rank;
-    gpu.matmul(prec, m, per, h, xs, head, scratch.local, false)?;
+    gpu.gemm(prec, m, per, h, xs, head, scratch.local, false)?;
     // SAFETY: `local` holds m·per f32 and `gathered` world·m·per (reserved by the caller).
     unsafe { t.comm.all_gather_f32(scratch.local, scratch.gathered, m * per) }.map_err(CudaTp::err)?;
     for r in 0..t.slices.tp.world {
