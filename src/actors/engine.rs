@@ -83,6 +83,11 @@ pub struct CapacityCard {
     pub max_context: usize,
     pub page_tokens: usize,
     pub spill_budget: u64,
+    /// Host bytes of one page's recurrent-state snapshot (hybrid models; 0 otherwise). Every
+    /// cached page of a hybrid model keeps one, so a pool full of cached pages holds
+    /// `pool_tokens / page_tokens` of them (for GLM-5.3-Flash 146 MiB each against 39 MiB of KV
+    /// per 3584-token page: the snapshots, not the KV, decide what fits).
+    pub snapshot_bytes_per_page: u64,
 }
 
 impl CapacityCard {
@@ -96,6 +101,14 @@ impl CapacityCard {
             .map(|t| t.data.len() as u64)
             .sum();
         let kv_bytes_per_token = (2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4) as u64;
+        // The CPU backend's slot image: f32 KDA states and conv windows.
+        let snapshot_bytes_per_page = if crate::model::glm5_next::MODEL_TYPES.contains(&c.model_type.as_str()) {
+            crate::model::glm5_next::read_config(bundle.weights.origin())
+                .map(|g| crate::model::glm5_next::accounting::decode_cost(&g, 1, 4.0, 4).recurrent_state_bytes)
+                .unwrap_or(0)
+        } else {
+            0
+        };
         Self {
             weight_bytes,
             kv_bytes_per_token,
@@ -103,6 +116,7 @@ impl CapacityCard {
             max_context: c.max_position_embeddings.min(pool_tokens),
             page_tokens,
             spill_budget,
+            snapshot_bytes_per_page: if page_tokens > 0 { snapshot_bytes_per_page } else { 0 },
         }
     }
 
@@ -110,11 +124,32 @@ impl CapacityCard {
         self.kv_bytes_per_token * self.pool_tokens as u64
     }
 
+    /// Host bytes of recurrent-state snapshots when every page of the pool is a cached page.
+    pub fn max_snapshot_bytes(&self) -> u64 {
+        match self.page_tokens {
+            0 => 0,
+            p => (self.pool_tokens / p) as u64 * self.snapshot_bytes_per_page,
+        }
+    }
+
     /// Refuses a configuration that cannot fit in `mem_available` bytes, naming the number to
     /// change.
     pub fn check_fits(&self, mem_available: Option<u64>) -> Result<(), String> {
         let Some(avail) = mem_available else { return Ok(()) };
         let need = self.weight_bytes + self.kv_pool_bytes();
+        let with_snapshots = need + self.max_snapshot_bytes();
+        if need <= avail && with_snapshots > avail {
+            let pages = avail.saturating_sub(need) / self.snapshot_bytes_per_page.max(1);
+            return Err(format!(
+                "weights and KV pool fit, but the recurrent-state snapshots of a pool full of cached pages ({} pages x \
+                 {} MiB = {} MiB) do not: {} MiB available. Lower --kv-pool-tokens (kv_pool_tokens) or raise \
+                 --page-tokens (page_tokens) so that at most {pages} pages fit",
+                self.pool_tokens / self.page_tokens.max(1),
+                self.snapshot_bytes_per_page >> 20,
+                self.max_snapshot_bytes() >> 20,
+                avail >> 20
+            ));
+        }
         if need > avail {
             let kv_room = avail.saturating_sub(self.weight_bytes) / self.kv_bytes_per_token.max(1);
             return Err(format!(
@@ -140,6 +175,8 @@ impl CapacityCard {
             max_context = self.max_context,
             page_tokens = self.page_tokens,
             spill_budget_mib = self.spill_budget >> 20,
+            snapshot_mib_per_page = self.snapshot_bytes_per_page >> 20,
+            max_snapshot_mib = self.max_snapshot_bytes() >> 20,
             "capacity"
         );
     }

@@ -135,6 +135,9 @@ pub struct SchedulerState {
     live: HashMap<SeqId, LiveSeq>,
     stats: SchedulerStats,
     acceptance: AcceptanceStats,
+    /// Hybrid models with the prefix cache on: the page size at whose boundaries the executor
+    /// snapshots recurrent state (0 = no snapshots).
+    snapshot_page: usize,
 }
 
 pub struct SchedulerActor;
@@ -292,6 +295,7 @@ impl SchedulerState {
             return;
         }
         let Some(exec) = self.executor.as_ref() else { return };
+        let snapshot_page = self.snapshot_page;
         let seqs = out
             .seqs
             .into_iter()
@@ -305,6 +309,12 @@ impl SchedulerState {
                 } else {
                     None
                 };
+                // Only a plain step's end is a position the sequence keeps: a verify run's state
+                // includes drafts that may be rejected.
+                let snapshot = snapshot_page > 0
+                    && p.num_draft == 0
+                    && !p.tokens.is_empty()
+                    && (p.start_pos + p.tokens.len()) % snapshot_page == 0;
                 PlanSeq {
                     seq: p.id,
                     tokens: p.tokens,
@@ -312,6 +322,7 @@ impl SchedulerState {
                     block_table: p.block_table,
                     state_slot: p.state_slot,
                     num_draft: p.num_draft,
+                    snapshot,
                     sample,
                 }
             })
@@ -442,6 +453,7 @@ impl Actor for SchedulerActor {
             live: HashMap::new(),
             stats: SchedulerStats::default(),
             acceptance: AcceptanceStats::default(),
+            snapshot_page: 0,
         })
     }
 
@@ -514,7 +526,14 @@ impl Actor for SchedulerActor {
                 st.restore_wait = false;
                 st.plan_next_step().await;
             }
-            SchedulerMsg::StepDone(r) => {
+            SchedulerMsg::StepDone(mut r) => {
+                // Page-end snapshots reach the pool before the commit whose `Advance` publishes
+                // their pages (same sender, so in order).
+                if !r.snapshots.is_empty() && r.error.is_none() {
+                    if let Some(pool) = &st.pool {
+                        let _ = pool.cast(KvPoolMsg::Snapshots(std::mem::take(&mut r.snapshots)));
+                    }
+                }
                 st.on_step_done(r);
                 st.restore_wait = false;
                 st.plan_next_step().await;
@@ -542,20 +561,20 @@ impl Actor for SchedulerActor {
                 cfg.num_blocks = kv.num_blocks;
                 cfg.block_size = kv.block_size;
                 if state_slot_bytes > 0 && cfg.page_tokens > 0 {
-                    // A cached page of a hybrid model must carry the recurrent state at its end;
-                    // pages do not hold those snapshots yet, and a hit without one would resume a
-                    // sequence from the wrong state. Serve correctly without the cache instead.
-                    tracing::warn!(
+                    // A cached page of a hybrid model carries the recurrent state at its end.
+                    tracing::info!(
                         state_slot_bytes,
-                        "prefix cache and spill off: this model keeps recurrent state, and cached pages do not snapshot it yet"
+                        page_tokens = cfg.page_tokens,
+                        "prefix cache pages snapshot this model's recurrent state at every page end"
                     );
-                    cfg.page_tokens = 0;
+                    st.snapshot_page = cfg.page_tokens;
                 }
                 let pool_cfg = KvPoolConfig {
                     num_blocks: kv.num_blocks,
                     block_size: kv.block_size,
                     page_tokens: cfg.page_tokens,
                     state_slots: kv.state_slots,
+                    snapshot_bytes: state_slot_bytes,
                 };
                 let mut pool = KvPool::new(pool_cfg, &st.args.pool_identity).map_err(|e| e.to_string())?;
                 st.policy = Some(Planner::new(cfg.clone()).map_err(|e| e.to_string())?);
@@ -568,7 +587,12 @@ impl Actor for SchedulerActor {
                             pool.note_spilled(p.hash, p.parent);
                         }
                         let page_image_bytes = cfg.page_tokens / kv.block_size * kv_block_bytes + state_slot_bytes;
-                        let args = SpillArgs { store: Some(store), executor: executor.clone(), page_image_bytes };
+                        let args = SpillArgs {
+                            store: Some(store),
+                            executor: executor.clone(),
+                            page_image_bytes,
+                            snapshot_bytes: state_slot_bytes,
+                        };
                         // Not linked: a failing spill tier must not take serving down with it;
                         // the pool treats an unreachable spill actor as spill off.
                         let (spill, _) = Actor::spawn(None, SpillActor, args).await?;
