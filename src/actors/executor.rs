@@ -205,11 +205,14 @@ impl Actor for ExecutorActor {
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<Self::Msg>,
+        myself: ActorRef<Self::Msg>,
         args: ExecutorArgs,
     ) -> Result<ExecutorState, ActorProcessingErr> {
         let (tx, rx) = std::sync::mpsc::channel::<Job>();
         let scheduler = args.scheduler.clone();
+        // Sent with `ExecutorReady`: a model that loads quickly may be ready before the scheduler
+        // was told which executor it has.
+        let me = myself.clone();
         let rank = args.rank;
         let make = args.make_backend;
         // The compute thread blocks on its channel when idle: no polling.
@@ -221,6 +224,7 @@ impl Actor for ExecutorActor {
                         kv: b.kv_geometry(),
                         kv_block_bytes: b.kv_block_bytes(),
                         state_slot_bytes: b.state_slot_bytes(),
+                        executor: me,
                     });
                     b
                 }

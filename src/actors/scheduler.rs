@@ -51,6 +51,8 @@ pub enum SchedulerMsg {
         /// Bytes of one block's KV image (for the spill tier's size checks).
         kv_block_bytes: usize,
         state_slot_bytes: usize,
+        /// The executor that is ready (it may report before `AttachExecutor` arrives).
+        executor: ActorRef<ExecutorMsg>,
     },
     /// The pool changed outside a commit (a restore from disk ended): plan again.
     PoolViewChanged(crate::kv::PoolView),
@@ -556,7 +558,8 @@ impl Actor for SchedulerActor {
                 st.executor = Some(exec);
                 st.plan_next_step().await;
             }
-            SchedulerMsg::ExecutorReady { rank, kv, kv_block_bytes, state_slot_bytes } => {
+            SchedulerMsg::ExecutorReady { rank, kv, kv_block_bytes, state_slot_bytes, executor } => {
+                st.executor.get_or_insert(executor);
                 let mut cfg = st.args.policy.clone();
                 cfg.num_blocks = kv.num_blocks;
                 cfg.block_size = kv.block_size;
@@ -578,7 +581,7 @@ impl Actor for SchedulerActor {
                 };
                 let mut pool = KvPool::new(pool_cfg, &st.args.pool_identity).map_err(|e| e.to_string())?;
                 st.policy = Some(Planner::new(cfg.clone()).map_err(|e| e.to_string())?);
-                let executor = st.executor.clone().ok_or("executor ready before it was attached")?;
+                let executor = st.executor.clone().ok_or("no executor is attached")?;
                 let store = st.args.spill.take().filter(|_| cfg.page_tokens > 0);
                 let spill = match store {
                     Some(store) => {
