@@ -268,7 +268,14 @@ async fn hybrid_pages_spill_with_their_snapshots_restore_after_restarts_and_corr
 }
 
 /// One sequence's greedy continuation on the backend directly, and the logits it was chosen from.
-fn greedy(b: &mut Glm5Backend, table: &[u32], slot: u32, start: usize, first: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
+fn greedy(
+    b: &mut Glm5Backend,
+    table: &[u32],
+    slot: u32,
+    start: usize,
+    first: &[u32],
+    n: usize,
+) -> (Vec<u32>, Vec<f32>) {
     let (mut pos, mut toks, mut out, mut all) = (start, first.to_vec(), Vec::new(), Vec::new());
     for _ in 0..n {
         let step = SeqStep { tokens: &toks, start_pos: pos, block_table: table, logits_rows: 1, state_slot: slot };
@@ -312,10 +319,7 @@ fn resuming_from_the_wrong_pages_snapshot_changes_the_output() {
     b.write_state_slot(2, &snaps[2]).expect("restore");
     let (right, right_logits) = greedy(&mut b, &hit_table, 2, 3 * PAGE, &tail, 8);
     assert_eq!(right, fresh, "the last hit page's snapshot resumes exactly");
-    assert!(
-        right_logits.iter().zip(&fresh_logits).all(|(a, c)| a.to_bits() == c.to_bits()),
-        "bitwise equal logits"
-    );
+    assert!(right_logits.iter().zip(&fresh_logits).all(|(a, c)| a.to_bits() == c.to_bits()), "bitwise equal logits");
     b.write_state_slot(2, &snaps[1]).expect("restore the wrong page's state");
     let (wrong, wrong_logits) = greedy(&mut b, &hit_table, 2, 3 * PAGE, &tail, 8);
     assert!(right_logits.iter().zip(&wrong_logits).any(|(a, c)| a.to_bits() != c.to_bits()), "logits change");

@@ -607,7 +607,12 @@ impl KvPool {
                 }
             }
         }
-        self.evicted_out.push(EvictedPage { hash: h, parent: page.parent, blocks: page.blocks, snapshot: page.snapshot });
+        self.evicted_out.push(EvictedPage {
+            hash: h,
+            parent: page.parent,
+            blocks: page.blocks,
+            snapshot: page.snapshot,
+        });
     }
 
     /// Enters every whole computed page of `seq` not yet in its chain into the index. A page some

@@ -13,7 +13,8 @@ fn ident() -> PoolIdentity {
 
 /// 4-token blocks, 8-token pages (2 blocks per page).
 fn pool(num_blocks: usize) -> KvPool {
-    KvPool::new(KvPoolConfig { num_blocks, block_size: 4, page_tokens: 8, state_slots: 4, snapshot_bytes: 0 }, &ident()).expect("valid")
+    KvPool::new(KvPoolConfig { num_blocks, block_size: 4, page_tokens: 8, state_slots: 4, snapshot_bytes: 0 }, &ident())
+        .expect("valid")
 }
 
 fn toks(seed: u32, n: usize) -> Vec<u32> {
@@ -32,7 +33,8 @@ fn run_seq(p: &mut KvPool, seq: SeqId, tokens: &[u32]) -> PrefixHit {
 #[test]
 fn invalid_configs_are_refused() {
     let bad = |num_blocks, block_size, page_tokens| {
-        KvPool::new(KvPoolConfig { num_blocks, block_size, page_tokens, state_slots: 0, snapshot_bytes: 0 }, &ident()).is_err()
+        KvPool::new(KvPoolConfig { num_blocks, block_size, page_tokens, state_slots: 0, snapshot_bytes: 0 }, &ident())
+            .is_err()
     };
     assert!(bad(0, 4, 8));
     assert!(bad(4, 0, 0));
@@ -280,8 +282,11 @@ fn state_slots_are_distinct_and_returned() {
 
 #[test]
 fn prefix_cache_off_publishes_and_serves_nothing() {
-    let mut p = KvPool::new(KvPoolConfig { num_blocks: 16, block_size: 4, page_tokens: 0, state_slots: 0, snapshot_bytes: 0 }, &ident())
-        .expect("valid");
+    let mut p = KvPool::new(
+        KvPoolConfig { num_blocks: 16, block_size: 4, page_tokens: 0, state_slots: 0, snapshot_bytes: 0 },
+        &ident(),
+    )
+    .expect("valid");
     run_seq(&mut p, 1, &toks(1, 20));
     p.release(1);
     assert_eq!((p.num_cached_pages(), p.num_free()), (0, 16));
