@@ -361,3 +361,18 @@ async fn a_disk_that_fills_during_a_spill_write_turns_spill_off_and_serving_cont
     drop(e);
     assert_eq!(reply, fresh_reply(&follow, 10).await, "served correctly after the disk filled");
 }
+
+/// The capacity card counts one recurrent-state snapshot per cached page, sized exactly like the
+/// backend's slot image, and refuses a pool whose snapshots would not fit, naming the knobs.
+#[test]
+fn the_capacity_card_counts_snapshot_memory() {
+    use shelfserve::actors::engine::CapacityCard;
+    let card = CapacityCard::new(&open_tiny(), 512, PAGE, 0);
+    assert_eq!(card.snapshot_bytes_per_page, slot_bytes() as u64, "the card's snapshot is the backend's slot");
+    assert_eq!(card.max_snapshot_bytes(), (512 / PAGE) as u64 * slot_bytes() as u64);
+    let without = card.weight_bytes + card.kv_pool_bytes();
+    assert!(card.check_fits(Some(without + card.max_snapshot_bytes())).is_ok());
+    let err = card.check_fits(Some(without + card.max_snapshot_bytes() - 1)).expect_err("snapshots do not fit");
+    assert!(err.contains("--kv-pool-tokens") && err.contains("--page-tokens"), "{err}");
+    assert_eq!(CapacityCard::new(&open_tiny(), 512, 0, 0).max_snapshot_bytes(), 0, "no pages, no snapshots");
+}
