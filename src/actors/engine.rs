@@ -84,6 +84,11 @@ pub struct CapacityCard {
     pub max_context: usize,
     pub page_tokens: usize,
     pub spill_budget: u64,
+    /// Host bytes of one page's recurrent-state snapshot (hybrid models; 0 otherwise). Every
+    /// cached page of a hybrid model keeps one, so a pool full of cached pages holds
+    /// `pool_tokens / page_tokens` of them (for GLM-5.3-Flash 146 MiB each against 39 MiB of KV
+    /// per 3584-token page: the snapshots, not the KV, decide what fits).
+    pub snapshot_bytes_per_page: u64,
 }
 
 impl CapacityCard {
@@ -97,6 +102,14 @@ impl CapacityCard {
             .map(|t| t.data.len() as u64)
             .sum();
         let kv_bytes_per_token = (2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4) as u64;
+        // The CPU backend's slot image: f32 KDA states and conv windows.
+        let snapshot_bytes_per_page = if crate::model::glm5_next::MODEL_TYPES.contains(&c.model_type.as_str()) {
+            crate::model::glm5_next::read_config(bundle.weights.origin())
+                .map(|g| crate::model::glm5_next::accounting::decode_cost(&g, 1, 4.0, 4).recurrent_state_bytes)
+                .unwrap_or(0)
+        } else {
+            0
+        };
         Self {
             weight_bytes,
             kv_bytes_per_token,
@@ -104,6 +117,7 @@ impl CapacityCard {
             max_context: c.max_position_embeddings.min(pool_tokens),
             page_tokens,
             spill_budget,
+            snapshot_bytes_per_page: if page_tokens > 0 { snapshot_bytes_per_page } else { 0 },
         }
     }
 
@@ -111,11 +125,32 @@ impl CapacityCard {
         self.kv_bytes_per_token * self.pool_tokens as u64
     }
 
+    /// Host bytes of recurrent-state snapshots when every page of the pool is a cached page.
+    pub fn max_snapshot_bytes(&self) -> u64 {
+        match self.page_tokens {
+            0 => 0,
+            p => (self.pool_tokens / p) as u64 * self.snapshot_bytes_per_page,
+        }
+    }
+
     /// Refuses a configuration that cannot fit in `mem_available` bytes, naming the number to
     /// change.
     pub fn check_fits(&self, mem_available: Option<u64>) -> Result<(), String> {
         let Some(avail) = mem_available else { return Ok(()) };
         let need = self.weight_bytes + self.kv_pool_bytes();
+        let with_snapshots = need + self.max_snapshot_bytes();
+        if need <= avail && with_snapshots > avail {
+            let pages = avail.saturating_sub(need) / self.snapshot_bytes_per_page.max(1);
+            return Err(format!(
+                "weights and KV pool fit, but the recurrent-state snapshots of a pool full of cached pages ({} pages x \
+                 {} MiB = {} MiB) do not: {} MiB available. Lower --kv-pool-tokens (kv_pool_tokens) or raise \
+                 --page-tokens (page_tokens) so that at most {pages} pages fit",
+                self.pool_tokens / self.page_tokens.max(1),
+                self.snapshot_bytes_per_page >> 20,
+                self.max_snapshot_bytes() >> 20,
+                avail >> 20
+            ));
+        }
         if need > avail {
             let kv_room = avail.saturating_sub(self.weight_bytes) / self.kv_bytes_per_token.max(1);
             return Err(format!(
@@ -141,6 +176,8 @@ impl CapacityCard {
             max_context = self.max_context,
             page_tokens = self.page_tokens,
             spill_budget_mib = self.spill_budget >> 20,
+            snapshot_mib_per_page = self.snapshot_bytes_per_page >> 20,
+            max_snapshot_mib = self.max_snapshot_bytes() >> 20,
             "capacity"
         );
     }
@@ -242,6 +279,10 @@ pub async fn start_engine(
     } else {
         None
     };
+    // One executor per tensor-parallel rank, each loading its shard on its own thread; the
+    // scheduler learns them from their ready reports and sends every step to all of them.
+    let makers =
+        rank_backend_makers(Arc::new(bundle), &opts.device, kv).map_err(|e| EngineError::Invalid(e.to_string()))?;
     let (scheduler, _) = Actor::spawn(
         None,
         SchedulerActor,
@@ -255,14 +296,11 @@ pub async fn start_engine(
             drafter: drafter.clone(),
             pool_identity,
             spill,
+            world: makers.len(),
         },
     )
     .await
     .map_err(|e| EngineError::Executor(e.to_string()))?;
-    // One executor per tensor-parallel rank, each loading its shard on its own thread; the
-    // scheduler sends every step to all of them.
-    let makers =
-        rank_backend_makers(Arc::new(bundle), &opts.device, kv).map_err(|e| EngineError::Invalid(e.to_string()))?;
     let mut executors = Vec::with_capacity(makers.len());
     for (rank, make) in makers.into_iter().enumerate() {
         let make_backend = Box::new(move || make().map_err(|e| e.to_string()));
@@ -272,9 +310,6 @@ pub async fn start_engine(
                 .map_err(|e| EngineError::Executor(e.to_string()))?;
         executors.push(executor);
     }
-    scheduler
-        .cast(SchedulerMsg::AttachExecutor(executors.clone()))
-        .map_err(|e| EngineError::Executor(e.to_string()))?;
     Ok(Arc::new(Engine { info, config, counters, scheduler, executors, drafter }))
 }
 

@@ -12,7 +12,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::scheduler::SchedulerMsg;
 use crate::backend::{Backend, SeqStep};
-use crate::kv::PageHash;
+use crate::kv::{EvictedPage, PageHash, SlotSnapshot};
 use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::SeqId;
 use crate::spec::step::{sample_with_drafts, StepTokens};
@@ -40,6 +40,9 @@ pub struct PlanSeq {
     /// Trailing draft tokens in `tokens` to verify (0 without speculative decoding).
     pub num_draft: usize,
     pub sample: Option<SampleSpec>,
+    /// The step ends exactly on a page boundary of a hybrid model: read the recurrent state
+    /// afterwards, for that page's snapshot.
+    pub snapshot: bool,
 }
 
 /// Everything an executor needs to run one step.
@@ -62,6 +65,8 @@ pub struct StepResult {
     pub decode_tokens: usize,
     /// Set when the backend failed; the step produced nothing.
     pub error: Option<String>,
+    /// Recurrent state at the page boundary each `PlanSeq::snapshot` sequence reached (for the pool).
+    pub snapshots: Vec<SlotSnapshot>,
 }
 
 pub enum ExecutorMsg {
@@ -70,8 +75,15 @@ pub enum ExecutorMsg {
     /// them to the spill tier. Queued before any step that may reuse their blocks (the KV pool
     /// sends it before answering the scheduler), and run in order with steps.
     ReadPages {
-        pages: Vec<(PageHash, Option<PageHash>, Vec<u32>)>,
+        pages: Vec<EvictedPage>,
         spill: ActorRef<SpillMsg>,
+    },
+    /// A prefix hit on a hybrid model: put the last hit page's recurrent-state snapshot into the
+    /// sequence's slot (sent by the KV pool before it answers the scheduler, so it runs before the
+    /// sequence's next step).
+    WriteState {
+        slot: u32,
+        image: Arc<[u8]>,
     },
     /// Write a restored page image into `blocks` (sent by the spill tier before it tells the pool
     /// the page is back, so it runs before any step that reads it).
@@ -85,8 +97,9 @@ pub enum ExecutorMsg {
 /// Work for the compute thread, in arrival order.
 enum Job {
     Step(StepPlan),
-    Read(Vec<(PageHash, Option<PageHash>, Vec<u32>)>, ActorRef<SpillMsg>),
+    Read(Vec<EvictedPage>, ActorRef<SpillMsg>),
     Write(PageHash, Vec<u32>, Vec<u8>),
+    WriteState(u32, Arc<[u8]>),
 }
 
 pub struct ExecutorActor;
@@ -130,6 +143,7 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResu
         prefill_tokens,
         decode_tokens,
         error: None,
+        snapshots: Vec::new(),
     };
     // Sequences verifying drafts ask the backend to keep per-token recurrent state, and are
     // committed to their accepted length right after sampling (a no-op without recurrent state).
@@ -169,6 +183,16 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResu
         }
         Err(e) => result.error = Some(e.to_string()),
     }
+    for s in plan.seqs.iter().filter(|s| s.snapshot && result.error.is_none()) {
+        match backend.read_state_slot(s.state_slot) {
+            Ok(image) => {
+                let tokens = s.start_pos + s.tokens.len();
+                result.snapshots.push(SlotSnapshot { seq: s.seq, tokens, image: image.into() });
+            }
+            // The page is then not published (recomputed on a later hit), nothing worse.
+            Err(e) => tracing::warn!(seq = s.seq, error = %e, "could not snapshot the recurrent state at a page end"),
+        }
+    }
     result.elapsed = start.elapsed();
     result
 }
@@ -179,17 +203,16 @@ fn send(state: &ExecutorState, job: Job) -> Result<(), ActorProcessingErr> {
     Ok(())
 }
 
-/// Copies evicted pages out and hands them to the spill tier. The recurrent snapshot of a page
-/// end is not kept in a slot after the sequence moved on, so hybrid pages carry none yet (an
-/// attention-only model has none to carry).
-fn read_pages(
-    backend: &mut dyn Backend,
-    pages: Vec<(PageHash, Option<PageHash>, Vec<u32>)>,
-    spill: &ActorRef<SpillMsg>,
-) {
-    for (hash, parent, blocks) in pages {
+/// Copies evicted pages out and hands them to the spill tier. A page's image is its blocks' KV
+/// image followed by its recurrent-state snapshot (hybrid models; the pool kept it in host memory),
+/// so the two are stored, checked and restored as one unit.
+fn read_pages(backend: &mut dyn Backend, pages: Vec<EvictedPage>, spill: &ActorRef<SpillMsg>) {
+    for EvictedPage { hash, parent, blocks, snapshot } in pages {
         match backend.read_kv_blocks(&blocks) {
-            Ok(image) => {
+            Ok(mut image) => {
+                if let Some(s) = snapshot {
+                    image.extend_from_slice(&s);
+                }
                 let _ = spill.cast(SpillMsg::Store { hash, parent, image });
             }
             Err(e) => tracing::warn!(page = %hash.to_hex(), error = %e, "could not read an evicted page to spill it"),
@@ -204,11 +227,14 @@ impl Actor for ExecutorActor {
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<Self::Msg>,
+        myself: ActorRef<Self::Msg>,
         args: ExecutorArgs,
     ) -> Result<ExecutorState, ActorProcessingErr> {
         let (tx, rx) = std::sync::mpsc::channel::<Job>();
         let scheduler = args.scheduler.clone();
+        // Sent with `ExecutorReady`: a model that loads quickly may be ready before the scheduler
+        // was told which executor it has.
+        let me = myself.clone();
         let rank = args.rank;
         let make = args.make_backend;
         // The compute thread blocks on its channel when idle: no polling.
@@ -220,6 +246,7 @@ impl Actor for ExecutorActor {
                         kv: b.kv_geometry(),
                         kv_block_bytes: b.kv_block_bytes(),
                         state_slot_bytes: b.state_slot_bytes(),
+                        executor: me,
                     });
                     b
                 }
@@ -259,6 +286,13 @@ impl Actor for ExecutorActor {
                             tracing::error!(page = %hash.to_hex(), error = %e, "restoring a spilled page failed");
                         }
                     }
+                    Job::WriteState(slot, image) => {
+                        // The glm5 backend checks that a continued slot holds the state of the step's
+                        // start position, so a failed write normally fails the next step loudly.
+                        if let Err(e) = backend.write_state_slot(slot, &image) {
+                            tracing::error!(slot, error = %e, "restoring a recurrent-state snapshot failed");
+                        }
+                    }
                 }
             }
         })?;
@@ -275,6 +309,7 @@ impl Actor for ExecutorActor {
             ExecutorMsg::Run(plan) => send(state, Job::Step(plan))?,
             ExecutorMsg::ReadPages { pages, spill } => send(state, Job::Read(pages, spill))?,
             ExecutorMsg::WritePage { hash, blocks, image } => send(state, Job::Write(hash, blocks, image))?,
+            ExecutorMsg::WriteState { slot, image } => send(state, Job::WriteState(slot, image))?,
         }
         Ok(())
     }

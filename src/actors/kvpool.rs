@@ -4,11 +4,13 @@
 //! per step. Prefix-cache metrics are published here, where the lookups happen. No policy: the
 //! scheduler decides who runs; this actor only says which blocks back them.
 
+use std::sync::Arc;
+
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::executor::ExecutorMsg;
 use super::scheduler::SchedulerMsg;
-use crate::kv::{apply_ops, view, KvPool, MissReason, PageHash, PoolCounters, PoolOp, PoolReply};
+use crate::kv::{apply_ops, view, KvPool, MissReason, PageHash, PoolCounters, PoolOp, PoolReply, SlotSnapshot};
 use crate::spill::SpillMsg;
 
 pub enum KvPoolMsg {
@@ -23,8 +25,12 @@ pub enum KvPoolMsg {
     SpillDropped(PageHash),
     /// The spill tier turned off (disk full or unwritable): nothing on disk is restorable.
     SpillOff,
-    /// A restore ended; on success the executor has the image queued before any later step.
-    Restored { hash: PageHash, ok: bool },
+    /// A restore ended; on success the executor has the image queued before any later step, and
+    /// `snapshot` is the page's recurrent state (hybrid models).
+    Restored { hash: PageHash, ok: bool, snapshot: Option<Arc<[u8]>> },
+    /// Recurrent state read at page boundaries in the last step (from the scheduler, before the
+    /// commit whose `Advance` publishes those pages).
+    Snapshots(Vec<SlotSnapshot>),
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -39,6 +45,8 @@ pub struct PoolStats {
     pub counters: PoolCounters,
     /// Pages the spill tier holds.
     pub spilled_pages: usize,
+    /// Host bytes of the recurrent-state snapshots the pool holds (hybrid models).
+    pub snapshot_bytes: usize,
 }
 
 pub struct KvPoolArgs {
@@ -76,6 +84,7 @@ impl KvPoolState {
             sequences: self.pool.seq_ids().count(),
             counters: self.pool.counters().clone(),
             spilled_pages: self.pool.num_spilled(),
+            snapshot_bytes: self.pool.snapshot_bytes_held(),
         }
     }
 
@@ -96,6 +105,11 @@ impl KvPoolState {
         metrics::gauge!("shelfserve_kv_pages_used").set(self.pool.num_referenced() as f64);
         metrics::gauge!("shelfserve_kv_pages_free").set(self.pool.num_free() as f64);
         metrics::gauge!("shelfserve_kv_pages_cached").set(self.pool.num_evictable() as f64);
+        if self.pool.needs_snapshots() {
+            metrics::counter!("shelfserve_kv_pages_unsnapshotted_total")
+                .increment(now.unsnapshotted_pages - before.unsnapshotted_pages);
+            metrics::gauge!("shelfserve_kv_snapshot_bytes").set(self.pool.snapshot_bytes_held() as f64);
+        }
         self.published = now;
     }
 }
@@ -129,21 +143,25 @@ impl Actor for KvPoolActor {
             KvPoolMsg::Commit { ops, for_step } => {
                 let mut reply = apply_ops(&mut st.pool, ops);
                 let evicted = st.pool.take_evicted();
+                // Prefix hits of a hybrid model resume from the last hit page's snapshot: queued at
+                // the executor before the scheduler hears back, hence before their first step.
+                for w in st.pool.take_state_writes() {
+                    st.executor.cast(ExecutorMsg::WriteState { slot: w.slot, image: w.image })?;
+                }
                 if let Some(spill) = &st.spill {
                     // Queued at the executor before the scheduler hears back, hence before any
                     // step that could write the evicted blocks.
                     if !evicted.is_empty() {
-                        let pages = evicted.into_iter().map(|e| (e.hash, e.parent, e.blocks)).collect();
-                        st.executor.cast(ExecutorMsg::ReadPages { pages, spill: spill.clone() })?;
+                        st.executor.cast(ExecutorMsg::ReadPages { pages: evicted, spill: spill.clone() })?;
                     }
                     for r in std::mem::take(&mut reply.restores) {
                         if spill.cast(SpillMsg::Load { hash: r.hash, blocks: r.blocks }).is_err() {
-                            st.pool.finish_restore(r.hash, false);
+                            st.pool.finish_restore(r.hash, false, None);
                         }
                     }
                 } else {
                     for r in std::mem::take(&mut reply.restores) {
-                        st.pool.finish_restore(r.hash, false);
+                        st.pool.finish_restore(r.hash, false, None);
                     }
                 }
                 st.publish_metrics();
@@ -159,8 +177,15 @@ impl Actor for KvPoolActor {
                 st.spill = None;
                 st.pool.forget_all_spilled();
             }
-            KvPoolMsg::Restored { hash, ok } => {
-                st.pool.finish_restore(hash, ok);
+            KvPoolMsg::Snapshots(snaps) => {
+                for snap in snaps {
+                    if let Err(e) = st.pool.add_snapshot(snap) {
+                        tracing::error!(error = %e, "a recurrent-state snapshot was refused");
+                    }
+                }
+            }
+            KvPoolMsg::Restored { hash, ok, snapshot } => {
+                st.pool.finish_restore(hash, ok, snapshot);
                 st.publish_metrics();
                 st.scheduler.cast(SchedulerMsg::PoolViewChanged(view(&st.pool)))?;
             }

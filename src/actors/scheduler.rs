@@ -44,15 +44,15 @@ pub enum SchedulerMsg {
         reply: PoolReply,
         for_step: bool,
     },
-    /// The executor actors, one per tensor-parallel rank in rank order (sent once, right after
-    /// they are spawned). Every step goes to all of them; rank 0 samples.
-    AttachExecutor(Vec<ActorRef<ExecutorMsg>>),
     ExecutorReady {
         rank: usize,
         kv: KvGeometry,
         /// Bytes of one block's KV image (for the spill tier's size checks).
         kv_block_bytes: usize,
         state_slot_bytes: usize,
+        /// The rank's executor: the scheduler learns its executors from these reports, and sends
+        /// every step to all of them once every rank is ready (rank 0 samples).
+        executor: ActorRef<ExecutorMsg>,
     },
     /// The pool changed outside a commit (a restore from disk ended): plan again.
     PoolViewChanged(crate::kv::PoolView),
@@ -99,6 +99,8 @@ pub struct SchedulerArgs {
     pub drafter: Option<ActorRef<DrafterMsg>>,
     /// What makes cached pages valid (model fingerprint, KV layout, rank).
     pub pool_identity: PoolIdentity,
+    /// Tensor-parallel ranks, one executor each; steps start once all of them are ready.
+    pub world: usize,
     /// The opened spill store (taken when the executor is ready); `None` = spill off.
     pub spill: Option<crate::spill::SpillStore>,
 }
@@ -136,12 +138,17 @@ pub struct SchedulerState {
     followers: Vec<ActorRef<ExecutorMsg>>,
     /// Which ranks have loaded and answered the step in flight.
     ranks: RankBook,
+    /// Executors that reported ready, by rank, until the whole group has.
+    joining: Vec<Option<ActorRef<ExecutorMsg>>>,
     in_flight: bool,
     next_step: u64,
     next_seq: SeqId,
     live: HashMap<SeqId, LiveSeq>,
     stats: SchedulerStats,
     acceptance: AcceptanceStats,
+    /// Hybrid models with the prefix cache on: the page size at whose boundaries the executor
+    /// snapshots recurrent state (0 = no snapshots).
+    snapshot_page: usize,
 }
 
 pub struct SchedulerActor;
@@ -299,6 +306,7 @@ impl SchedulerState {
             return;
         }
         let Some(exec) = self.executor.as_ref() else { return };
+        let snapshot_page = self.snapshot_page;
         let seqs = out
             .seqs
             .into_iter()
@@ -312,6 +320,12 @@ impl SchedulerState {
                 } else {
                     None
                 };
+                // Only a plain step's end is a position the sequence keeps: a verify run's state
+                // includes drafts that may be rejected.
+                let snapshot = snapshot_page > 0
+                    && p.num_draft == 0
+                    && !p.tokens.is_empty()
+                    && (p.start_pos + p.tokens.len()) % snapshot_page == 0;
                 PlanSeq {
                     seq: p.id,
                     tokens: p.tokens,
@@ -319,6 +333,7 @@ impl SchedulerState {
                     block_table: p.block_table,
                     state_slot: p.state_slot,
                     num_draft: p.num_draft,
+                    snapshot,
                     sample,
                 }
             })
@@ -438,6 +453,7 @@ impl Actor for SchedulerActor {
         _myself: ActorRef<SchedulerMsg>,
         args: SchedulerArgs,
     ) -> Result<SchedulerState, ActorProcessingErr> {
+        let world = args.world;
         Ok(SchedulerState {
             args,
             policy: None,
@@ -446,13 +462,15 @@ impl Actor for SchedulerActor {
             restore_wait: false,
             executor: None,
             followers: Vec::new(),
-            ranks: RankBook::new(1),
+            ranks: RankBook::new(world),
+            joining: vec![None; world.max(1)],
             in_flight: false,
             next_step: 0,
             next_seq: 0,
             live: HashMap::new(),
             stats: SchedulerStats::default(),
             acceptance: AcceptanceStats::default(),
+            snapshot_page: 0,
         })
     }
 
@@ -527,7 +545,14 @@ impl Actor for SchedulerActor {
             }
             SchedulerMsg::StepDone(r) => {
                 // Under tensor parallelism the step is done when every rank has answered.
-                let Some(r) = st.ranks.on_result(r.rank, r) else { return Ok(()) };
+                let Some(mut r) = st.ranks.on_result(r.rank, r) else { return Ok(()) };
+                // Page-end snapshots reach the pool before the commit whose `Advance` publishes
+                // their pages (same sender, so in order).
+                if !r.snapshots.is_empty() && r.error.is_none() {
+                    if let Some(pool) = &st.pool {
+                        let _ = pool.cast(KvPoolMsg::Snapshots(std::mem::take(&mut r.snapshots)));
+                    }
+                }
                 st.on_step_done(r);
                 st.restore_wait = false;
                 st.plan_next_step().await;
@@ -546,19 +571,20 @@ impl Actor for SchedulerActor {
                 st.on_pool_committed(reply, for_step);
                 st.maybe_step();
             }
-            SchedulerMsg::AttachExecutor(execs) => {
-                st.ranks = RankBook::new(execs.len());
-                st.executor = execs.first().cloned();
-                st.followers = execs.into_iter().skip(1).collect();
-                st.plan_next_step().await;
-            }
-            SchedulerMsg::ExecutorReady { rank, kv, kv_block_bytes, state_slot_bytes } => {
+            SchedulerMsg::ExecutorReady { rank, kv, kv_block_bytes, state_slot_bytes, executor } => {
                 // The group is ready when every rank is; its KV image is the ranks' side by side.
+                // Executors announce themselves here (a fast load may beat any other message).
+                if let Some(slot) = st.joining.get_mut(rank) {
+                    *slot = Some(executor);
+                }
                 let Some(RankReady { kv, kv_block_bytes, state_slot_bytes }) =
                     st.ranks.on_ready(rank, RankReady { kv, kv_block_bytes, state_slot_bytes })?
                 else {
                     return Ok(());
                 };
+                let mut group = std::mem::take(&mut st.joining).into_iter().flatten();
+                st.executor = group.next();
+                st.followers = group.collect();
                 if st.ranks.world() > 1 && st.args.spill.take().is_some() {
                     // Pages would have to be read from and written to every rank; only rank 0's
                     // executor is asked today.
@@ -572,24 +598,24 @@ impl Actor for SchedulerActor {
                 cfg.block_size = kv.block_size;
                 cfg.recurrent_state = state_slot_bytes > 0;
                 if state_slot_bytes > 0 && cfg.page_tokens > 0 {
-                    // A cached page of a hybrid model must carry the recurrent state at its end;
-                    // pages do not hold those snapshots yet, and a hit without one would resume a
-                    // sequence from the wrong state. Serve correctly without the cache instead.
-                    tracing::warn!(
+                    // A cached page of a hybrid model carries the recurrent state at its end.
+                    tracing::info!(
                         state_slot_bytes,
-                        "prefix cache and spill off: this model keeps recurrent state, and cached pages do not snapshot it yet"
+                        page_tokens = cfg.page_tokens,
+                        "prefix cache pages snapshot this model's recurrent state at every page end"
                     );
-                    cfg.page_tokens = 0;
+                    st.snapshot_page = cfg.page_tokens;
                 }
                 let pool_cfg = KvPoolConfig {
                     num_blocks: kv.num_blocks,
                     block_size: kv.block_size,
                     page_tokens: cfg.page_tokens,
                     state_slots: kv.state_slots,
+                    snapshot_bytes: state_slot_bytes,
                 };
                 let mut pool = KvPool::new(pool_cfg, &st.args.pool_identity).map_err(|e| e.to_string())?;
                 st.policy = Some(Planner::new(cfg.clone()).map_err(|e| e.to_string())?);
-                let executor = st.executor.clone().ok_or("executor ready before it was attached")?;
+                let executor = st.executor.clone().ok_or("no executor is attached")?;
                 let store = st.args.spill.take().filter(|_| cfg.page_tokens > 0);
                 let spill = match store {
                     Some(store) => {
@@ -598,7 +624,12 @@ impl Actor for SchedulerActor {
                             pool.note_spilled(p.hash, p.parent);
                         }
                         let page_image_bytes = cfg.page_tokens / kv.block_size * kv_block_bytes + state_slot_bytes;
-                        let args = SpillArgs { store: Some(store), executor: executor.clone(), page_image_bytes };
+                        let args = SpillArgs {
+                            store: Some(store),
+                            executor: executor.clone(),
+                            page_image_bytes,
+                            snapshot_bytes: state_slot_bytes,
+                        };
                         // Not linked: a failing spill tier must not take serving down with it;
                         // the pool treats an unreachable spill actor as spill off.
                         let (spill, _) = Actor::spawn(None, SpillActor, args).await?;

@@ -11,6 +11,7 @@ pub mod pool;
 pub use blocks::{BlockPool, BlockTable};
 pub use ops::{apply_ops, view, PoolOp, PoolReply, PoolView, Restore, SeqGrant};
 pub use page::{MissReason, PageHash, PageHasher, PoolIdentity, PrefixHit};
+pub use pool::snapshot::{SlotSnapshot, StateWrite};
 pub use pool::{Allocation, EvictedPage, KvPool, KvPoolConfig, PoolCounters};
 
 /// Misuse of the block pool. These indicate a bookkeeping bug in the caller, never bad user input,

@@ -130,6 +130,11 @@ pub fn view(pool: &KvPool) -> PoolView {
 /// admission must wait for restores (new or already running).
 fn restoring(pool: &mut KvPool, seq: SeqId, reply: &mut PoolReply) -> bool {
     let (candidates, mut pending) = pool.restore_candidates(seq);
+    if candidates.is_empty() {
+        return pending;
+    }
+    // The blocks for the restores must not come from evicting this chain's own cached pages.
+    let pinned = pool.pin_cached_prefix(seq);
     for (hash, parent) in candidates {
         match pool.begin_restore(hash, parent) {
             Ok(blocks) => {
@@ -140,6 +145,7 @@ fn restoring(pool: &mut KvPool, seq: SeqId, reply: &mut PoolReply) -> bool {
             Err(_) => break,
         }
     }
+    pool.unpin_pages(pinned);
     pending
 }
 

@@ -26,6 +26,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
 
 use super::page::{MissReason, PageHash, PageHasher, PoolIdentity, PrefixHit};
 use super::KvError;
@@ -69,6 +70,9 @@ pub struct EvictedPage {
     pub hash: PageHash,
     pub parent: Option<PageHash>,
     pub blocks: Vec<u32>,
+    /// The recurrent-state snapshot at the page end (hybrid models): spilled with the blocks as one
+    /// unit.
+    pub snapshot: Option<Arc<[u8]>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -80,6 +84,10 @@ pub struct KvPoolConfig {
     pub page_tokens: usize,
     /// Recurrent-state slots (0 for attention-only models: every sequence gets slot 0).
     pub state_slots: usize,
+    /// Bytes of one recurrent-state snapshot (the backend's state slot image). 0 for
+    /// attention-only models; otherwise a page is published only with its snapshot (see
+    /// [`snapshot`]).
+    pub snapshot_bytes: usize,
 }
 
 impl KvPoolConfig {
@@ -109,6 +117,8 @@ struct Page {
     blocks: Vec<u32>,
     /// Set while nobody references the page: its key in the LRU.
     lru_tick: Option<u64>,
+    /// Recurrent state at the page end (hybrid models only).
+    snapshot: Option<Arc<[u8]>>,
 }
 
 #[derive(Debug)]
@@ -121,6 +131,8 @@ struct SeqKv {
     /// Identities of the sequence's whole computed pages, in order (published or not).
     page_hashes: Vec<PageHash>,
     slot: Option<u32>,
+    /// Snapshots delivered for pages not yet published, by page index (hybrid models).
+    snapshots: BTreeMap<usize, Arc<[u8]>>,
 }
 
 /// Lookup and cache counters since the pool was made (the actor turns them into metrics).
@@ -130,6 +142,9 @@ pub struct PoolCounters {
     pub hit_tokens: u64,
     pub misses: BTreeMap<MissReason, u64>,
     pub evictions: u64,
+    /// Whole pages of a hybrid model left unpublished because no snapshot was taken at their end
+    /// (a multi-token step crossed the boundary).
+    pub unsnapshotted_pages: u64,
 }
 
 /// Remembered identities of recently evicted pages, for the `evicted` miss reason.
@@ -161,6 +176,8 @@ pub struct KvPool {
     spilled: HashMap<PageHash, Option<PageHash>>,
     /// Pages being restored from disk: blocks held until the image is written.
     restoring: HashMap<PageHash, (Option<PageHash>, Allocation)>,
+    /// Snapshots to write into the slots of sequences that just got a prefix hit.
+    state_writes_out: Vec<StateWrite>,
     counters: PoolCounters,
 }
 
@@ -200,6 +217,7 @@ impl KvPool {
             corrupt: HashSet::new(),
             spilled: HashMap::new(),
             restoring: HashMap::new(),
+            state_writes_out: Vec::new(),
             counters: PoolCounters::default(),
             cfg,
         })
@@ -298,7 +316,8 @@ impl KvPool {
             return Err(KvError::DuplicateSeq(seq));
         }
         let alloc = Allocation { blocks: Vec::new(), returns: self.returns_tx.clone() };
-        self.seqs.insert(seq, SeqKv { tokens, computed: 0, alloc, page_hashes: Vec::new(), slot: None });
+        let kv = SeqKv { tokens, computed: 0, alloc, page_hashes: Vec::new(), slot: None, snapshots: BTreeMap::new() };
+        self.seqs.insert(seq, kv);
         Ok(())
     }
 
@@ -357,8 +376,15 @@ impl KvPool {
         let s = self.seqs.get_mut(&seq).ok_or(KvError::UnknownSeq(seq))?;
         s.alloc.blocks = blocks;
         s.computed = hit.hit_tokens;
-        s.page_hashes = hashes;
         s.slot = slot;
+        // A hybrid sequence resumes from the recurrent state at the last hit page's end.
+        if let (Some(last), Some(slot)) = (hashes.last(), slot) {
+            if let Some(image) = self.pages.get(last).and_then(|p| p.snapshot.clone()) {
+                self.state_writes_out.push(StateWrite { seq, slot, image });
+            }
+        }
+        let s = self.seqs.get_mut(&seq).ok_or(KvError::UnknownSeq(seq))?;
+        s.page_hashes = hashes;
         if self.cfg.page_tokens > 0 {
             self.counters.queries += 1;
             self.counters.hit_tokens += hit.hit_tokens as u64;
@@ -408,6 +434,7 @@ impl KvPool {
         let blocks = std::mem::take(&mut s.alloc.blocks);
         s.computed = 0;
         s.page_hashes.clear();
+        s.snapshots.clear();
         let slot = s.slot.take();
         drop(Allocation { blocks, returns: self.returns_tx.clone() });
         if let Some(slot) = slot {
@@ -432,120 +459,6 @@ impl KvPool {
     /// copies them out must do so before the next step that writes KV.
     pub fn take_evicted(&mut self) -> Vec<EvictedPage> {
         std::mem::take(&mut self.evicted_out)
-    }
-
-    /// The spill tier found this page's copy corrupt: later lookups that stop at it say so.
-    pub fn mark_corrupt(&mut self, hash: PageHash) {
-        self.corrupt.insert(hash);
-    }
-
-    /// The spill tier holds this page on disk (written now, or found in its index at startup).
-    pub fn note_spilled(&mut self, hash: PageHash, parent: Option<PageHash>) {
-        self.spilled.insert(hash, parent);
-    }
-
-    /// The spill tier no longer holds this page (budget, disk trouble).
-    pub fn forget_spilled(&mut self, hash: &PageHash) {
-        self.spilled.remove(hash);
-    }
-
-    /// The spill tier is gone: nothing on disk can be restored any more.
-    pub fn forget_all_spilled(&mut self) {
-        self.spilled.clear();
-    }
-
-    pub fn num_spilled(&self) -> usize {
-        self.spilled.len()
-    }
-
-    /// Pages of `seq`'s eligible prefix that follow its cached pages and are on disk, in chain
-    /// order, stopping at the first that is neither. Pages already being restored count as
-    /// pending (returned with `pending = true` and no new restore needed).
-    pub fn restore_candidates(&self, seq: SeqId) -> (Vec<(PageHash, Option<PageHash>)>, bool) {
-        let p = self.cfg.page_tokens;
-        let Some(s) = self.seqs.get(&seq) else { return (Vec::new(), false) };
-        if p == 0 || self.spilled.is_empty() && self.restoring.is_empty() || s.tokens.len() <= 1 {
-            return (Vec::new(), false);
-        }
-        let mut out = Vec::new();
-        let mut pending = false;
-        let mut parent = None;
-        for page in s.tokens[..s.tokens.len() - 1].chunks_exact(p) {
-            let h = self.hasher.page(parent, page);
-            if self.restoring.contains_key(&h) {
-                pending = true;
-            } else if !self.pages.contains_key(&h) {
-                if self.spilled.get(&h) != Some(&parent) || self.corrupt.contains(&h) {
-                    break;
-                }
-                out.push((h, parent));
-            }
-            parent = Some(h);
-        }
-        (out, pending)
-    }
-
-    /// Holds one page's blocks for a restore of `hash` from disk. The blocks are returned so the
-    /// caller can have the image written into them.
-    pub fn begin_restore(&mut self, hash: PageHash, parent: Option<PageHash>) -> Result<Vec<u32>, KvError> {
-        let alloc = self.allocate(self.page_blocks())?;
-        let blocks = alloc.blocks().to_vec();
-        self.restoring.insert(hash, (parent, alloc));
-        Ok(blocks)
-    }
-
-    /// A restore ended: on success the page joins the cache (unreferenced, most recently used);
-    /// otherwise its blocks are freed, the page is never tried from disk again, and the miss is
-    /// counted as `spilled_corrupt`.
-    pub fn finish_restore(&mut self, hash: PageHash, ok: bool) {
-        let Some((parent, alloc)) = self.restoring.remove(&hash) else { return };
-        if ok {
-            if let Err(e) = self.insert_restored(hash, parent, alloc) {
-                tracing::error!(error = %e, "a restored page could not be cached");
-            }
-        } else {
-            drop(alloc);
-            self.spilled.remove(&hash);
-            self.corrupt.insert(hash);
-            self.count_miss(MissReason::SpilledCorrupt);
-            self.reclaim();
-        }
-    }
-
-    /// Counts a prefix-cache lookup miss that the spill tier discovered after the fact.
-    pub fn count_miss(&mut self, reason: MissReason) {
-        *self.counters.misses.entry(reason).or_default() += 1;
-    }
-
-    /// Inserts a page restored from outside (the spill tier) into the cache, unreferenced, on
-    /// blocks taken from `alloc` (whose contents the caller has written). Refused if the page is
-    /// already cached or `alloc` is not exactly one page.
-    pub fn insert_restored(
-        &mut self,
-        hash: PageHash,
-        parent: Option<PageHash>,
-        mut alloc: Allocation,
-    ) -> Result<(), KvError> {
-        self.reclaim();
-        if alloc.len() != self.page_blocks() || self.cfg.page_tokens == 0 {
-            return Err(KvError::InvalidPool(format!(
-                "a restored page needs {} blocks, got {}",
-                self.page_blocks(),
-                alloc.len()
-            )));
-        }
-        if self.pages.contains_key(&hash) {
-            return Ok(()); // dropping `alloc` frees its blocks again
-        }
-        let blocks = std::mem::take(&mut alloc.blocks);
-        for &b in &blocks {
-            self.block_page[b as usize] = Some(hash);
-            self.refcount[b as usize] -= 1;
-        }
-        self.corrupt.remove(&hash);
-        self.pages.insert(hash, Page { parent, blocks, lru_tick: None });
-        self.push_lru(hash);
-        Ok(())
     }
 
     /// Panics unless every block is in exactly one state (free, cached-unreferenced, referenced),
@@ -584,6 +497,12 @@ impl KvPool {
             for &b in &page.blocks {
                 assert_eq!(self.block_page[b as usize], Some(*h), "block {b} does not point at its page");
             }
+            assert_eq!(
+                page.snapshot.as_ref().map(|s| s.len()),
+                self.needs_snapshots().then_some(self.cfg.snapshot_bytes),
+                "page {} has a snapshot iff the model keeps recurrent state",
+                h.to_hex()
+            );
         }
         assert_eq!(self.lru.len(), self.pages.values().filter(|p| p.lru_tick.is_some()).count());
         assert_eq!(lru_blocks, self.lru_blocks, "LRU block count is off");
@@ -688,7 +607,12 @@ impl KvPool {
                 }
             }
         }
-        self.evicted_out.push(EvictedPage { hash: h, parent: page.parent, blocks: page.blocks });
+        self.evicted_out.push(EvictedPage {
+            hash: h,
+            parent: page.parent,
+            blocks: page.blocks,
+            snapshot: page.snapshot,
+        });
     }
 
     /// Enters every whole computed page of `seq` not yet in its chain into the index. A page some
@@ -699,6 +623,7 @@ impl KvPool {
             return;
         }
         let pb = p / self.cfg.block_size;
+        let needs_snapshot = self.needs_snapshots();
         let Some(s) = self.seqs.get_mut(&seq) else { return };
         let whole = s.computed / p;
         while s.page_hashes.len() < whole {
@@ -706,18 +631,32 @@ impl KvPool {
             let parent = s.page_hashes.last().copied();
             let h = self.hasher.page(parent, &s.tokens[i * p..(i + 1) * p]);
             s.page_hashes.push(h);
+            let snapshot = s.snapshots.remove(&i);
             let blocks = &s.alloc.blocks[i * pb..(i + 1) * pb];
             if self.pages.contains_key(&h) || blocks.iter().any(|&b| self.block_page[b as usize].is_some()) {
+                continue;
+            }
+            if needs_snapshot && snapshot.is_none() {
+                // Without the state at its end the page cannot be resumed from: recompute it.
+                self.counters.unsnapshotted_pages += 1;
                 continue;
             }
             for &b in blocks {
                 self.block_page[b as usize] = Some(h);
             }
             self.corrupt.remove(&h);
-            self.pages.insert(h, Page { parent, blocks: blocks.to_vec(), lru_tick: None });
+            self.pages.insert(h, Page { parent, blocks: blocks.to_vec(), lru_tick: None, snapshot });
         }
+        // Snapshots of pages this sequence has passed are of no further use.
+        s.snapshots = s.snapshots.split_off(&whole);
     }
 }
+
+#[path = "restore.rs"]
+mod restore;
+#[path = "snapshot.rs"]
+pub mod snapshot;
+use snapshot::StateWrite;
 
 #[cfg(test)]
 #[path = "pool_tests.rs"]

@@ -5,6 +5,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::*;
+use crate::kv::{apply_ops, PoolOp};
 
 fn ident() -> PoolIdentity {
     PoolIdentity { model_fingerprint: "model-a".into(), kv_layout: "f32/b4".into(), rank: 0 }
@@ -12,7 +13,8 @@ fn ident() -> PoolIdentity {
 
 /// 4-token blocks, 8-token pages (2 blocks per page).
 fn pool(num_blocks: usize) -> KvPool {
-    KvPool::new(KvPoolConfig { num_blocks, block_size: 4, page_tokens: 8, state_slots: 4 }, &ident()).expect("valid")
+    KvPool::new(KvPoolConfig { num_blocks, block_size: 4, page_tokens: 8, state_slots: 4, snapshot_bytes: 0 }, &ident())
+        .expect("valid")
 }
 
 fn toks(seed: u32, n: usize) -> Vec<u32> {
@@ -31,7 +33,8 @@ fn run_seq(p: &mut KvPool, seq: SeqId, tokens: &[u32]) -> PrefixHit {
 #[test]
 fn invalid_configs_are_refused() {
     let bad = |num_blocks, block_size, page_tokens| {
-        KvPool::new(KvPoolConfig { num_blocks, block_size, page_tokens, state_slots: 0 }, &ident()).is_err()
+        KvPool::new(KvPoolConfig { num_blocks, block_size, page_tokens, state_slots: 0, snapshot_bytes: 0 }, &ident())
+            .is_err()
     };
     assert!(bad(0, 4, 8));
     assert!(bad(4, 0, 0));
@@ -164,7 +167,7 @@ fn a_different_parent_or_identity_misses() {
     p.register(2, t).expect("register");
     assert_eq!(p.acquire_prefix(2).expect("acquire").hit_tokens, 0);
     let mut other = KvPool::new(
-        KvPoolConfig { num_blocks: 32, block_size: 4, page_tokens: 8, state_slots: 0 },
+        KvPoolConfig { num_blocks: 32, block_size: 4, page_tokens: 8, state_slots: 0, snapshot_bytes: 0 },
         &PoolIdentity { model_fingerprint: "model-b".into(), ..ident() },
     )
     .expect("valid");
@@ -279,8 +282,11 @@ fn state_slots_are_distinct_and_returned() {
 
 #[test]
 fn prefix_cache_off_publishes_and_serves_nothing() {
-    let mut p = KvPool::new(KvPoolConfig { num_blocks: 16, block_size: 4, page_tokens: 0, state_slots: 0 }, &ident())
-        .expect("valid");
+    let mut p = KvPool::new(
+        KvPoolConfig { num_blocks: 16, block_size: 4, page_tokens: 0, state_slots: 0, snapshot_bytes: 0 },
+        &ident(),
+    )
+    .expect("valid");
     run_seq(&mut p, 1, &toks(1, 20));
     p.release(1);
     assert_eq!((p.num_cached_pages(), p.num_free()), (0, 16));
@@ -323,12 +329,12 @@ fn a_restored_page_is_cached_and_served() {
     let t = toks(1, 9);
     let h = p.hasher().chain(&t, 8)[0];
     let a = p.allocate(2).expect("2");
-    p.insert_restored(h, None, a).expect("insert");
+    p.insert_restored(h, None, a, None).expect("insert");
     assert_eq!(p.num_evictable(), 2);
     p.register(1, t).expect("register");
     assert_eq!(p.acquire_prefix(1).expect("acquire").hit_tokens, 8);
     let wrong = p.allocate(1).expect("1");
-    assert!(p.insert_restored(h, None, wrong).is_err(), "one block is not a page");
+    assert!(p.insert_restored(h, None, wrong, None).is_err(), "one block is not a page");
     p.assert_accounting(&[]);
 }
 
@@ -401,4 +407,41 @@ fn random_operations_keep_exact_accounting() {
     p.assert_accounting(&[]);
     assert_eq!(p.num_available(), 48);
     assert!(p.counters().queries > 100 && p.counters().hit_tokens > 0 && p.counters().evictions > 0);
+}
+
+/// The soak's spill phase saw `evicted` misses on prompts whose every page was in memory or on
+/// disk: restoring the pages at the front of a chain took blocks by evicting the same chain's
+/// cached later pages, which were then missing (and not yet spilled) when the sequence was
+/// admitted. Restores now never evict the chain they continue.
+#[test]
+fn restores_do_not_evict_the_chain_they_continue() {
+    let mut p = pool(12);
+    let a = toks(1, 33);
+    run_seq(&mut p, 1, &a[..32]);
+    p.release(1); // LRU: pages 0, 1, 2, 3 (oldest first); 4 blocks free
+    run_seq(&mut p, 2, &toks(2, 8));
+    p.release(2); // LRU: pages 0-3, then the unrelated page X; 2 blocks free
+    let hold = p.allocate(6).expect("evicts pages 0 and 1");
+    let evicted = p.take_evicted();
+    assert_eq!(evicted.len(), 2);
+    for e in &evicted {
+        p.note_spilled(e.hash, e.parent);
+    }
+    drop(hold);
+    let _busy = p.allocate(4).expect("leaves 2 blocks free");
+    p.register(3, a.clone()).expect("register");
+    let reply = apply_ops(&mut p, vec![PoolOp::Admit { seq: 3, new_tokens: 1 }]);
+    assert!(reply.grants[0].restoring, "pages 0 and 1 are restored first");
+    assert_eq!(reply.restores.len(), 2);
+    let chain = p.hasher().chain(&a[..32], 8);
+    assert!(p.contains_page(&chain[2]) && p.contains_page(&chain[3]), "the restores evicted their own chain");
+    for r in reply.restores {
+        p.finish_restore(r.hash, true, None);
+    }
+    let reply = apply_ops(&mut p, vec![PoolOp::Admit { seq: 3, new_tokens: 1 }]);
+    let hit = reply.grants[0].hit.clone().expect("admitted");
+    assert_eq!((hit.pages, hit.miss), (4, None), "every page served, none `evicted`");
+    p.release(3);
+    drop(_busy);
+    p.assert_accounting(&[]);
 }

@@ -29,6 +29,7 @@ impl Policy {
             block_size: cfg.block_size,
             page_tokens: cfg.page_tokens,
             state_slots: cfg.max_num_seqs,
+            snapshot_bytes: 0,
         };
         let pool = KvPool::new(pool_cfg, identity).map_err(|e| PolicyError::InvalidConfig(e.to_string()))?;
         Ok(Self { planner, pool })

@@ -7,6 +7,7 @@
 pub mod store;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -30,8 +31,11 @@ pub struct SpillArgs {
     /// `None`: spill is off (budget 0 or the directory could not be opened).
     pub store: Option<SpillStore>,
     pub executor: ActorRef<ExecutorMsg>,
-    /// Exact size of a page image: `page_blocks * kv_block_bytes + state bytes`.
+    /// Exact size of a page image: `page_blocks * kv_block_bytes + snapshot_bytes`.
     pub page_image_bytes: usize,
+    /// Trailing bytes of a page image that are its recurrent-state snapshot (0 for
+    /// attention-only models); they go back to the pool, the rest to the executor's blocks.
+    pub snapshot_bytes: usize,
 }
 
 pub struct SpillState {
@@ -39,6 +43,7 @@ pub struct SpillState {
     pool: Option<ActorRef<KvPoolMsg>>,
     executor: ActorRef<ExecutorMsg>,
     page_image_bytes: usize,
+    snapshot_bytes: usize,
 }
 
 pub struct SpillActor;
@@ -78,7 +83,13 @@ impl Actor for SpillActor {
     type Arguments = SpillArgs;
 
     async fn pre_start(&self, _myself: ActorRef<SpillMsg>, a: SpillArgs) -> Result<SpillState, ActorProcessingErr> {
-        Ok(SpillState { store: a.store, pool: None, executor: a.executor, page_image_bytes: a.page_image_bytes })
+        Ok(SpillState {
+            store: a.store,
+            pool: None,
+            executor: a.executor,
+            page_image_bytes: a.page_image_bytes,
+            snapshot_bytes: a.snapshot_bytes,
+        })
     }
 
     async fn handle(
@@ -127,9 +138,15 @@ impl Actor for SpillActor {
                     }
                     None => Err(LoadError::NotSpilled(hash.to_hex())),
                 };
+                let mut snapshot = None;
                 let ok = match loaded {
-                    Ok(image) if image.len() == st.page_image_bytes => {
+                    Ok(mut image) if image.len() == st.page_image_bytes => {
                         metrics::counter!("shelfserve_spill_bytes_read_total").increment(image.len() as u64);
+                        // The page's recurrent state (hybrid models) goes back to the pool with it.
+                        if st.snapshot_bytes > 0 {
+                            let state = image.split_off(image.len() - st.snapshot_bytes);
+                            snapshot = Some(Arc::from(state));
+                        }
                         // Queued before the pool hears of it, so it runs before any step reads it.
                         st.executor.cast(ExecutorMsg::WritePage { hash, blocks, image })?;
                         metrics::histogram!("shelfserve_spill_restore_seconds").record(started.elapsed().as_secs_f64());
@@ -149,7 +166,7 @@ impl Actor for SpillActor {
                     }
                 };
                 if let Some(pool) = &st.pool {
-                    let _ = pool.cast(KvPoolMsg::Restored { hash, ok });
+                    let _ = pool.cast(KvPoolMsg::Restored { hash, ok, snapshot });
                 }
             }
         }

@@ -1,0 +1,162 @@
+//! The pool's side of the spill tier: which pages are on disk, restores into freshly held blocks,
+//! and pages found corrupt. The files themselves are `crate::spill`'s; the image copies are the
+//! executor's.
+
+use std::sync::Arc;
+
+use super::{Allocation, KvPool, Page, SeqId};
+use crate::kv::{KvError, MissReason, PageHash};
+
+impl KvPool {
+    /// The spill tier found this page's copy corrupt: later lookups that stop at it say so.
+    pub fn mark_corrupt(&mut self, hash: PageHash) {
+        self.corrupt.insert(hash);
+    }
+
+    /// The spill tier holds this page on disk (written now, or found in its index at startup).
+    pub fn note_spilled(&mut self, hash: PageHash, parent: Option<PageHash>) {
+        self.spilled.insert(hash, parent);
+    }
+
+    /// The spill tier no longer holds this page (budget, disk trouble).
+    pub fn forget_spilled(&mut self, hash: &PageHash) {
+        self.spilled.remove(hash);
+    }
+
+    /// The spill tier is gone: nothing on disk can be restored any more.
+    pub fn forget_all_spilled(&mut self) {
+        self.spilled.clear();
+    }
+
+    pub fn num_spilled(&self) -> usize {
+        self.spilled.len()
+    }
+
+    /// Pages of `seq`'s eligible prefix that follow its cached pages and are on disk, in chain
+    /// order, stopping at the first that is neither. Pages already being restored count as
+    /// pending (returned with `pending = true` and no new restore needed).
+    pub fn restore_candidates(&self, seq: SeqId) -> (Vec<(PageHash, Option<PageHash>)>, bool) {
+        let p = self.cfg.page_tokens;
+        let Some(s) = self.seqs.get(&seq) else { return (Vec::new(), false) };
+        if p == 0 || self.spilled.is_empty() && self.restoring.is_empty() || s.tokens.len() <= 1 {
+            return (Vec::new(), false);
+        }
+        let mut out = Vec::new();
+        let mut pending = false;
+        let mut parent = None;
+        for page in s.tokens[..s.tokens.len() - 1].chunks_exact(p) {
+            let h = self.hasher.page(parent, page);
+            if self.restoring.contains_key(&h) {
+                pending = true;
+            } else if !self.pages.contains_key(&h) {
+                if self.spilled.get(&h) != Some(&parent) || self.corrupt.contains(&h) {
+                    break;
+                }
+                out.push((h, parent));
+            }
+            parent = Some(h);
+        }
+        (out, pending)
+    }
+
+    /// Takes `seq`'s cached (in-memory, unreferenced) prefix pages off the LRU while restores for
+    /// the pages after them take blocks, so that those restores cannot evict the very pages they
+    /// continue (which would then be missing when the sequence is admitted: an `evicted` miss).
+    /// Give them back with [`KvPool::unpin_pages`] before the next operation.
+    pub fn pin_cached_prefix(&mut self, seq: SeqId) -> Vec<PageHash> {
+        let p = self.cfg.page_tokens;
+        let Some(s) = self.seqs.get(&seq) else { return Vec::new() };
+        if p == 0 || s.tokens.len() <= 1 {
+            return Vec::new();
+        }
+        let chain = self.hasher.chain(&s.tokens[..s.tokens.len() - 1], p);
+        let pinned: Vec<PageHash> =
+            chain.into_iter().filter(|h| self.pages.get(h).is_some_and(|pg| pg.lru_tick.is_some())).collect();
+        for h in &pinned {
+            self.touch_page(*h);
+        }
+        pinned
+    }
+
+    /// Puts pages taken by [`KvPool::pin_cached_prefix`] back on the LRU (most recently used: the
+    /// sequence is about to use them), in chain order.
+    pub fn unpin_pages(&mut self, pinned: Vec<PageHash>) {
+        for h in pinned {
+            if self.pages.get(&h).is_some_and(|pg| pg.lru_tick.is_none()) {
+                self.push_lru(h);
+            }
+        }
+    }
+
+    /// Holds one page's blocks for a restore of `hash` from disk. The blocks are returned so the
+    /// caller can have the image written into them.
+    pub fn begin_restore(&mut self, hash: PageHash, parent: Option<PageHash>) -> Result<Vec<u32>, KvError> {
+        let alloc = self.allocate(self.page_blocks())?;
+        let blocks = alloc.blocks().to_vec();
+        self.restoring.insert(hash, (parent, alloc));
+        Ok(blocks)
+    }
+
+    /// A restore ended: on success the page joins the cache (unreferenced, most recently used);
+    /// otherwise its blocks are freed, the page is never tried from disk again, and the miss is
+    /// counted as `spilled_corrupt`.
+    pub fn finish_restore(&mut self, hash: PageHash, ok: bool, snapshot: Option<Arc<[u8]>>) {
+        let Some((parent, alloc)) = self.restoring.remove(&hash) else { return };
+        let ok = ok && self.restored_snapshot_fits(&snapshot);
+        if ok {
+            if let Err(e) = self.insert_restored(hash, parent, alloc, snapshot) {
+                tracing::error!(error = %e, "a restored page could not be cached");
+            }
+        } else {
+            drop(alloc);
+            self.spilled.remove(&hash);
+            self.corrupt.insert(hash);
+            self.count_miss(MissReason::SpilledCorrupt);
+            self.reclaim();
+        }
+    }
+
+    /// Counts a prefix-cache lookup miss that the spill tier discovered after the fact.
+    pub fn count_miss(&mut self, reason: MissReason) {
+        *self.counters.misses.entry(reason).or_default() += 1;
+    }
+
+    /// Inserts a page restored from outside (the spill tier) into the cache, unreferenced, on
+    /// blocks taken from `alloc` (whose contents the caller has written). Refused if the page is
+    /// already cached or `alloc` is not exactly one page.
+    pub fn insert_restored(
+        &mut self,
+        hash: PageHash,
+        parent: Option<PageHash>,
+        mut alloc: Allocation,
+        snapshot: Option<Arc<[u8]>>,
+    ) -> Result<(), KvError> {
+        self.reclaim();
+        if alloc.len() != self.page_blocks() || self.cfg.page_tokens == 0 {
+            return Err(KvError::InvalidPool(format!(
+                "a restored page needs {} blocks, got {}",
+                self.page_blocks(),
+                alloc.len()
+            )));
+        }
+        if !self.restored_snapshot_fits(&snapshot) {
+            return Err(KvError::InvalidPool(format!(
+                "a restored page needs a {}-byte recurrent-state snapshot, got {:?} bytes",
+                self.cfg.snapshot_bytes,
+                snapshot.as_ref().map(|s| s.len())
+            )));
+        }
+        if self.pages.contains_key(&hash) {
+            return Ok(()); // dropping `alloc` frees its blocks again
+        }
+        let blocks = std::mem::take(&mut alloc.blocks);
+        for &b in &blocks {
+            self.block_page[b as usize] = Some(hash);
+            self.refcount[b as usize] -= 1;
+        }
+        self.corrupt.remove(&hash);
+        self.pages.insert(hash, Page { parent, blocks, lru_tick: None, snapshot });
+        self.push_lru(hash);
+        Ok(())
+    }
+}

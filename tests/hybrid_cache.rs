@@ -1,0 +1,378 @@
+//! Prefix cache and spill for a hybrid model (`glm5_next`: KDA recurrent layers + MLA layers) on
+//! the tiny transformers-saved checkpoint in `tests/fixtures/glm5/tiny`. A cached page carries the
+//! KDA state at its end; a hit resumes from the last hit page's snapshot. Every reply is compared
+//! token for token with the reply of an engine that has nothing cached (exactness rule 2), and the
+//! backend-level test shows that resuming from the wrong page's snapshot really changes the output
+//! (so the engine-level comparisons can fail).
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use shelfserve::actors::kvpool::PoolStats;
+use shelfserve::actors::{start_engine, Engine, EngineOptions, InferenceEngine, StreamEvent, Usage};
+use shelfserve::backend::{Backend, KvGeometry, SeqStep};
+use shelfserve::config::engine::EngineConfig;
+use shelfserve::generate::DeviceSelection;
+use shelfserve::kv::MissReason;
+use shelfserve::model::default_model::CacheDir;
+use shelfserve::model::glm5_next::{read_config, Glm5Backend};
+use shelfserve::model::ModelBundle;
+
+const BLOCK: usize = 4;
+const PAGE: usize = 8;
+const VOCAB: u32 = 256;
+
+fn open_tiny() -> ModelBundle {
+    let dir = common::fixture("glm5/tiny");
+    shelfserve::model::open(dir.to_str().expect("utf-8"), &CacheDir::from_env()).expect("open the tiny glm5")
+}
+
+/// Token ids below the tiny model's vocabulary.
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| 1 + (seed * 7919 + i * 104_729) % (VOCAB - 1)).collect()
+}
+
+async fn engine(pool_tokens: usize, spill_dir: Option<&Path>) -> Arc<Engine> {
+    let mut cfg = EngineConfig::builtin();
+    cfg.scheduler.block_size = BLOCK;
+    cfg.scheduler.page_tokens = PAGE;
+    cfg.scheduler.kv_pool_tokens = pool_tokens;
+    cfg.scheduler.spill_dir = spill_dir.map(|p| p.display().to_string());
+    cfg.scheduler.spill_budget = if spill_dir.is_some() { 1 << 30 } else { 0 };
+    let opts =
+        EngineOptions { device: DeviceSelection { threads: 2, ..Default::default() }, served_model_name: "t".into() };
+    let e = start_engine(open_tiny(), cfg, opts).await.expect("start");
+    let t0 = std::time::Instant::now();
+    while !e.is_ready() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "model load timed out");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    e
+}
+
+/// Bytes of one recurrent-state snapshot of the tiny model.
+fn slot_bytes() -> usize {
+    let bundle = open_tiny();
+    let cfg = read_config(bundle.weights.origin()).expect("config");
+    let geom = KvGeometry { block_size: BLOCK, num_blocks: 1, state_slots: 1 };
+    Glm5Backend::new(cfg, bundle.weights.as_ref(), 1, geom).expect("backend").state_slot_bytes()
+}
+
+/// A greedy reply: the tokens and, bit for bit, the log-probability each was chosen with (so two
+/// replies are equal only if every logits row that chose them had the same value at the winner).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Reply {
+    ids: Vec<u32>,
+    logprob_bits: Vec<u32>,
+}
+
+async fn run(e: &Engine, prompt: Vec<u32>, max_tokens: usize) -> (Reply, Usage) {
+    let mut req = common::greedy_request(prompt, max_tokens);
+    req.sampling.logprobs = Some(0);
+    let mut rx = e.submit(req).expect("submit");
+    let mut reply = Reply { ids: Vec::new(), logprob_bits: Vec::new() };
+    loop {
+        match tokio::time::timeout(Duration::from_secs(120), rx.recv()).await.expect("no event in 120 s") {
+            Some(StreamEvent::Delta { tokens, .. }) => {
+                for t in tokens.iter() {
+                    reply.ids.push(t.id);
+                    reply.logprob_bits.push(t.logprob.expect("logprobs were asked for").to_bits());
+                }
+            }
+            Some(StreamEvent::Finished { usage, .. }) => return (reply, usage),
+            Some(StreamEvent::Error(err)) => panic!("request failed: {err}"),
+            None => panic!("stream ended without Finished"),
+        }
+    }
+}
+
+async fn stats(e: &Engine) -> PoolStats {
+    e.pool_stats().await.expect("pool stats")
+}
+
+async fn assert_idle(e: &Engine) {
+    for _ in 0..100 {
+        let s = stats(e).await;
+        if s.referenced_blocks == 0 && s.sequences == 0 {
+            assert_eq!(s.free_blocks + s.evictable_blocks, s.num_blocks);
+            assert_eq!(s.snapshot_bytes, s.cached_pages * slot_bytes(), "one snapshot per cached page: {s:?}");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the pool did not return to idle: {:?}", stats(e).await);
+}
+
+/// The reply of an engine that has never seen anything (no cache, no spill).
+async fn fresh_reply(prompt: &[u32], max_tokens: usize) -> Reply {
+    let e = engine(512, None).await;
+    let (reply, usage) = run(&e, prompt.to_vec(), max_tokens).await;
+    assert_eq!(usage.cached_tokens, 0);
+    e.shutdown();
+    reply
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follow_up_turn_resumes_from_page_snapshots_and_equals_a_fresh_run() {
+    let warm = engine(512, None).await;
+    let first = prompt(1, 21);
+    let (reply, usage) = run(&warm, first.clone(), 12).await;
+    assert_eq!(usage.cached_tokens, 0);
+    // Turn one computed 21 + 11 = 32 tokens: pages 0-1 were completed by prefill chunks, page 2
+    // (16..24) and page 3 (24..32) while decoding. floor(32 / 8) = 4 pages.
+    let follow = [first.clone(), reply.ids, prompt(2, 9)].concat();
+    let (warm_reply, usage) = run(&warm, follow.clone(), 10).await;
+    assert_eq!(usage.cached_tokens, 4 * PAGE, "exactly floor(32 / 8) pages reused");
+    let s = stats(&warm).await;
+    assert_eq!(s.counters.hit_tokens, 4 * PAGE as u64);
+    assert_eq!(s.counters.unsnapshotted_pages, 0, "every page boundary was a step boundary");
+    assert!(s.snapshot_bytes > 0, "pages hold their recurrent state: {s:?}");
+    assert_idle(&warm).await;
+    // The same prompt again: served up to the last whole page before its final token.
+    let (again, usage) = run(&warm, follow.clone(), 10).await;
+    assert_eq!(usage.cached_tokens, (follow.len() - 1) / PAGE * PAGE);
+    assert_eq!(again, warm_reply, "a longer hit replies the same");
+    assert_idle(&warm).await;
+    warm.shutdown();
+
+    assert_eq!(warm_reply, fresh_reply(&follow, 10).await, "a reply with a prefix hit equals a fresh run bitwise");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_hybrid_requests_sharing_a_prefix_equal_their_solo_runs() {
+    let e = engine(1024, None).await;
+    let stem = prompt(3, 24);
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| [stem.clone(), prompt(10 + i, 3 + 5 * i as usize)].concat()).collect();
+    let mut solo = Vec::new();
+    for p in &prompts {
+        solo.push(run(&e, p.clone(), 8).await.0);
+    }
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let e = Arc::clone(&e);
+            let p = p.clone();
+            tokio::spawn(async move { run(&e, p, 8).await })
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let (ids, usage) = h.await.expect("join");
+        assert_eq!(ids, solo[i], "request {i} with a shared cached prefix differs from its solo run");
+        assert!(usage.cached_tokens >= 24, "request {i}: the shared stem is cached ({})", usage.cached_tokens);
+    }
+    assert_idle(&e).await;
+    e.shutdown();
+}
+
+/// Waits until the spill tier holds at least `pages` pages.
+async fn wait_spilled(e: &Engine, pages: usize) -> PoolStats {
+    for _ in 0..500 {
+        let s = stats(e).await;
+        if s.spilled_pages >= pages {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("nothing was spilled: {:?}", stats(e).await);
+}
+
+/// Turn one, then two other prompts that push its pages out of a 96-token pool. Returns the
+/// follow-up prompt.
+async fn first_turn_then_evict(e: &Engine, first: &[u32]) -> Vec<u32> {
+    let (reply, _) = run(e, first.to_vec(), 8).await;
+    run(e, prompt(60, 70), 4).await;
+    run(e, prompt(61, 70), 4).await;
+    [first.to_vec(), reply.ids, prompt(50, 6)].concat()
+}
+
+fn spill_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for model in std::fs::read_dir(dir).expect("spill dir") {
+        for f in std::fs::read_dir(model.expect("entry").path()).expect("model dir") {
+            let p = f.expect("entry").path();
+            if p.extension().is_some_and(|x| x == "kvpage") {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hybrid_pages_spill_with_their_snapshots_restore_after_restarts_and_corruption_is_recomputed() {
+    let first = prompt(1, 30);
+    let dir = tempfile::tempdir().expect("tmp");
+    let e = engine(96, Some(dir.path())).await;
+    let follow = first_turn_then_evict(&e, &first).await;
+    // Turn one computed 30 + 7 = 37 tokens: 4 whole pages, now on disk only.
+    wait_spilled(&e, 4).await;
+    let (reply, usage) = run(&e, follow.clone(), 10).await;
+    assert_eq!(usage.cached_tokens, 4 * PAGE, "all four pages restored from disk with their snapshots");
+    e.shutdown();
+    drop(e);
+    let reference = fresh_reply(&follow, 10).await;
+    assert_eq!(reply, reference, "a reply restored from spill equals a fresh run");
+
+    // A new engine on the same directory: the index and the snapshots in the page files survive.
+    let e = engine(96, Some(dir.path())).await;
+    assert!(stats(&e).await.spilled_pages >= 4, "the spill index survives a restart");
+    let (reply, usage) = run(&e, follow.clone(), 10).await;
+    assert_eq!(usage.cached_tokens, 4 * PAGE, "restored after the restart");
+    assert_eq!(reply, reference, "a reply restored after a restart equals a fresh run");
+    e.shutdown();
+    drop(e);
+
+    // Damage the files (the snapshot is the tail of each image, so truncation hits it): detected,
+    // counted, recomputed, same reply.
+    type Damage = fn(&Path);
+    let damages: [(&str, Damage); 2] = [
+        ("flipped byte in the snapshot", |p| {
+            // A file the spill tier of the stopped engine dropped in the meantime is skipped.
+            let Ok(mut b) = std::fs::read(p) else { return };
+            let at = b.len() - 9;
+            b[at] ^= 0x10;
+            std::fs::write(p, b).expect("write");
+        }),
+        ("truncated", |p| {
+            let Ok(b) = std::fs::read(p) else { return };
+            std::fs::write(p, &b[..b.len() - 5]).expect("write");
+        }),
+    ];
+    for (what, damage) in damages {
+        let e = engine(96, Some(dir.path())).await;
+        first_turn_then_evict(&e, &first).await;
+        wait_spilled(&e, 4).await;
+        e.shutdown();
+        drop(e);
+        let files = spill_files(dir.path());
+        assert!(!files.is_empty());
+        for f in &files {
+            damage(f);
+        }
+        let e = engine(96, Some(dir.path())).await;
+        let (reply, usage) = run(&e, follow.clone(), 10).await;
+        assert_eq!(reply, reference, "{what}: the damaged pages are recomputed, output unchanged");
+        assert_eq!(usage.cached_tokens, 0, "{what}: nothing damaged is served");
+        let s = stats(&e).await;
+        assert!(
+            s.counters.misses.get(&MissReason::SpilledCorrupt).copied().unwrap_or(0) >= 1,
+            "{what}: counted as spilled_corrupt: {s:?}"
+        );
+        assert_idle(&e).await;
+        e.shutdown();
+        drop(e);
+    }
+}
+
+/// One sequence's greedy continuation on the backend directly, and the logits it was chosen from.
+fn greedy(
+    b: &mut Glm5Backend,
+    table: &[u32],
+    slot: u32,
+    start: usize,
+    first: &[u32],
+    n: usize,
+) -> (Vec<u32>, Vec<f32>) {
+    let (mut pos, mut toks, mut out, mut all) = (start, first.to_vec(), Vec::new(), Vec::new());
+    for _ in 0..n {
+        let step = SeqStep { tokens: &toks, start_pos: pos, block_table: table, logits_rows: 1, state_slot: slot };
+        let logits = b.forward(&[step]).expect("forward");
+        let row: Vec<f32> = logits.rows(0).flatten().copied().collect();
+        let next = row.iter().enumerate().fold(0, |best, (i, v)| if *v > row[best] { i } else { best }) as u32;
+        all.extend(row);
+        pos += toks.len();
+        toks = vec![next];
+        out.push(next);
+    }
+    (out, all)
+}
+
+/// What the engine does on a hit, done by hand: a second sequence shares the first one's page
+/// blocks and gets a page-end snapshot written into its slot. With the snapshot of the last hit
+/// page it continues bitwise like a fresh run; with the previous page's snapshot (the bug the
+/// engine must never have) its logits and its greedy continuation change.
+#[test]
+fn resuming_from_the_wrong_pages_snapshot_changes_the_output() {
+    let bundle = open_tiny();
+    let cfg = read_config(bundle.weights.origin()).expect("config");
+    let geom = KvGeometry { block_size: BLOCK, num_blocks: 64, state_slots: 3 };
+    let mut b = Glm5Backend::new(cfg, bundle.weights.as_ref(), 2, geom).expect("backend");
+    let p = prompt(5, 3 * PAGE);
+    let tail = prompt(6, 5);
+    let owner: Vec<u32> = (0..16).collect();
+    // The owner prefills three pages chunk by chunk, snapshotting its slot at each page end.
+    let mut snaps = Vec::new();
+    for (i, chunk) in p.chunks(PAGE).enumerate() {
+        let step = SeqStep { tokens: chunk, start_pos: i * PAGE, block_table: &owner, logits_rows: 0, state_slot: 0 };
+        b.forward(&[step]).expect("prefill");
+        snaps.push(b.read_state_slot(0).expect("snapshot"));
+    }
+    assert_ne!(snaps[1], snaps[2], "the state moves from page to page");
+    // Fresh: the whole prompt + tail in its own blocks and slot.
+    let fresh_table: Vec<u32> = (16..32).collect();
+    let (fresh, fresh_logits) = greedy(&mut b, &fresh_table, 1, 0, &[p.clone(), tail.clone()].concat(), 8);
+    // Hits: the owner's three page blocks shared, the rest private, slot 2 restored.
+    let hit_table: Vec<u32> = owner[..3 * PAGE / BLOCK].iter().copied().chain(32..48).collect();
+    b.write_state_slot(2, &snaps[2]).expect("restore");
+    let (right, right_logits) = greedy(&mut b, &hit_table, 2, 3 * PAGE, &tail, 8);
+    assert_eq!(right, fresh, "the last hit page's snapshot resumes exactly");
+    assert!(right_logits.iter().zip(&fresh_logits).all(|(a, c)| a.to_bits() == c.to_bits()), "bitwise equal logits");
+    b.write_state_slot(2, &snaps[1]).expect("restore the wrong page's state");
+    let (wrong, wrong_logits) = greedy(&mut b, &hit_table, 2, 3 * PAGE, &tail, 8);
+    assert!(right_logits.iter().zip(&wrong_logits).any(|(a, c)| a.to_bits() != c.to_bits()), "logits change");
+    assert_ne!(wrong, fresh, "the wrong page's snapshot changes the greedy continuation");
+}
+
+/// Issue 4: the disk fills while a page is being spilled. The spill index's temporary file is a
+/// link to `/dev/full`, so the kernel answers the index write that follows the first page write
+/// with a real ENOSPC. Spill turns off with a warning, nothing half-written is ever offered for
+/// restore, and serving continues with replies equal to a fresh run.
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disk_that_fills_during_a_spill_write_turns_spill_off_and_serving_continues() {
+    let first = prompt(1, 30);
+    let dir = tempfile::tempdir().expect("tmp");
+    let e = engine(96, Some(dir.path())).await;
+    let model_dir = std::fs::read_dir(dir.path()).expect("spill dir").next().expect("a model dir").expect("entry");
+    std::os::unix::fs::symlink("/dev/full", model_dir.path().join("index.json.tmp")).expect("link");
+    let follow = first_turn_then_evict(&e, &first).await;
+    // The evicted pages reached the spill tier, whose first write failed: it is off.
+    let mut s = stats(&e).await;
+    for _ in 0..200 {
+        if s.counters.evictions > 0 && s.spilled_pages == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        s = stats(&e).await;
+    }
+    assert!(s.counters.evictions >= 4, "pages were evicted: {s:?}");
+    assert_eq!(s.spilled_pages, 0, "nothing on a full disk is restorable: {s:?}");
+    let (reply, usage) = run(&e, follow.clone(), 10).await;
+    assert_eq!(usage.cached_tokens, 0, "the evicted pages are recomputed");
+    // More work after the failure: the engine keeps serving, and caching in memory.
+    let (again, usage) = run(&e, follow.clone(), 10).await;
+    assert!(usage.cached_tokens > 0, "the in-memory cache still works");
+    assert_eq!(again, reply);
+    assert_idle(&e).await;
+    e.shutdown();
+    drop(e);
+    assert_eq!(reply, fresh_reply(&follow, 10).await, "served correctly after the disk filled");
+}
+
+/// The capacity card counts one recurrent-state snapshot per cached page, sized exactly like the
+/// backend's slot image, and refuses a pool whose snapshots would not fit, naming the knobs.
+#[test]
+fn the_capacity_card_counts_snapshot_memory() {
+    use shelfserve::actors::engine::CapacityCard;
+    let card = CapacityCard::new(&open_tiny(), 512, PAGE, 0);
+    assert_eq!(card.snapshot_bytes_per_page, slot_bytes() as u64, "the card's snapshot is the backend's slot");
+    assert_eq!(card.max_snapshot_bytes(), (512 / PAGE) as u64 * slot_bytes() as u64);
+    let without = card.weight_bytes + card.kv_pool_bytes();
+    assert!(card.check_fits(Some(without + card.max_snapshot_bytes())).is_ok());
+    let err = card.check_fits(Some(without + card.max_snapshot_bytes() - 1)).expect_err("snapshots do not fit");
+    assert!(err.contains("--kv-pool-tokens") && err.contains("--page-tokens"), "{err}");
+    assert_eq!(CapacityCard::new(&open_tiny(), 512, 0, 0).max_snapshot_bytes(), 0, "no pages, no snapshots");
+}
