@@ -77,7 +77,11 @@ fn golden() -> Golden {
             finish_reason: c["finish_reason"].as_str().expect("finish_reason").into(),
         })
         .collect();
-    Golden { max_tokens: v["max_tokens"].as_u64().expect("max_tokens") as usize, eos_token_ids: ids(&v["eos_token_ids"]), cases }
+    Golden {
+        max_tokens: v["max_tokens"].as_u64().expect("max_tokens") as usize,
+        eos_token_ids: ids(&v["eos_token_ids"]),
+        cases,
+    }
 }
 
 impl Case {
@@ -268,8 +272,16 @@ async fn bad_input_gets_openai_errors_and_serving_continues() {
             ("/v1/completions", json!({"model": MODEL, "prompt": [], "max_tokens": 2}), 400),
             ("/v1/chat/completions", json!({"model": MODEL, "messages": [], "max_tokens": 2}), 400),
             ("/v1/chat/completions", json!({"model": MODEL, "messages": "hi", "max_tokens": 2}), 400),
-            ("/v1/chat/completions", json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1u64 << 40}), 400),
-            ("/v1/chat/completions", json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}), 400),
+            (
+                "/v1/chat/completions",
+                json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1u64 << 40}),
+                400,
+            ),
+            (
+                "/v1/chat/completions",
+                json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}),
+                400,
+            ),
         ];
         for (path, body, status) in bad {
             let r = voice.post(path, &body).expect("post");

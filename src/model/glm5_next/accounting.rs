@@ -191,7 +191,10 @@ mod tests {
         let s = &cfg.scheduler;
         assert_eq!(s.page_tokens, 3584);
         assert_eq!(s.page_tokens % s.block_size, 0);
-        assert_eq!(crate::sched::align_budget_to_pages(s.max_num_batched_tokens, s.page_tokens, s.max_num_seqs), Ok(s.max_num_batched_tokens));
+        assert_eq!(
+            crate::sched::align_budget_to_pages(s.max_num_batched_tokens, s.page_tokens, s.max_num_seqs),
+            Ok(s.max_num_batched_tokens)
+        );
         assert!(cfg.lanes.iter().all(|l| l.speculative == SpeculativeMethod::None));
         let c = full();
         assert!(s.kv_pool_tokens >= c.max_position_embeddings, "one sequence of the full context fits the pool");
