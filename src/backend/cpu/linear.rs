@@ -1,14 +1,15 @@
 //! Dense projections on the CPU: weights kept in their stored block format (quantized GGML
 //! blocks stay quantized; 16-bit floats are widened to f32 at load) and multiplied with rayon.
-//! Every output element is one `dot_*` call over one weight row and one activation row, so the
-//! result for a row never depends on the other rows in the batch (exactness rule 3).
+//! Every output element is the same `dot_*` operation sequence over one weight row and one
+//! activation row whether it is computed alone or in a tile with other rows, so the result for a
+//! row never depends on the other rows in the batch (exactness rule 3).
 
 use std::ops::Range;
 
 use rayon::prelude::*;
 
 use crate::backend::BackendError;
-use crate::model::quant::{dot_f32, dot_q_block, quantize_row_q8, BlockQ8, DOT_TILE, QK};
+use crate::model::quant::{dot_f32_rows, dot_q_block, quantize_row_q8, BlockQ8, DOT_TILE, QK};
 use crate::model::{DType, ModelError, TensorView, WeightSource};
 
 /// Weight rows in one of the supported storage formats.
@@ -178,12 +179,17 @@ impl CpuLinear {
         let yt = grow(&mut scratch.yt, m * self.rows);
         match &self.weight {
             WeightRows::F32(w) => {
+                let cols = self.cols;
+                // As for quantized weights: activation rows in L1-sized groups (~16 KiB) while
+                // the chunk's weight rows pass over them; within a group each weight row is
+                // loaded once per tile of rows (`dot_f32_rows`, bitwise equal to `dot_f32`).
+                let group = (16384 / (cols * 4)).max(1).div_ceil(DOT_TILE) * DOT_TILE;
                 yt.par_chunks_mut(chunk * m).enumerate().for_each(|(ci, out)| {
-                    for (j, o) in out.chunks_exact_mut(m).enumerate() {
-                        let r = ci * chunk + j;
-                        let wr = &w[r * self.cols..(r + 1) * self.cols];
-                        for (i, v) in o.iter_mut().enumerate() {
-                            *v = dot_f32(wr, &x[i * self.cols..(i + 1) * self.cols], simd);
+                    for t0 in (0..m).step_by(group) {
+                        let t1 = (t0 + group).min(m);
+                        for (j, o) in out.chunks_exact_mut(m).enumerate() {
+                            let r = ci * chunk + j;
+                            dot_f32_rows(&w[r * cols..(r + 1) * cols], &x[t0 * cols..t1 * cols], &mut o[t0..t1], simd);
                         }
                     }
                 });

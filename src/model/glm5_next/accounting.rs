@@ -1,9 +1,11 @@
 //! Roofline accounting for `glm5_next` decode, from the config alone (spec §8): active
 //! parameters and weight bytes per decoded token, linear FLOPs, the context-dependent MLA and
 //! indexer work and cache reads, the fixed per-sequence KDA state and its traffic, and the cache
-//! bytes each token adds (the capacity card's "KV bytes per token").
+//! bytes each token adds (the capacity card's "KV bytes per token"); and what a serving
+//! configuration (`configs/glm5-next.toml`) makes of them: pool, state slots and page images.
 
 use super::config::{FfnKind, Glm5Config, MixerKind};
+use crate::config::engine::SchedulerConfig;
 
 /// Per-token decode cost of one sequence at a given context length (batch 1).
 #[derive(Clone, Debug, PartialEq)]
@@ -115,6 +117,33 @@ pub fn decode_cost(c: &Glm5Config, context: usize, weight_bytes_per_param: f64, 
     }
 }
 
+/// Memory a serving configuration reserves for one model, from its config and the scheduler
+/// section of the serving TOML.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServingMemory {
+    /// Latents and pooled indexer keys of `kv_pool_tokens` tokens.
+    pub kv_pool_bytes: f64,
+    /// One recurrent-state slot per sequence a step may carry (`max_num_seqs`).
+    pub state_slot_bytes: u64,
+    /// A cached page: `page_tokens` tokens of cache plus the KDA state snapshot at its end.
+    pub page_image_bytes: f64,
+    /// Share of a page image that is the recurrent snapshot.
+    pub snapshot_share: f64,
+}
+
+/// What `sched` reserves for model `c` with cache elements of `cache_elem_bytes` bytes.
+pub fn serving_memory(c: &Glm5Config, sched: &SchedulerConfig, cache_elem_bytes: usize) -> ServingMemory {
+    let cost = decode_cost(c, 1, 2.0, cache_elem_bytes);
+    let state = cost.recurrent_state_bytes;
+    let page_kv = cost.kv_bytes_per_token * sched.page_tokens as f64;
+    ServingMemory {
+        kv_pool_bytes: cost.kv_bytes_per_token * sched.kv_pool_tokens as f64,
+        state_slot_bytes: state * sched.max_num_seqs as u64,
+        page_image_bytes: page_kv + state as f64,
+        snapshot_share: state as f64 / (page_kv + state as f64),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,6 +177,46 @@ mod tests {
         let cost = decode_cost(&c, 100, 2.0, 2);
         assert_eq!(cost.indexer_flops, 11 * 8256 * 6);
         assert_eq!(cost.cache_read_bytes, 11 * (100 * 512 * 2 + 6 * 128 * 2));
+    }
+
+    /// `configs/glm5-next.toml` is a valid serving config for the full model: page size 3584 in
+    /// whole blocks, a step budget that needs no correction, speculative decoding off (refused
+    /// for this model). Prints the memory it reserves (docs/glm5_next.md).
+    #[test]
+    fn glm5_next_serving_config_loads_and_fits_its_pages() {
+        use crate::config::engine::EngineConfig;
+        use crate::spec::SpeculativeMethod;
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/glm5-next.toml");
+        let cfg = EngineConfig::load(&path).unwrap();
+        let s = &cfg.scheduler;
+        assert_eq!(s.page_tokens, 3584);
+        assert_eq!(s.page_tokens % s.block_size, 0);
+        assert_eq!(
+            crate::sched::align_budget_to_pages(s.max_num_batched_tokens, s.page_tokens, s.max_num_seqs),
+            Ok(s.max_num_batched_tokens)
+        );
+        assert!(cfg.lanes.iter().all(|l| l.speculative == SpeculativeMethod::None));
+        let c = full();
+        assert!(s.kv_pool_tokens >= c.max_position_embeddings, "one sequence of the full context fits the pool");
+        let m = serving_memory(&c, s, 2);
+        assert_eq!(m.kv_pool_bytes, 11_440.0 * 1_048_576.0);
+        assert_eq!(m.state_slot_bytes, 32 * 147_619_840);
+        assert_eq!(m.page_image_bytes, 11_440.0 * 3584.0 + 147_619_840.0);
+        let snapshot = m.page_image_bytes * m.snapshot_share;
+        println!(
+            "configs/glm5-next.toml: pool {} tokens = {:.2} GB | {} state slots = {:.2} GB | page {} tokens: \
+             image {:.1} MB ({:.1} MB cache + {:.1} MB KDA snapshot, {:.0} % snapshot) | step budget {} tokens",
+            s.kv_pool_tokens,
+            m.kv_pool_bytes / 1e9,
+            s.max_num_seqs,
+            m.state_slot_bytes as f64 / 1e9,
+            s.page_tokens,
+            m.page_image_bytes / 1e6,
+            (m.page_image_bytes - snapshot) / 1e6,
+            snapshot / 1e6,
+            m.snapshot_share * 100.0,
+            s.max_num_batched_tokens,
+        );
     }
 
     /// The table in `docs/glm5_next.md` (`cargo test --lib accounting -- --nocapture`).

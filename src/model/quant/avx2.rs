@@ -88,7 +88,42 @@ pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), acc);
         i += 8;
     }
-    // Same combination order as the scalar fallback: (0+4)+(1+5) + (2+6)+(3+7).
+    finish_f32(acc, a, b, n8)
+}
+
+/// [`dot_f32`] of one weight row `w` with 4 activation rows (`xs`, one after another, each
+/// `w.len()` long): each 8-element piece of `w` is loaded once for all 4 rows, and each row keeps
+/// its own accumulator, reduction and tail ([`finish_f32`]), so `out[t]` is bit for bit
+/// `dot_f32(w, x_t)`. Besides the shared loads, the 4 independent FMA chains hide the FMA latency
+/// that bounds a single dot.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f32_x4(w: &[f32], xs: &[f32], out: &mut [f32]) {
+    let n = w.len();
+    debug_assert!(xs.len() == 4 * n && out.len() >= 4);
+    let n8 = n / 8 * 8;
+    let wp = w.as_ptr();
+    let (x0, x1, x2, x3) = (xs.as_ptr(), xs.as_ptr().add(n), xs.as_ptr().add(2 * n), xs.as_ptr().add(3 * n));
+    let (mut a0, mut a1, mut a2, mut a3) =
+        (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut i = 0;
+    while i < n8 {
+        let wv = _mm256_loadu_ps(wp.add(i));
+        a0 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0.add(i)), a0);
+        a1 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x1.add(i)), a1);
+        a2 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x2.add(i)), a2);
+        a3 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x3.add(i)), a3);
+        i += 8;
+    }
+    for (t, a) in [a0, a1, a2, a3].into_iter().enumerate() {
+        out[t] = finish_f32(a, w, &xs[t * n..(t + 1) * n], n8);
+    }
+}
+
+/// The end of [`dot_f32`]: lanes combined `(0+4)+(1+5) + (2+6)+(3+7)`, as the scalar fallback,
+/// then the elements from `n8` on, one FMA each.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn finish_f32(acc: __m256, a: &[f32], b: &[f32], n8: usize) -> f32 {
     let lo = _mm256_castps256_ps128(acc);
     let hi = _mm256_extractf128_ps(acc, 1);
     let s4 = _mm_add_ps(lo, hi);

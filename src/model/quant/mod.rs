@@ -204,6 +204,45 @@ pub fn dot_f32(a: &[f32], b: &[f32], simd: bool) -> f32 {
     scalar::dot_f32(a, b)
 }
 
+/// [`dot_f32`] of one weight row `w` with every activation row in `xs` (rows of `w.len()`,
+/// one after another): `out[t] = dot_f32(w, x_t)`, bit for bit, for any number of rows. With
+/// `simd`, rows go in tiles of [`DOT_TILE`] (4) that share each load of `w`.
+pub fn dot_f32_rows(w: &[f32], xs: &[f32], out: &mut [f32], simd: bool) {
+    let n = w.len();
+    if n == 0 {
+        out.iter_mut().for_each(|o| *o = 0.0);
+        return;
+    }
+    let rows = xs.len() / n;
+    assert!(
+        rows * n == xs.len() && out.len() >= rows,
+        "dot_f32_rows: {} inputs of {n}, {} outputs",
+        xs.len(),
+        out.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        for (xt, ot) in xs.chunks(DOT_TILE * n).zip(out.chunks_mut(DOT_TILE)) {
+            // SAFETY: `simd` is only true when AVX2, FMA and F16C were detected at runtime; a
+            // full tile holds 4 whole rows and has 4 outputs.
+            unsafe {
+                if xt.len() == 4 * n {
+                    avx2::dot_f32_x4(w, xt, ot);
+                } else {
+                    for (x, o) in xt.chunks_exact(n).zip(ot.iter_mut()) {
+                        *o = avx2::dot_f32(w, x);
+                    }
+                }
+            }
+        }
+        return;
+    }
+    let _ = simd;
+    for (x, o) in xs.chunks_exact(n).zip(out.iter_mut()) {
+        *o = scalar::dot_f32(w, x);
+    }
+}
+
 /// Horizontal sum of 8 lanes in the order of GGML's AVX2 reductions (llamafile's `hsum`, the
 /// per-group sum of `ggml_vec_soft_max_f32`): `((v0+v4) + (v2+v6)) + ((v1+v5) + (v3+v7))`.
 #[inline]

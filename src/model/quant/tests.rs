@@ -167,3 +167,21 @@ fn tiled_dots_equal_single_row_dots_bitwise() {
         }
     }
 }
+
+#[test]
+fn f32_row_tiles_equal_single_dots_bitwise() {
+    let mut seed = 11;
+    for n in [1usize, 7, 8, 9, 64, 100, 577] {
+        for rows in 0..=9 {
+            let w: Vec<f32> = (0..n).map(|_| lcg(&mut seed)).collect();
+            let xs: Vec<f32> = (0..rows * n).map(|_| lcg(&mut seed)).collect();
+            let want: Vec<u32> = xs.chunks(n).map(|x| dot_f32(&w, x, false).to_bits()).collect();
+            for simd in [false, simd_available()] {
+                let mut out = vec![f32::NAN; rows];
+                dot_f32_rows(&w, &xs, &mut out, simd);
+                let got: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, want, "n {n}, rows {rows}, simd {simd}");
+            }
+        }
+    }
+}
