@@ -41,7 +41,7 @@ pub struct PlanSeq {
     pub num_draft: usize,
     pub sample: Option<SampleSpec>,
     /// The step ends exactly on a page boundary of a hybrid model: read the recurrent state
-    /// afterwards, for that page's snapshot.
+    /// afterwards, for that page's snapshot (a verify run: only if every draft was accepted).
     pub snapshot: bool,
 }
 
@@ -183,7 +183,14 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResu
         }
         Err(e) => result.error = Some(e.to_string()),
     }
-    for s in plan.seqs.iter().filter(|s| s.snapshot && result.error.is_none()) {
+    // A verify run's state is at its end only when all its drafts were accepted; otherwise the
+    // page it would have completed stays unpublished (recomputed on a later hit).
+    let reached_end = |s: &PlanSeq| {
+        s.num_draft == 0 || result.sampled.iter().any(|(seq, e)| *seq == s.seq && e.accepted == s.num_draft)
+    };
+    let snapshot_seqs: Vec<&PlanSeq> =
+        plan.seqs.iter().filter(|s| s.snapshot && result.error.is_none() && reached_end(s)).collect();
+    for s in snapshot_seqs {
         match backend.read_state_slot(s.state_slot) {
             Ok(image) => {
                 let tokens = s.start_pos + s.tokens.len();

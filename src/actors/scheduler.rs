@@ -320,10 +320,9 @@ impl SchedulerState {
                 } else {
                     None
                 };
-                // Only a plain step's end is a position the sequence keeps: a verify run's state
-                // includes drafts that may be rejected.
+                // A verify run is capped at the page end (`sched::drafts`); the executor snapshots
+                // it only if every draft was accepted, i.e. the kept state really is at the end.
                 let snapshot = snapshot_page > 0
-                    && p.num_draft == 0
                     && !p.tokens.is_empty()
                     && (p.start_pos + p.tokens.len()) % snapshot_page == 0;
                 PlanSeq {
