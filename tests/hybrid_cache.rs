@@ -36,7 +36,18 @@ fn prompt(seed: u32, len: usize) -> Vec<u32> {
 }
 
 async fn engine(pool_tokens: usize, spill_dir: Option<&Path>) -> Arc<Engine> {
+    engine_with(pool_tokens, spill_dir, false).await
+}
+
+/// `drafted`: every lane drafts with the n-gram drafter, 7 tokens a step.
+async fn engine_with(pool_tokens: usize, spill_dir: Option<&Path>, drafted: bool) -> Arc<Engine> {
     let mut cfg = EngineConfig::builtin();
+    if drafted {
+        for l in cfg.lanes.iter_mut() {
+            l.speculative = shelfserve::spec::SpeculativeMethod::Ngram;
+            l.num_speculative_tokens = 7;
+        }
+    }
     cfg.scheduler.block_size = BLOCK;
     cfg.scheduler.page_tokens = PAGE;
     cfg.scheduler.kv_pool_tokens = pool_tokens;
@@ -139,6 +150,35 @@ async fn a_follow_up_turn_resumes_from_page_snapshots_and_equals_a_fresh_run() {
     warm.shutdown();
 
     assert_eq!(warm_reply, fresh_reply(&follow, 10).await, "a reply with a prefix hit equals a fresh run bitwise");
+}
+
+/// Drafting and the page cache together: verify runs stop at page ends, a page completed by a fully
+/// accepted run is published with its snapshot, one completed by a partly rejected run is not;
+/// either way the drafted follow-up with its hit equals a fresh undrafted run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drafted_turns_publish_pages_and_their_follow_up_equals_a_fresh_undrafted_run() {
+    let warm = engine_with(512, None, true).await;
+    // A repetitive prompt and a long reply (the tiny model falls into loops), so the n-gram
+    // drafter has matches to propose.
+    let first: Vec<u32> = prompt(3, 6).into_iter().cycle().take(30).collect();
+    let (reply, _) = run(&warm, first.clone(), 60).await;
+    assert_eq!(reply, fresh_reply(&first, 60).await, "a drafted first turn equals an undrafted one");
+    let follow = [first.clone(), reply.ids, prompt(4, 9)].concat();
+    let (warm_reply, usage) = run(&warm, follow.clone(), 10).await;
+    let s = stats(&warm).await;
+    let drafts = warm.stats().await.expect("scheduler stats");
+    assert!(drafts.drafted_tokens > 0 && drafts.accepted_tokens > 0, "drafts were proposed and accepted: {drafts:?}");
+    eprintln!(
+        "drafted {} accepted {}; follow-up reused {} tokens, {} pages unsnapshotted",
+        drafts.drafted_tokens, drafts.accepted_tokens, usage.cached_tokens, s.counters.unsnapshotted_pages
+    );
+    // Prefill published pages 0-2 (30 prompt tokens); a page completed while decoding is reused
+    // only if it and every page before it got a snapshot.
+    assert!(usage.cached_tokens >= 3 * PAGE, "the prefilled pages are reused: {usage:?} {s:?}");
+    assert!(usage.cached_tokens <= (first.len() + 59) / PAGE * PAGE, "no page beyond the first turn: {usage:?}");
+    assert_idle(&warm).await;
+    warm.shutdown();
+    assert_eq!(warm_reply, fresh_reply(&follow, 10).await, "a drafted reply with a prefix hit equals a fresh run");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

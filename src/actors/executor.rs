@@ -276,6 +276,7 @@ impl Actor for ExecutorActor {
                                 step_id: plan.step_id,
                                 rank,
                                 sampled: Vec::new(),
+                                snapshots: Vec::new(),
                                 elapsed: Duration::ZERO,
                                 prefill_tokens: 0,
                                 decode_tokens: 0,

@@ -101,6 +101,7 @@ mod tests {
             } else {
                 Vec::new()
             },
+            snapshots: Vec::new(),
             elapsed: Duration::from_millis(ms),
             prefill_tokens: 3,
             decode_tokens: 1,

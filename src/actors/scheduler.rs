@@ -322,9 +322,8 @@ impl SchedulerState {
                 };
                 // A verify run is capped at the page end (`sched::drafts`); the executor snapshots
                 // it only if every draft was accepted, i.e. the kept state really is at the end.
-                let snapshot = snapshot_page > 0
-                    && !p.tokens.is_empty()
-                    && (p.start_pos + p.tokens.len()) % snapshot_page == 0;
+                let snapshot =
+                    snapshot_page > 0 && !p.tokens.is_empty() && (p.start_pos + p.tokens.len()) % snapshot_page == 0;
                 PlanSeq {
                     seq: p.id,
                     tokens: p.tokens,
