@@ -152,7 +152,7 @@ pub fn forward(
                 (outs, kept)
             })
             .collect();
-        if let Some(images) = checkpoints.as_deref_mut() {
+        if let Some(images) = checkpoints {
             for (h, (_, kept)) in per_head.iter().enumerate() {
                 for (t, state) in kept.chunks_exact(hd * hd).enumerate() {
                     let at = t * stride + slots.state + h * hd * hd;
