@@ -292,26 +292,12 @@ impl CudaBackend {
                 let norm_post = lw.post_norm.ptr();
                 let accumulate = shard::residual_accumulates(&self.tp);
                 if fused {
-                    // Row-parallel under tensor parallelism: the fused kernel adds into `x`, so the
-                    // ranks other than 0 clear their copy first and the all-reduce sums x + partials.
-                    shard::clear_partial(gpu, &self.tp, x, t * h)?;
-                    launch_gemv(
-                        gpu,
-                        GemvKind::Add,
-                        prec,
-                        &GemvArgs { x: attn, y: x, ..gemv(&lw.o, &lw.o_bias, h, qd) },
-                    )?;
-                    shard::all_reduce(&self.tp, x, t * h)?;
+                    let o = GemvArgs { x: attn, y: x, ..gemv(&lw.o, &lw.o_bias, h, qd) };
+                    shard::gemv_add_row_parallel(gpu, &self.tp, prec, &o, t * h)?;
                     let a = GemvArgs { norm_w: norm_post, y: act, ..gemv(&lw.gate_up, &lw.gate_up_bias, 2 * inter, h) };
                     launch_gemv(gpu, GemvKind::NormSwiglu, prec, &a)?;
-                    shard::clear_partial(gpu, &self.tp, x, t * h)?;
-                    launch_gemv(
-                        gpu,
-                        GemvKind::Add,
-                        prec,
-                        &GemvArgs { x: act, y: x, ..gemv(&lw.down, &lw.down_bias, h, inter) },
-                    )?;
-                    shard::all_reduce(&self.tp, x, t * h)?;
+                    let down = GemvArgs { x: act, y: x, ..gemv(&lw.down, &lw.down_bias, h, inter) };
+                    shard::gemv_add_row_parallel(gpu, &self.tp, prec, &down, t * h)?;
                     continue;
                 }
                 gpu.gemm(prec, t, h, qd, attn, lw.o.ptr(), x, accumulate)?;

@@ -164,16 +164,23 @@ pub fn residual_accumulates(tp: &Option<CudaTp>) -> bool {
     tp.as_ref().is_none_or(|t| t.slices.tp.rank == 0)
 }
 
-/// Before a kernel that can only add into the residual `x` (the fused decode GEMVs): the ranks
-/// other than 0 zero their copy, so after the kernel it holds their partial sum and the
-/// all-reduce yields `x + Σ partials`, as with [`residual_accumulates`].
-pub fn clear_partial(gpu: &Gpu, tp: &Option<CudaTp>, buf: u64, count: usize) -> Result<(), BackendError> {
-    if residual_accumulates(tp) {
-        return Ok(());
+/// A row-parallel projection by the fused decode GEMV, which can only add into the residual
+/// `a.y` (`count` f32): the ranks other than 0 zero their copy first, so after the kernel it holds
+/// their partial sum and the all-reduce yields `x + Σ partials`, as with [`residual_accumulates`].
+pub fn gemv_add_row_parallel(
+    gpu: &mut Gpu,
+    tp: &Option<CudaTp>,
+    prec: super::Precision,
+    a: &super::decode::GemvArgs,
+    count: usize,
+) -> Result<(), BackendError> {
+    if !residual_accumulates(tp) {
+        // SAFETY: `a.y` is the step's residual buffer of at least `count` f32, on this stream.
+        unsafe { cudarc::driver::result::memset_d8_async(a.y, 0, count * 4, gpu.stream.cu_stream()) }
+            .map_err(|e| dev_err("clearing a rank's partial residual", e))?;
     }
-    // SAFETY: `buf` is the step's residual buffer of at least `count` f32, on this stream.
-    unsafe { cudarc::driver::result::memset_d8_async(buf, 0, count * 4, gpu.stream.cu_stream()) }
-        .map_err(|e| dev_err("clearing a rank's partial residual", e))
+    super::decode::launch_gemv(gpu, super::decode::GemvKind::Add, prec, a)?;
+    all_reduce(tp, a.y, count)
 }
 
 /// Sum `count` f32 at `buf` over the ranks (nothing to do unsharded).
