@@ -87,8 +87,11 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
     // a rank cuts its share from) and of every token's KV.
     let (device_weights, device_kv_token) = (weight_bytes / world, kv_token_bytes / world);
     let (free, total) = device_memory(args.cuda_device).map_err(device)?;
-    // Everything but the weights and ~8 GiB of scratch (prefill activations, logits) is KV.
-    let kv_budget = free.saturating_sub(device_weights + (cfg.vocab_size + cfg.hidden_size) * 4 + (8 << 30));
+    // Everything but the weights and ~8 GiB of scratch (prefill activations, logits) is KV; a
+    // group leaves 4 GiB more, as NCCL allocates its channel buffers at the first collective.
+    let nccl_headroom = if world > 1 { 4usize << 30 } else { 0 };
+    let kv_budget =
+        free.saturating_sub(device_weights + (cfg.vocab_size + cfg.hidden_size) * 4 + (8 << 30) + nccl_headroom);
     let block_bytes = device_kv_token * args.block_size;
     let geom = KvGeometry { block_size: args.block_size, num_blocks: (kv_budget / block_bytes).max(1), state_slots: 0 };
     eprintln!(
@@ -120,6 +123,17 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
         gemm_rate / 1e12
     );
     report.emit(serde_json::json!({"kind": "ceiling", "copy_bytes_per_s": copy_bw, "gemm_flops": gemm_rate, "gpu": gpu_name, "tp": world}))?;
+
+    if world > 1 {
+        println!("{:<10} {:>8} {:>14} {:>14}", "collective", "KiB", "all-reduce µs", "all-gather µs");
+        for kib in [8usize, 16, 32, 64] {
+            if let Some((reduce, gather)) = b.time_collectives(kib << 10, 200).map_err(device)? {
+                println!("{:<10} {:>8} {:>14.1} {:>14.1}", name, kib, reduce * 1e6, gather * 1e6);
+                report.emit(serde_json::json!({"kind": "collective", "tp": world, "bytes_per_rank": kib << 10,
+                    "all_reduce_secs": reduce, "all_gather_secs": gather}))?;
+            }
+        }
+    }
 
     println!(
         "{:<10} {:>6} {:>6} {:>10} {:>10} {:>10} {:>8}",

@@ -245,6 +245,42 @@ impl CudaBackend {
     pub fn measure_ceilings(&mut self, bytes: usize, n: usize, reps: usize) -> Result<(f64, f64), BackendError> {
         forward::measure_ceilings(&mut self.gpu, bytes, n, reps)
     }
+
+    /// Mean seconds of one all-reduce and one all-gather of `bytes` per rank (f32), over `reps`
+    /// of each after a warm-up, timed on this rank's stream; every rank of the group must call
+    /// this at once with the same arguments. `None` unsharded.
+    pub fn time_collectives(&mut self, bytes: usize, reps: usize) -> Result<Option<(f64, f64)>, BackendError> {
+        let Some(tp) = &self.tp else { return Ok(None) };
+        self.gpu.bind()?;
+        let count = (bytes / 4).max(1);
+        let send = self.gpu.alloc(count * 4)?;
+        let recv = self.gpu.alloc(count * 4 * tp.comm.world_size())?;
+        let err = |e: crate::parallel::CollectiveError| BackendError::Device(format!("tensor parallel: {e}"));
+        let time = |gather: bool| -> Result<f64, BackendError> {
+            let run = |n: usize| -> Result<(), BackendError> {
+                for _ in 0..n {
+                    // SAFETY: `send` holds `count` f32 and `recv` `count · world` f32, both alive
+                    // until the synchronize below.
+                    unsafe {
+                        if gather {
+                            tp.comm.all_gather_f32(send.ptr(), recv.ptr(), count)
+                        } else {
+                            tp.comm.all_reduce_sum_f32(send.ptr(), count)
+                        }
+                    }
+                    .map_err(err)?;
+                }
+                self.gpu.sync()
+            };
+            run(5)?;
+            let t0 = std::time::Instant::now();
+            run(reps)?;
+            Ok(t0.elapsed().as_secs_f64() / reps.max(1) as f64)
+        };
+        let reduce = time(false)?;
+        let gather = time(true)?;
+        Ok(Some((reduce, gather)))
+    }
 }
 
 /// Shapes the kernels support, refused up front with a reason.

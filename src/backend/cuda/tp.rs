@@ -128,6 +128,12 @@ impl TpCudaBackend {
         lockstep(&mut self.ranks, |r| r.forward_greedy(batch), |r| r.forward_follow(batch))
     }
 
+    /// Rank 0's mean all-reduce and all-gather seconds for `bytes` per rank (see
+    /// [`CudaBackend::time_collectives`]), all ranks taking part; `None` at one rank.
+    pub fn time_collectives(&mut self, bytes: usize, reps: usize) -> Result<Option<(f64, f64)>, BackendError> {
+        lockstep(&mut self.ranks, |r| r.time_collectives(bytes, reps), |r| r.time_collectives(bytes, reps).map(|_| ()))
+    }
+
     /// Fill every rank's KV store with seeded random values.
     pub fn fill_kv_random(&mut self, seed: u64) -> Result<(), BackendError> {
         self.ranks.iter_mut().enumerate().try_for_each(|(i, r)| r.fill_kv_random(seed.wrapping_add(i as u64)))
