@@ -1,24 +1,41 @@
 #!/usr/bin/env bash
-# Build the CUDA validation and benchmark payload here (the GPU machine has no Rust toolchain):
-# the release binary and the gpu_validate test binary, stripped, plus the scripts and bench
-# configs they use, into DEST (default .dev/cuda of this checkout; ignored by git). Then run on
-# the GPU machine, from the repository root, with DEST carried:
-#   DEST/gpu_validate.sh     # CUDA vs CPU/transformers checks (tests/gpu_validate.rs)
-#   DEST/gpu_bench.sh        # shelfserve bench + the PyTorch peer, with ratios
+# Build a CUDA payload here (the GPU machine has no Rust toolchain): the release binary and one
+# test binary, stripped, plus the scripts and bench configs they use, into DEST (ignored by git).
+# Then run on the GPU machine, from the repository root, with DEST carried.
+#   scripts/gpu_build.sh [validate]   DEST default .dev/cuda, for one GPU:
+#     DEST/gpu_validate.sh   # CUDA vs CPU/transformers checks (tests/gpu_validate.rs)
+#     DEST/gpu_bench.sh      # shelfserve bench + the PyTorch peer, with ratios
+#   scripts/gpu_build.sh tp           DEST default .dev/tp (= scripts/gpu_tp_build.sh), two GPUs:
+#     DEST/gpu_tp.sh         # tensor-parallel checks (tests/gpu_tp.rs) and the TP=1 vs TP=2 bench
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DEST=${DEST:-.dev/cuda}
+case "${1:-validate}" in
+  validate)
+    test_name=gpu_validate
+    DEST=${DEST:-.dev/cuda}
+    scripts=(scripts/gpu_validate.sh scripts/gpu_bench.sh scripts/gpu_profile.sh scripts/bench_peer.py)
+    ;;
+  tp)
+    test_name=gpu_tp
+    DEST=${DEST:-.dev/tp}
+    scripts=(scripts/gpu_tp.sh)
+    ;;
+  *)
+    echo "usage: $0 [validate|tp]" >&2
+    exit 2
+    ;;
+esac
 mkdir -p "$DEST"
 cargo build --release --bin shelfserve
-test_bin=$(cargo test --release --no-run --test gpu_validate --message-format=json 2>/dev/null |
-  python3 -c 'import sys,json
+test_bin=$(cargo test --release --no-run --test "$test_name" --message-format=json 2>/dev/null |
+  TEST_NAME=$test_name python3 -c 'import os,sys,json
 for l in sys.stdin:
     m=json.loads(l)
-    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="gpu_validate": print(m["executable"])' | tail -1)
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]==os.environ["TEST_NAME"]: print(m["executable"])' | tail -1)
 strip -o "$DEST/shelfserve" target/release/shelfserve
-strip -o "$DEST/gpu_validate" "$test_bin"
-cp scripts/gpu_validate.sh scripts/gpu_bench.sh scripts/gpu_profile.sh scripts/bench_peer.py "$DEST/"
+strip -o "$DEST/$test_name" "$test_bin"
+cp "${scripts[@]}" "$DEST/"
 mkdir -p "$DEST/configs" && cp configs/bench/*.json "$DEST/configs/"
-# The test binary finds its fixtures under the manifest directory it was built in.
+# The test binary finds its fixtures (and configs) under the manifest directory it was built in.
 echo "$PWD" > "$DEST/manifest_dir"
 du -sh "$DEST"
