@@ -182,6 +182,15 @@ pub fn validate_kv_image(
     Ok(())
 }
 
+/// Reject token ids outside the vocabulary. A tensor-parallel group calls this once, before any
+/// rank starts a collective, so a bad step fails on every rank alike.
+pub fn check_token_ids(batch: &[SeqStep<'_>], vocab: usize) -> Result<(), BackendError> {
+    match batch.iter().flat_map(|s| s.tokens.iter()).find(|&&id| id as usize >= vocab) {
+        Some(bad) => Err(BackendError::InvalidStep(format!("token id {bad} is outside the vocabulary ({vocab})"))),
+        None => Ok(()),
+    }
+}
+
 /// Check a batch against the KV geometry before touching memory: every position must map to a
 /// block in range, and `logits_rows` must fit.
 pub fn validate_batch(batch: &[SeqStep<'_>], geom: KvGeometry) -> Result<(), BackendError> {
@@ -212,4 +221,21 @@ pub fn validate_batch(batch: &[SeqStep<'_>], geom: KvGeometry) -> Result<(), Bac
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(tokens: &[u32]) -> SeqStep<'_> {
+        SeqStep { tokens, start_pos: 0, block_table: &[0], logits_rows: 1, state_slot: 0 }
+    }
+
+    #[test]
+    fn token_ids_must_lie_below_the_vocabulary_in_every_sequence() {
+        assert!(check_token_ids(&[step(&[0, 9]), step(&[3])], 10).is_ok());
+        let err = check_token_ids(&[step(&[0, 9]), step(&[3, 10, 11])], 10).expect_err("10 is outside");
+        assert_eq!(err.to_string(), "invalid step: token id 10 is outside the vocabulary (10)");
+        assert!(check_token_ids(&[], 0).is_ok(), "an empty batch has nothing to reject");
+    }
 }

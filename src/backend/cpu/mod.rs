@@ -15,7 +15,7 @@ pub use self::attention::KvPrecision;
 use self::attention::{paged_attention, AttnShape, PagedKv, TokenRef};
 use self::linear::{load_vector, CpuLinear, LinearScratch};
 pub use self::tp::{TpCpuBackend, COLLECTIVE_TIMEOUT};
-use super::{validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
+use super::{check_token_ids, validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::model::llama::{LinearSpec, LlamaSpec};
 use crate::model::quant::{expf_ggml, simd_available};
@@ -542,14 +542,6 @@ fn gather_vocab(tp: &TpRuntime, local: &[f32], m: usize, vocab: usize) -> Result
         }
     }
     Ok(data)
-}
-
-/// Reject token ids outside the vocabulary before any rank starts a collective.
-fn check_token_ids(batch: &[SeqStep<'_>], vocab: usize) -> Result<(), BackendError> {
-    match batch.iter().flat_map(|s| s.tokens.iter()).find(|&&id| id as usize >= vocab) {
-        Some(bad) => Err(BackendError::InvalidStep(format!("token id {bad} is outside the vocabulary ({vocab})"))),
-        None => Ok(()),
-    }
 }
 
 impl Backend for CpuBackend {

@@ -9,7 +9,7 @@ use super::nccl::NcclComm;
 use super::weights::DeviceWeights;
 use super::{CudaBackend, CudaOptions};
 use crate::backend::tp::{group_block_bytes, lockstep, read_group_kv, write_group_kv};
-use crate::backend::{validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
+use crate::backend::{check_token_ids, validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
 use crate::config::LlamaConfig;
 use crate::model::WeightSource;
 
@@ -159,12 +159,7 @@ impl Backend for TpCudaBackend {
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {
         // Checked once here so a bad step fails on every rank alike, before any collective.
         validate_batch(batch, self.kv_geometry())?;
-        if let Some(bad) = batch.iter().flat_map(|s| s.tokens.iter()).find(|&&id| id as usize >= self.vocab_size()) {
-            return Err(BackendError::InvalidStep(format!(
-                "token id {bad} is outside the vocabulary ({})",
-                self.vocab_size()
-            )));
-        }
+        check_token_ids(batch, self.vocab_size())?;
         lockstep(&mut self.ranks, |r| r.forward(batch), |r| r.forward_follow(batch))
     }
 
