@@ -60,6 +60,23 @@ pub fn compare(reference: &[f32], ours: &[f32], vocab: usize) -> FidelityReport 
     r
 }
 
+/// Largest per-position relative L2 error ‖a − b‖ / ‖a‖ of row-major `[n, vocab]` logits, `a`
+/// the reference. The measure for bf16 modes: an elementwise maximum over thousands of logits per
+/// position mostly measures bf16's 2⁻⁹ rounding of the largest ones. An all-zero reference row
+/// counts with a norm of 1e-15 rather than dividing by zero.
+pub fn max_rel_l2_err(reference: &[f32], ours: &[f32], vocab: usize) -> f32 {
+    assert_eq!(reference.len(), ours.len(), "logit tensors differ in size");
+    reference
+        .chunks_exact(vocab)
+        .zip(ours.chunks_exact(vocab))
+        .map(|(a, b)| {
+            let d: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+            let n: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum();
+            (d / n.max(1e-30)).sqrt() as f32
+        })
+        .fold(0.0, f32::max)
+}
+
 impl FidelityReport {
     pub fn print(&self, mut out: impl Write) -> std::io::Result<()> {
         writeln!(out, "positions           {}", self.positions)?;
@@ -159,6 +176,19 @@ mod tests {
         assert!(r.max_kld > 0.1);
         assert_eq!(r.top1_agreement, 0.5);
         assert_eq!(r.max_abs_logit_diff, 2.0);
+    }
+
+    #[test]
+    fn relative_l2_error_is_the_worst_rows_norm_ratio() {
+        // Row 0: ‖(0, 0.5)‖ / ‖(3, 4)‖ = 0.5 / 5 = 0.1; row 1: ‖(1, 0)‖ / ‖(0, 2)‖ = 0.5.
+        let reference = [3.0, 4.0, 0.0, 2.0];
+        let ours = [3.0, 4.5, 1.0, 2.0];
+        assert!((max_rel_l2_err(&reference, &ours, 2) - 0.5).abs() < 1e-7);
+        assert!((max_rel_l2_err(&reference[..2], &ours[..2], 2) - 0.1).abs() < 1e-7);
+        assert_eq!(max_rel_l2_err(&reference, &reference, 2), 0.0);
+        // Scale-free: both sides ×1000 give the same error.
+        let big = |v: &[f32]| v.iter().map(|x| x * 1000.0).collect::<Vec<_>>();
+        assert!((max_rel_l2_err(&big(&reference), &big(&ours), 2) - 0.5).abs() < 1e-6);
     }
 
     #[test]

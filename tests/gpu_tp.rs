@@ -16,24 +16,12 @@ mod common;
 use shelfserve::backend::cuda::{CudaOptions, Precision, TpCudaBackend};
 use shelfserve::backend::{Backend, KvGeometry};
 use shelfserve::config::LlamaConfig;
-use shelfserve::fidelity::compare;
+use shelfserve::fidelity::{compare, max_rel_l2_err};
 use shelfserve::generate::{single_sequence_geometry, GenerateOptions, Runner};
 use shelfserve::model::default_model::CacheDir;
 use shelfserve::sampling::SamplingParams;
 
 const NEEDS_GPUS: &str = "needs two CUDA devices and NCCL; run scripts/gpu_tp.sh on the two-GPU machine";
-
-fn rel_l2(reference: &[f32], ours: &[f32], vocab: usize) -> f32 {
-    reference
-        .chunks_exact(vocab)
-        .zip(ours.chunks_exact(vocab))
-        .map(|(a, b)| {
-            let d: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-            let n: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum();
-            (d / n.max(1e-30)).sqrt() as f32
-        })
-        .fold(0.0, f32::max)
-}
 
 /// Teacher-forced logits of `ids` (chunks of 7) and a `new_tokens` greedy continuation.
 fn run(backend: TpCudaBackend, ids: &[u32], new_tokens: usize) -> (Vec<f32>, Vec<u32>) {
@@ -80,7 +68,7 @@ fn compare_worlds(
             }
         }
         Precision::Bf16 => {
-            let err = rel_l2(&ref_logits, &logits, vocab);
+            let err = max_rel_l2_err(&ref_logits, &logits, vocab);
             let max = compare(&ref_logits, &logits, vocab).max_rel_logit_err;
             println!(
                 "{what:<28} bf16 tp=2 vs tp=1: rel L2 {err:.3e} (max elementwise {max:.3e}), greedy same for {same}/{new_tokens}"

@@ -17,7 +17,7 @@ use shelfserve::backend::cpu::{CpuBackend, CpuOptions, KvPrecision};
 use shelfserve::backend::cuda::{CudaBackend, CudaOptions, Precision};
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
 use shelfserve::config::{LlamaConfig, RopeScaling};
-use shelfserve::fidelity::compare;
+use shelfserve::fidelity::{compare, max_rel_l2_err};
 use shelfserve::generate::{single_sequence_geometry, GenerateOptions, Runner};
 use shelfserve::model::default_model::CacheDir;
 use shelfserve::model::synthetic::{tiny_llama_config, SyntheticWeights};
@@ -39,26 +39,12 @@ const TRANSFORMERS_BF16_ERR: &[(&str, f32)] = &[
     ("llama-tok", 0.05726),
 ];
 
-/// Largest per-position relative L2 error ‖a − b‖ / ‖a‖ (the bf16 measure: elementwise maxima
-/// over thousands of logits per position mostly measure bf16's 2⁻⁹ rounding of the largest ones).
-fn rel_l2(reference: &[f32], ours: &[f32], vocab: usize) -> f32 {
-    reference
-        .chunks_exact(vocab)
-        .zip(ours.chunks_exact(vocab))
-        .map(|(a, b)| {
-            let d: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-            let n: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum();
-            (d / n.max(1e-30)).sqrt() as f32
-        })
-        .fold(0.0, f32::max)
-}
-
 /// The error a precision is held to: elementwise max relative error in f32, per-position
 /// relative L2 error in bf16 (both reported).
 fn held_error(p: Precision, reference: &[f32], ours: &[f32], vocab: usize) -> f32 {
     match p {
         Precision::F32 => compare(reference, ours, vocab).max_rel_logit_err,
-        Precision::Bf16 => rel_l2(reference, ours, vocab),
+        Precision::Bf16 => max_rel_l2_err(reference, ours, vocab),
     }
 }
 
@@ -200,7 +186,7 @@ fn midsize_synthetic_matches_cpu() {
             let mut ours = Runner::new(cuda(&cfg, &w, geom, prec));
             let got = ours.score(&ids, 128).unwrap();
             let max_rel = compare(&want, &got, cfg.vocab_size).max_rel_logit_err;
-            let l2 = rel_l2(&want, &got, cfg.vocab_size);
+            let l2 = max_rel_l2_err(&want, &got, cfg.vocab_size);
             let rel = held_error(prec, &want, &got, cfg.vocab_size);
             let cont = ours.generate(&ids, &greedy(24, 256), |_| true).unwrap().ids();
             println!("{:<20} {:<5} {:>12.3e} {:>12.3e} {:>8}", name, prec.suffix(), max_rel, l2, cont == want_cont);
