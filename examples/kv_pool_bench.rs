@@ -19,7 +19,6 @@ use clap::Parser;
 use shelfserve::actors::{start_engine, Engine, EngineOptions, GenerationRequest, InferenceEngine, StreamEvent};
 use shelfserve::config::engine::EngineConfig;
 use shelfserve::model::default_model::CacheDir;
-use shelfserve::sampling::SamplingParams;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -65,16 +64,7 @@ async fn engine(args: &Args, pool_tokens: usize, spill: Option<&std::path::Path>
 
 /// Runs a greedy request: (time to first token, generated ids, cached prompt tokens).
 async fn run(e: &Engine, prompt: Vec<u32>, max_tokens: usize) -> (Duration, Vec<u32>, usize) {
-    let req = GenerationRequest {
-        lane: "voice".into(),
-        prompt,
-        sampling: SamplingParams::default(),
-        max_tokens,
-        stop_strings: Vec::new(),
-        stop_token_ids: Vec::new(),
-        ignore_eos: true,
-        skip_special_tokens: true,
-    };
+    let req = GenerationRequest::greedy_fixed_length("voice", prompt, max_tokens);
     let t0 = Instant::now();
     let mut rx = e.submit(req).expect("submit");
     let (mut ttft, mut ids) = (None, Vec::new());

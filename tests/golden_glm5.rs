@@ -288,7 +288,7 @@ fn unexpected_tensors_are_named_and_vision_is_set_aside() {
 /// one greedy request by token ids, against transformers' continuation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_serves_glm5_by_token_ids() {
-    use shelfserve::actors::{start_engine, EngineOptions, GenerationRequest, InferenceEngine, StreamEvent};
+    use shelfserve::actors::{EngineOptions, GenerationRequest, InferenceEngine, StreamEvent};
     use shelfserve::config::engine::EngineConfig;
     let bytes = std::fs::read(common::fixture("glm5/golden.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -300,22 +300,8 @@ async fn engine_serves_glm5_by_token_ids() {
         device: DeviceSelection { threads: 2, ..Default::default() },
         served_model_name: "glm5-tiny".into(),
     };
-    let engine = start_engine(open_tiny(), cfg, opts).await.unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while !engine.is_ready() {
-        assert!(std::time::Instant::now() < deadline, "engine did not become ready");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    let req = GenerationRequest {
-        lane,
-        prompt,
-        sampling: SamplingParams::default(),
-        max_tokens: expected.len(),
-        stop_strings: Vec::new(),
-        stop_token_ids: Vec::new(),
-        ignore_eos: true,
-        skip_special_tokens: true,
-    };
+    let engine = common::engine::start_ready(open_tiny(), cfg, opts, std::time::Duration::from_secs(60)).await;
+    let req = GenerationRequest::greedy_fixed_length(lane, prompt, expected.len());
     let mut events = engine.submit(req).unwrap();
     let mut got = Vec::new();
     while let Some(ev) = events.recv().await {

@@ -11,8 +11,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use shelfserve::actors::kvpool::PoolStats;
-use shelfserve::actors::{start_engine, Engine, EngineOptions, InferenceEngine, StreamEvent, Usage};
+use common::engine::{
+    assert_concurrent_replies_equal_solo, assert_pool_idle, pool_stats as stats, set_spill, spill_files, start_ready,
+    wait_spilled,
+};
+use shelfserve::actors::{Engine, EngineOptions, InferenceEngine, StreamEvent, Usage};
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
 use shelfserve::config::engine::EngineConfig;
 use shelfserve::generate::DeviceSelection;
@@ -51,17 +54,10 @@ async fn engine_with(pool_tokens: usize, spill_dir: Option<&Path>, drafted: bool
     cfg.scheduler.block_size = BLOCK;
     cfg.scheduler.page_tokens = PAGE;
     cfg.scheduler.kv_pool_tokens = pool_tokens;
-    cfg.scheduler.spill_dir = spill_dir.map(|p| p.display().to_string());
-    cfg.scheduler.spill_budget = if spill_dir.is_some() { 1 << 30 } else { 0 };
+    set_spill(&mut cfg, spill_dir);
     let opts =
         EngineOptions { device: DeviceSelection { threads: 2, ..Default::default() }, served_model_name: "t".into() };
-    let e = start_engine(open_tiny(), cfg, opts).await.expect("start");
-    let t0 = std::time::Instant::now();
-    while !e.is_ready() {
-        assert!(t0.elapsed() < Duration::from_secs(60), "model load timed out");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    e
+    start_ready(open_tiny(), cfg, opts, Duration::from_secs(60)).await
 }
 
 /// Bytes of one recurrent-state snapshot of the tiny model.
@@ -100,21 +96,10 @@ async fn run(e: &Engine, prompt: Vec<u32>, max_tokens: usize) -> (Reply, Usage) 
     }
 }
 
-async fn stats(e: &Engine) -> PoolStats {
-    e.pool_stats().await.expect("pool stats")
-}
-
+/// The pool back to idle (see `assert_pool_idle`), holding one snapshot per cached page.
 async fn assert_idle(e: &Engine) {
-    for _ in 0..100 {
-        let s = stats(e).await;
-        if s.referenced_blocks == 0 && s.sequences == 0 {
-            assert_eq!(s.free_blocks + s.evictable_blocks, s.num_blocks);
-            assert_eq!(s.snapshot_bytes, s.cached_pages * slot_bytes(), "one snapshot per cached page: {s:?}");
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("the pool did not return to idle: {:?}", stats(e).await);
+    let s = assert_pool_idle(e).await;
+    assert_eq!(s.snapshot_bytes, s.cached_pages * slot_bytes(), "one snapshot per cached page: {s:?}");
 }
 
 /// The reply of an engine that has never seen anything (no cache, no spill).
@@ -186,37 +171,9 @@ async fn concurrent_hybrid_requests_sharing_a_prefix_equal_their_solo_runs() {
     let e = engine(1024, None).await;
     let stem = prompt(3, 24);
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| [stem.clone(), prompt(10 + i, 3 + 5 * i as usize)].concat()).collect();
-    let mut solo = Vec::new();
-    for p in &prompts {
-        solo.push(run(&e, p.clone(), 8).await.0);
-    }
-    let handles: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let e = Arc::clone(&e);
-            let p = p.clone();
-            tokio::spawn(async move { run(&e, p, 8).await })
-        })
-        .collect();
-    for (i, h) in handles.into_iter().enumerate() {
-        let (ids, usage) = h.await.expect("join");
-        assert_eq!(ids, solo[i], "request {i} with a shared cached prefix differs from its solo run");
-        assert!(usage.cached_tokens >= 24, "request {i}: the shared stem is cached ({})", usage.cached_tokens);
-    }
+    assert_concurrent_replies_equal_solo(&e, &prompts, 24, |e, p| async move { run(&e, p, 8).await }).await;
     assert_idle(&e).await;
     e.shutdown();
-}
-
-/// Waits until the spill tier holds at least `pages` pages.
-async fn wait_spilled(e: &Engine, pages: usize) -> PoolStats {
-    for _ in 0..500 {
-        let s = stats(e).await;
-        if s.spilled_pages >= pages {
-            return s;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("nothing was spilled: {:?}", stats(e).await);
 }
 
 /// Turn one, then two other prompts that push its pages out of a 96-token pool. Returns the
@@ -226,19 +183,6 @@ async fn first_turn_then_evict(e: &Engine, first: &[u32]) -> Vec<u32> {
     run(e, prompt(60, 70), 4).await;
     run(e, prompt(61, 70), 4).await;
     [first.to_vec(), reply.ids, prompt(50, 6)].concat()
-}
-
-fn spill_files(dir: &Path) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    for model in std::fs::read_dir(dir).expect("spill dir") {
-        for f in std::fs::read_dir(model.expect("entry").path()).expect("model dir") {
-            let p = f.expect("entry").path();
-            if p.extension().is_some_and(|x| x == "kvpage") {
-                out.push(p);
-            }
-        }
-    }
-    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,41 +12,20 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::engine::{assert_concurrent_replies_equal_solo, assert_pool_idle as assert_idle, start_ready};
 use common::{run_greedy as run, synthetic_prompt as prompt};
-use shelfserve::actors::{start_engine, Engine, EngineOptions, InferenceEngine};
+use shelfserve::actors::{Engine, EngineOptions};
 use shelfserve::config::engine::EngineConfig;
-use shelfserve::model::default_model::CacheDir;
 
 const PAGE: usize = 32;
 
 async fn engine(page_tokens: usize) -> Option<Arc<Engine>> {
-    let path = common::default_gguf()?;
-    let bundle = shelfserve::model::open(path.to_str().expect("utf-8 path"), &CacheDir::from_env()).expect("open");
+    let bundle = common::open_default_model()?;
     let mut cfg = EngineConfig::builtin();
     cfg.scheduler.page_tokens = page_tokens;
     cfg.scheduler.kv_pool_tokens = 4096;
-    let e = start_engine(bundle, cfg, EngineOptions { device: Default::default(), served_model_name: "t".into() })
-        .await
-        .expect("start");
-    let t0 = std::time::Instant::now();
-    while !e.is_ready() {
-        assert!(t0.elapsed() < Duration::from_secs(120), "model load timed out");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Some(e)
-}
-
-async fn assert_idle(e: &Engine) {
-    // Releases reach the pool with the next commit; the scheduler flushes them when idle.
-    for _ in 0..100 {
-        let s = e.pool_stats().await.expect("pool stats");
-        if s.referenced_blocks == 0 && s.sequences == 0 {
-            assert_eq!(s.free_blocks + s.evictable_blocks, s.num_blocks);
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("the pool did not return to idle: {:?}", e.pool_stats().await);
+    let opts = EngineOptions { device: Default::default(), served_model_name: "t".into() };
+    Some(start_ready(bundle, cfg, opts, Duration::from_secs(120)).await)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -86,23 +65,7 @@ async fn concurrent_requests_sharing_a_prefix_equal_their_solo_runs() {
     let Some(e) = engine(PAGE).await else { return };
     let stem = prompt(3, 96);
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| [stem.clone(), prompt(10 + i, 20 + 7 * i as usize)].concat()).collect();
-    let mut solo = Vec::new();
-    for p in &prompts {
-        solo.push(run(&e, p.clone(), 8).await.0);
-    }
-    let handles: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let e = Arc::clone(&e);
-            let p = p.clone();
-            tokio::spawn(async move { run(&e, p, 8).await })
-        })
-        .collect();
-    for (i, h) in handles.into_iter().enumerate() {
-        let (ids, usage) = h.await.expect("join");
-        assert_eq!(ids, solo[i], "request {i} with a shared cached prefix differs from its solo run");
-        assert!(usage.cached_tokens >= 96, "request {i}: the shared stem is cached ({})", usage.cached_tokens);
-    }
+    assert_concurrent_replies_equal_solo(&e, &prompts, 96, |e, p| async move { run(&e, p, 8).await }).await;
     assert_idle(&e).await;
     e.shutdown();
 }

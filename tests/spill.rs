@@ -10,62 +10,23 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::engine::{pool_stats as stats, set_spill, spill_files, start_ready, wait_spilled};
 use common::{run_greedy as run, synthetic_prompt as prompt};
-use shelfserve::actors::kvpool::PoolStats;
-use shelfserve::actors::{start_engine, Engine, EngineOptions, InferenceEngine};
+use shelfserve::actors::{Engine, EngineOptions};
 use shelfserve::config::engine::EngineConfig;
 use shelfserve::kv::MissReason;
-use shelfserve::model::default_model::CacheDir;
 
 const PAGE: usize = 32;
 
 async fn engine(spill_dir: Option<&Path>) -> Option<Arc<Engine>> {
-    let path = common::default_gguf()?;
-    let bundle = shelfserve::model::open(path.to_str().expect("utf-8 path"), &CacheDir::from_env()).expect("open");
+    let bundle = common::open_default_model()?;
     let mut cfg = EngineConfig::builtin();
     cfg.scheduler.page_tokens = PAGE;
     // 32 blocks of 16: one long conversation and one more prompt evict the oldest pages.
     cfg.scheduler.kv_pool_tokens = 512;
-    cfg.scheduler.spill_dir = spill_dir.map(|p| p.display().to_string());
-    cfg.scheduler.spill_budget = if spill_dir.is_some() { 1 << 30 } else { 0 };
-    let e = start_engine(bundle, cfg, EngineOptions { device: Default::default(), served_model_name: "t".into() })
-        .await
-        .expect("start");
-    let t0 = std::time::Instant::now();
-    while !e.is_ready() {
-        assert!(t0.elapsed() < Duration::from_secs(120), "model load timed out");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Some(e)
-}
-
-async fn stats(e: &Engine) -> PoolStats {
-    e.pool_stats().await.expect("pool stats")
-}
-
-/// Waits until the spill tier holds at least `pages` pages.
-async fn wait_spilled(e: &Engine, pages: usize) -> PoolStats {
-    for _ in 0..500 {
-        let s = stats(e).await;
-        if s.spilled_pages >= pages {
-            return s;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("nothing was spilled: {:?}", stats(e).await);
-}
-
-fn spill_files(dir: &Path) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    for model in std::fs::read_dir(dir).expect("spill dir") {
-        for f in std::fs::read_dir(model.expect("entry").path()).expect("model dir") {
-            let p = f.expect("entry").path();
-            if p.extension().is_some_and(|x| x == "kvpage") {
-                out.push(p);
-            }
-        }
-    }
-    out
+    set_spill(&mut cfg, spill_dir);
+    let opts = EngineOptions { device: Default::default(), served_model_name: "t".into() };
+    Some(start_ready(bundle, cfg, opts, Duration::from_secs(120)).await)
 }
 
 struct Conversation {

@@ -26,6 +26,23 @@ pub struct GenerationRequest {
     pub skip_special_tokens: bool,
 }
 
+impl GenerationRequest {
+    /// A greedy request that always runs to `max_tokens` (end-of-generation ids ignored, no stop
+    /// strings): the fixed-length request of benchmarks and engine tests.
+    pub fn greedy_fixed_length(lane: impl Into<String>, prompt: Vec<u32>, max_tokens: usize) -> Self {
+        GenerationRequest {
+            lane: lane.into(),
+            prompt,
+            sampling: SamplingParams::default(),
+            max_tokens,
+            stop_strings: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: true,
+            skip_special_tokens: true,
+        }
+    }
+}
+
 /// One generated token as the client may see it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TokenInfo {

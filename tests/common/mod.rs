@@ -1,5 +1,8 @@
-//! Shared helpers for integration tests: locating the real default model.
+//! Shared helpers for integration tests: locating the real default model, greedy requests,
+//! starting engines and watching their KV pool (`engine`).
 #![allow(dead_code)]
+
+pub mod engine;
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -7,7 +10,7 @@ use std::time::Duration;
 
 use shelfserve::actors::{Engine, GenerationRequest, InferenceEngine, StreamEvent, Usage};
 use shelfserve::model::default_model::{ensure_default, CacheDir};
-use shelfserve::sampling::SamplingParams;
+use shelfserve::model::ModelBundle;
 
 /// The SmolLM2 GGUF: `SHELFSERVE_DEFAULT_GGUF` if set, else the default model from the cache
 /// (fetched once per test binary). Without it a test is skipped with a printed reason — except
@@ -30,22 +33,21 @@ pub fn default_gguf() -> Option<PathBuf> {
     }
 }
 
+/// The default model, opened: `None` (with the reason printed) as for [`default_gguf`].
+pub fn open_default_model() -> Option<ModelBundle> {
+    let path = default_gguf()?;
+    let bundle = shelfserve::model::open(path.to_str().expect("utf-8 model path"), &CacheDir::from_env())
+        .expect("open the default model");
+    Some(bundle)
+}
+
 pub fn fixture(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)
 }
 
 /// A greedy request on the voice lane that runs to `max_tokens` (EOS ignored).
 pub fn greedy_request(prompt: Vec<u32>, max_tokens: usize) -> GenerationRequest {
-    GenerationRequest {
-        lane: "voice".into(),
-        prompt,
-        sampling: SamplingParams::default(),
-        max_tokens,
-        stop_strings: Vec::new(),
-        stop_token_ids: Vec::new(),
-        ignore_eos: true,
-        skip_special_tokens: true,
-    }
+    GenerationRequest::greedy_fixed_length("voice", prompt, max_tokens)
 }
 
 /// Runs a greedy request to the end: generated ids and usage.
