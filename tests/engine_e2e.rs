@@ -21,14 +21,13 @@ mod e2e_http;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use actix_web::dev::ServerHandle;
+use common::engine::wait_ready;
+use common::serve::{blocking, on_free_ports, Lanes};
 use e2e_http::{ms, percentile, Streamed, Target};
 use serde_json::{json, Value};
 use shelfserve::actors::scheduler::SchedulerStats;
 use shelfserve::actors::{start_engine, Engine, EngineOptions, InferenceEngine};
-use shelfserve::api::{bind_all, ApiOptions};
 use shelfserve::config::engine::EngineConfig;
-use shelfserve::model::default_model::CacheDir;
 
 /// Upper bound on any single wait, so a broken engine fails the test instead of hanging it.
 /// Nothing is measured against it.
@@ -43,7 +42,7 @@ struct Harness {
     engine: Arc<Engine>,
     voice: Target,
     agent: Target,
-    servers: Vec<ServerHandle>,
+    lanes: Lanes,
     /// Whether `/health` answered 503 before the model was ready (observable only when the
     /// load outlasts one request).
     saw_loading_503: bool,
@@ -51,21 +50,14 @@ struct Harness {
 
 /// The built-in configuration with every lane on a free port.
 fn config() -> EngineConfig {
-    let mut cfg = EngineConfig::builtin();
-    cfg.host = "127.0.0.1".into();
-    for lane in &mut cfg.lanes {
-        lane.port = 0;
-    }
-    cfg
+    on_free_ports(EngineConfig::builtin())
 }
 
 impl Harness {
     /// Load the default model, bind both lanes, and wait until the engine is ready. `None` when
     /// the model is unavailable locally (`default_gguf` printed why; under CI it panics).
     async fn start(cfg: EngineConfig) -> Option<Harness> {
-        let path = common::default_gguf()?;
-        let bundle = shelfserve::model::open(path.to_str().expect("utf-8 model path"), &CacheDir::from_env())
-            .expect("open the default model");
+        let bundle = common::open_default_model()?;
         let engine = start_engine(
             bundle,
             cfg.clone(),
@@ -73,17 +65,8 @@ impl Harness {
         )
         .await
         .expect("start the engine");
-        let mut opts = ApiOptions::new(MODEL);
-        opts.workers = 2;
-        let dyn_engine: Arc<dyn InferenceEngine> = engine.clone();
-        let bound = bind_all(dyn_engine, &cfg, opts).expect("bind the lanes on free ports");
-        let port = |name: &str| bound.iter().find(|s| s.lane == name).map(|s| s.addrs[0]).expect("lane bound");
-        let (voice, agent) = (Target::new(port("voice"), PATIENCE), Target::new(port("agent"), PATIENCE));
-        let servers = bound.iter().map(|s| s.server.handle()).collect();
-        for s in bound {
-            assert_ne!(s.port(), 0, "port 0 resolves to the real port");
-            tokio::spawn(s.server);
-        }
+        let lanes = Lanes::serve(&engine, &cfg, MODEL);
+        let (voice, agent) = (Target::new(lanes.addr("voice"), PATIENCE), Target::new(lanes.addr("agent"), PATIENCE));
         // The executor loads the weights on its own thread; the servers answer meanwhile.
         let was_ready = engine.is_ready();
         let target = voice.clone();
@@ -104,15 +87,11 @@ impl Harness {
         } else if was_ready {
             assert_eq!(health.status, 200, "{}", health.text());
         }
-        let waited = Instant::now();
-        while !engine.is_ready() {
-            assert!(waited.elapsed() < PATIENCE, "the model did not load within {PATIENCE:?}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_ready(&engine, PATIENCE).await;
         let target = voice.clone();
         let health = blocking(move || target.get("/health").expect("GET /health")).await;
         assert_eq!(health.status, 200, "/health once ready: {}", health.text());
-        Some(Harness { engine, voice, agent, servers, saw_loading_503 })
+        Some(Harness { engine, voice, agent, lanes, saw_loading_503 })
     }
 
     fn lane(&self, name: &str) -> &Target {
@@ -141,17 +120,10 @@ impl Harness {
     }
 
     async fn stop(self) {
-        for h in &self.servers {
-            h.stop(false).await;
-        }
+        self.lanes.stop().await;
         // Stops the scheduler and the executor (whose thread then frees weights and KV memory).
         self.engine.shutdown();
     }
-}
-
-/// Run blocking client code off the async runtime.
-async fn blocking<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
-    tokio::task::spawn_blocking(f).await.expect("client thread panicked")
 }
 
 fn chat(content: &str, max_tokens: usize) -> Value {
@@ -173,14 +145,7 @@ fn stream_chat(content: &str, max_tokens: usize) -> Value {
 }
 
 fn run_stream(target: &Target, body: &Value) -> Streamed {
-    match target.stream(CHAT, body).expect("send the request") {
-        Ok(s) => {
-            let r = s.finish().expect("read the stream");
-            assert!(r.done && r.error.is_none(), "stream did not end cleanly: {r:?}");
-            r
-        }
-        Err(resp) => panic!("status {}: {}", resp.status, resp.text()),
-    }
+    target.stream_to_clean_end(CHAT, body)
 }
 
 const QUESTIONS: [&str; 16] = [

@@ -11,17 +11,18 @@
 //!   also when every request is in flight at once;
 //! - bad input gets an OpenAI error object and the server keeps serving.
 
+mod common;
 mod e2e_http;
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use actix_web::dev::ServerHandle;
-use e2e_http::{Streamed, Target};
+use common::engine::wait_ready;
+use common::serve::{blocking, on_free_ports, Lanes};
+use e2e_http::Target;
 use serde_json::{json, Value};
-use shelfserve::actors::{start_engine, Engine, EngineOptions, InferenceEngine};
-use shelfserve::api::{bind_all, ApiOptions};
+use shelfserve::actors::{start_engine, Engine, EngineOptions};
 use shelfserve::config::engine::EngineConfig;
 use shelfserve::generate::DeviceSelection;
 use shelfserve::model::default_model::CacheDir;
@@ -137,16 +138,12 @@ struct Harness {
     engine: Arc<Engine>,
     voice: Target,
     agent: Target,
-    servers: Vec<ServerHandle>,
+    lanes: Lanes,
 }
 
 impl Harness {
     async fn start() -> Harness {
-        let mut cfg = EngineConfig::builtin();
-        cfg.host = "127.0.0.1".into();
-        for lane in &mut cfg.lanes {
-            lane.port = 0;
-        }
+        let mut cfg = on_free_ports(EngineConfig::builtin());
         cfg.scheduler.kv_pool_tokens = 4096;
         let bundle = shelfserve::model::open(fixture_dir().to_str().unwrap(), &CacheDir::from_env()).expect("open");
         let opts = EngineOptions {
@@ -154,35 +151,16 @@ impl Harness {
             served_model_name: MODEL.into(),
         };
         let engine = start_engine(bundle, cfg.clone(), opts).await.expect("start the engine");
-        let mut api = ApiOptions::new(MODEL);
-        api.workers = 2;
-        let dyn_engine: Arc<dyn InferenceEngine> = engine.clone();
-        let bound = bind_all(dyn_engine, &cfg, api).expect("bind the lanes on free ports");
-        let port = |name: &str| bound.iter().find(|s| s.lane == name).map(|s| s.addrs[0]).expect("lane bound");
-        let (voice, agent) = (Target::new(port("voice"), PATIENCE), Target::new(port("agent"), PATIENCE));
-        let servers = bound.iter().map(|s| s.server.handle()).collect();
-        for s in bound {
-            tokio::spawn(s.server);
-        }
-        let start = Instant::now();
-        while !engine.is_ready() {
-            assert!(start.elapsed() < PATIENCE, "the model did not load within {PATIENCE:?}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        Harness { engine, voice, agent, servers }
+        let lanes = Lanes::serve(&engine, &cfg, MODEL);
+        let (voice, agent) = (Target::new(lanes.addr("voice"), PATIENCE), Target::new(lanes.addr("agent"), PATIENCE));
+        wait_ready(&engine, PATIENCE).await;
+        Harness { engine, voice, agent, lanes }
     }
 
     async fn stop(self) {
-        for h in &self.servers {
-            h.stop(false).await;
-        }
+        self.lanes.stop().await;
         self.engine.shutdown();
     }
-}
-
-/// Run blocking client code off the async runtime.
-async fn blocking<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
-    tokio::task::spawn_blocking(f).await.expect("client thread panicked")
 }
 
 /// Text, finish reason and usage of a non-streamed chat or completion response.
@@ -192,17 +170,6 @@ fn answer(v: &Value) -> (String, String, u64, u64) {
     let finish = choice["finish_reason"].as_str().unwrap_or_default().to_owned();
     let usage = &v["usage"];
     (text, finish, usage["prompt_tokens"].as_u64().unwrap_or(0), usage["completion_tokens"].as_u64().unwrap_or(0))
-}
-
-fn stream(target: &Target, path: &str, body: &Value) -> Streamed {
-    match target.stream(path, body).expect("send the request") {
-        Ok(s) => {
-            let r = s.finish().expect("read the stream");
-            assert!(r.done && r.error.is_none(), "stream did not end cleanly: {r:?}");
-            r
-        }
-        Err(resp) => panic!("status {}: {}", resp.status, resp.text()),
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -235,7 +202,7 @@ async fn chat_and_completions_return_transformers_greedy_text() {
             let (path, body) = c.body(g.max_tokens, true);
             let (name, text, finish) = (c.name.clone(), c.text.clone(), c.finish_reason.clone());
             std::thread::spawn(move || {
-                let r = stream(&target, path, &body);
+                let r = target.stream_to_clean_end(path, &body);
                 assert_eq!(r.text, text, "{name}: streamed text");
                 assert_eq!(r.finish_reason.as_deref(), Some(finish.as_str()), "{name}: streamed finish_reason");
             })

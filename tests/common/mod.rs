@@ -1,8 +1,9 @@
 //! Shared helpers for integration tests: locating the real default model, greedy requests,
-//! starting engines and watching their KV pool (`engine`).
+//! starting engines and watching their KV pool (`engine`), serving them over HTTP (`serve`).
 #![allow(dead_code)]
 
 pub mod engine;
+pub mod serve;
 
 use std::path::PathBuf;
 use std::sync::OnceLock;

@@ -100,6 +100,19 @@ impl Target {
         self.request("POST", path, Some(body))
     }
 
+    /// POST a streaming request and read it to the end, for tests: a refused request, a broken
+    /// connection or a stream that does not end with `[DONE]` and no error fails the caller.
+    pub fn stream_to_clean_end(&self, path: &str, body: &Value) -> Streamed {
+        match self.stream(path, body).expect("send the request") {
+            Ok(s) => {
+                let r = s.finish().expect("read the stream");
+                assert!(r.done && r.error.is_none(), "stream did not end cleanly: {r:?}");
+                r
+            }
+            Err(resp) => panic!("status {}: {}", resp.status, resp.text()),
+        }
+    }
+
     /// POST a streaming chat/completions request. A non-200 answer comes back as `Err(response)`.
     pub fn stream(&self, path: &str, body: &Value) -> io::Result<Result<ChatStream, Response>> {
         let started = Instant::now();
