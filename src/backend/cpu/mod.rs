@@ -15,7 +15,9 @@ pub use self::attention::KvPrecision;
 use self::attention::{paged_attention, AttnShape, PagedKv, TokenRef};
 use self::linear::{load_vector, CpuLinear, LinearScratch};
 pub use self::tp::{TpCpuBackend, COLLECTIVE_TIMEOUT};
-use super::{check_token_ids, validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
+use super::{
+    check_token_ids, validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits,
+};
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::model::llama::{LinearSpec, LlamaSpec};
 use crate::model::quant::{expf_ggml, simd_available};

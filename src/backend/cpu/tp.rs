@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use super::{CpuBackend, CpuOptions, TpShard};
 use crate::backend::tp::{group_block_bytes, lockstep, read_group_kv, write_group_kv};
-use crate::backend::{check_token_ids, validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
+use crate::backend::{
+    check_token_ids, validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits,
+};
 use crate::config::LlamaConfig;
 use crate::model::{ModelError, WeightSource};
 use crate::parallel::{Collective, LlamaShard, LocalComm, TpRank};

@@ -9,7 +9,9 @@ use super::nccl::NcclComm;
 use super::weights::DeviceWeights;
 use super::{CudaBackend, CudaOptions};
 use crate::backend::tp::{group_block_bytes, lockstep, read_group_kv, write_group_kv};
-use crate::backend::{check_token_ids, validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
+use crate::backend::{
+    check_token_ids, validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits,
+};
 use crate::config::LlamaConfig;
 use crate::model::WeightSource;
 
