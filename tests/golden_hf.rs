@@ -8,20 +8,11 @@
 
 mod common;
 
+use common::{tensor_f32s as floats, tensor_ids as ints};
 use shelfserve::backend::cpu::{CpuBackend, CpuOptions, KvPrecision};
 use shelfserve::generate::{single_sequence_geometry, GenerateOptions, Runner};
 use shelfserve::model::default_model::CacheDir;
 use shelfserve::sampling::SamplingParams;
-
-fn ints(st: &safetensors::SafeTensors<'_>, name: &str) -> Vec<u32> {
-    let t = st.tensor(name).unwrap();
-    t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect()
-}
-
-fn floats(st: &safetensors::SafeTensors<'_>, name: &str) -> Vec<f32> {
-    let t = st.tensor(name).unwrap();
-    t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
-}
 
 #[test]
 fn tiny_checkpoints_match_transformers() {

@@ -10,6 +10,7 @@
 
 mod common;
 
+use common::{tensor_f32s as floats, tensor_ids as ints};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -68,14 +69,6 @@ fn cpu(cfg: &LlamaConfig, w: &dyn WeightSource, kv: KvGeometry) -> CpuBackend {
 
 fn cuda(cfg: &LlamaConfig, w: &dyn WeightSource, kv: KvGeometry, precision: Precision) -> CudaBackend {
     CudaBackend::new(cfg, w, CudaOptions { ordinal: 0, kv, precision }).unwrap()
-}
-
-fn ints(st: &safetensors::SafeTensors<'_>, name: &str) -> Vec<u32> {
-    st.tensor(name).unwrap().data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect()
-}
-
-fn floats(st: &safetensors::SafeTensors<'_>, name: &str) -> Vec<f32> {
-    st.tensor(name).unwrap().data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
 }
 
 fn greedy(max_tokens: usize, chunk: usize) -> GenerateOptions {

@@ -12,14 +12,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::engine::{
-    assert_concurrent_replies_equal_solo, assert_pool_idle, pool_stats as stats, set_spill, spill_files, start_ready,
-    wait_spilled,
+    assert_concurrent_replies_equal_solo, assert_pool_idle, assert_spilled_corrupt_counted, damage_spill_files,
+    pool_stats as stats, set_spill, start_ready, wait_spilled,
 };
 use shelfserve::actors::{Engine, EngineOptions, InferenceEngine, StreamEvent, Usage};
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
 use shelfserve::config::engine::EngineConfig;
 use shelfserve::generate::DeviceSelection;
-use shelfserve::kv::MissReason;
 use shelfserve::model::default_model::CacheDir;
 use shelfserve::model::glm5_next::{read_config, Glm5Backend};
 use shelfserve::model::ModelBundle;
@@ -231,20 +230,13 @@ async fn hybrid_pages_spill_with_their_snapshots_restore_after_restarts_and_corr
         wait_spilled(&e, 4).await;
         e.shutdown();
         drop(e);
-        let files = spill_files(dir.path());
-        assert!(!files.is_empty());
-        for f in &files {
-            damage(f);
-        }
+        damage_spill_files(dir.path(), damage);
         let e = engine(96, Some(dir.path())).await;
         let (reply, usage) = run(&e, follow.clone(), 10).await;
         assert_eq!(reply, reference, "{what}: the damaged pages are recomputed, output unchanged");
         assert_eq!(usage.cached_tokens, 0, "{what}: nothing damaged is served");
         let s = stats(&e).await;
-        assert!(
-            s.counters.misses.get(&MissReason::SpilledCorrupt).copied().unwrap_or(0) >= 1,
-            "{what}: counted as spilled_corrupt: {s:?}"
-        );
+        assert_spilled_corrupt_counted(&s, what);
         assert_idle(&e).await;
         e.shutdown();
         drop(e);

@@ -10,11 +10,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::engine::{pool_stats as stats, set_spill, spill_files, start_ready, wait_spilled};
+use common::engine::{
+    assert_spilled_corrupt_counted, damage_spill_files, pool_stats as stats, set_spill, start_ready, wait_spilled,
+};
 use common::{run_greedy as run, synthetic_prompt as prompt};
 use shelfserve::actors::{Engine, EngineOptions};
 use shelfserve::config::engine::EngineConfig;
-use shelfserve::kv::MissReason;
 
 const PAGE: usize = 32;
 
@@ -100,20 +101,13 @@ async fn spilled_pages_restore_survive_restarts_and_corruption_is_recomputed() {
         wait_spilled(&e, 4).await;
         e.shutdown();
         drop(e);
-        let files = spill_files(dir.path());
-        assert!(!files.is_empty());
-        for f in &files {
-            damage(f);
-        }
+        damage_spill_files(dir.path(), damage);
         let Some(e) = engine(Some(dir.path())).await else { return };
         let (reply, usage) = run(&e, conv.follow_up.clone(), 12).await;
         assert_eq!(reply, reference, "{what}: the damaged pages are recomputed, output unchanged");
         assert_eq!(usage.cached_tokens, 0, "{what}: nothing damaged is served");
         let s = stats(&e).await;
-        assert!(
-            s.counters.misses.get(&MissReason::SpilledCorrupt).copied().unwrap_or(0) >= 1,
-            "{what}: counted as spilled_corrupt: {s:?}"
-        );
+        assert_spilled_corrupt_counted(&s, what);
         e.shutdown();
         drop(e);
     }

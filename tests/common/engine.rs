@@ -11,10 +11,16 @@ use std::time::{Duration, Instant};
 use shelfserve::actors::kvpool::PoolStats;
 use shelfserve::actors::{start_engine, Engine, EngineOptions, InferenceEngine, Usage};
 use shelfserve::config::engine::EngineConfig;
+use shelfserve::kv::MissReason;
 use shelfserve::model::ModelBundle;
 
 /// Starts an engine and waits until its model is loaded; a load slower than `patience` fails.
-pub async fn start_ready(bundle: ModelBundle, cfg: EngineConfig, opts: EngineOptions, patience: Duration) -> Arc<Engine> {
+pub async fn start_ready(
+    bundle: ModelBundle,
+    cfg: EngineConfig,
+    opts: EngineOptions,
+    patience: Duration,
+) -> Arc<Engine> {
     let e = start_engine(bundle, cfg, opts).await.expect("start the engine");
     wait_ready(&e, patience).await;
     e
@@ -78,6 +84,23 @@ pub fn spill_files(dir: &Path) -> Vec<PathBuf> {
         }
     }
     out
+}
+
+/// Applies `damage` to every page file of a spill directory; there must be at least one.
+pub fn damage_spill_files(dir: &Path, damage: impl Fn(&Path)) {
+    let files = spill_files(dir);
+    assert!(!files.is_empty(), "no page files to damage in {}", dir.display());
+    for f in &files {
+        damage(f);
+    }
+}
+
+/// Asserts that the pool counted at least one spilled page as corrupt (`what`: the damage done).
+pub fn assert_spilled_corrupt_counted(s: &PoolStats, what: &str) {
+    assert!(
+        s.counters.misses.get(&MissReason::SpilledCorrupt).copied().unwrap_or(0) >= 1,
+        "{what}: counted as spilled_corrupt: {s:?}"
+    );
 }
 
 /// Runs every prompt alone, then all of them at once: each concurrent reply must equal its solo

@@ -42,6 +42,18 @@ pub fn open_default_model() -> Option<ModelBundle> {
     Some(bundle)
 }
 
+/// Tensor `name` of a golden safetensors file as token ids (stored as i64 by the generators).
+pub fn tensor_ids(st: &safetensors::SafeTensors<'_>, name: &str) -> Vec<u32> {
+    let t = st.tensor(name).unwrap_or_else(|e| panic!("golden tensor `{name}`: {e}"));
+    t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")) as u32).collect()
+}
+
+/// Tensor `name` of a golden safetensors file as f32 values.
+pub fn tensor_f32s(st: &safetensors::SafeTensors<'_>, name: &str) -> Vec<f32> {
+    let t = st.tensor(name).unwrap_or_else(|e| panic!("golden tensor `{name}`: {e}"));
+    t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect()
+}
+
 pub fn fixture(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)
 }
