@@ -261,10 +261,10 @@ FOR_STORAGE_TYPES(ATTN_KERNELS)
 // batch. Each K/V row is read once per kv head for all of the group's q heads, as 16-byte loads:
 // HD/8 lanes hold one key row (8 elements each), so a warp reads 32/(HD/8) keys per load and the
 // block's NS = 4·32/(HD/8) key streams each keep their own online softmax (scores in log2 units)
-// with U keys of loads in flight per step. The streams are merged in stream order; a tile with
-// one split writes its normalised output directly, otherwise each block writes its partial and
-// the last block of the tile to finish (atomic counter, reset by that block) merges the splits in
-// split order. Which block comes last changes nothing: the arithmetic is fixed by the item.
+// over steps of U keys, the next step's loads in flight while one computes. The streams are
+// merged in stream order; a tile with one split writes its normalised output directly, otherwise
+// each block writes its partial and the last block of the tile to finish (atomic counter, reset
+// by that block) merges the splits in split order. Which block comes last changes nothing: the arithmetic is fixed by the item.
 #define DEC_THREADS 128
 #define DEC_WARPS (DEC_THREADS / 32)
 #define DEC_ROWS 4         // query rows per pass (one decode token of a GQA-4 group)
@@ -311,6 +311,26 @@ __device__ __forceinline__ float4 ld_l2x4(const float* p) {
     return v;
 }
 
+// Issue the loads of one step's keys (U per stream, NS streams apart); keys past `key1` read
+// nothing and hold zeros.
+template <typename T, int U, int NS>
+__device__ __forceinline__ void fetch_keys(int kb, int stream, int key1, const int* table, const AttnDims& d, int kvd,
+                                           i64 kv_col, const T* k_cache, const T* v_cache, Kv8<T>* kr, Kv8<T>* vr,
+                                           int* kp) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        kp[u] = kb + u * NS + stream;
+        if (kp[u] < key1) {
+            const i64 off = (i64)table[kp[u] / d.block_size] * d.block_stride + (i64)(kp[u] % d.block_size) * kvd + kv_col;
+            kr[u].load(k_cache + off);
+            vr[u].load(v_cache + off);
+        } else {
+            kr[u].zero();
+            vr[u].zero();
+        }
+    }
+}
+
 template <typename T, int HD>
 __device__ void attn_decode_impl(const int* items, const float* q, const T* k_cache, const T* v_cache,
                                  const int* tables, const int* table_off, const int* positions, AttnDims d,
@@ -318,7 +338,7 @@ __device__ void attn_decode_impl(const int* items, const float* q, const T* k_ca
     constexpr int LPK = HD / 8;                    // lanes per key row
     constexpr int KPW = 32 / LPK;                  // keys per warp per load
     constexpr int NS = DEC_WARPS * KPW;            // key streams per block
-    constexpr int U = sizeof(T) == 2 ? 8 : 4;      // keys per stream per step (16-32 B each of K, V)
+    constexpr int U = sizeof(T) == 2 ? 4 : 2;      // keys per stream per step (16-32 B each of K, V)
     constexpr int STEP = NS * U;
     __shared__ float st_acc[NS][DEC_ROWS][HD];
     __shared__ float st_m[NS][DEC_ROWS], st_l[NS][DEC_ROWS];
@@ -356,22 +376,14 @@ __device__ void attn_decode_impl(const int* items, const float* q, const T* k_ca
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[r][e] = 0.f;
         }
+        // Two steps in flight: the next step's K/V loads are issued before this step computes.
+        Kv8<T> kr[U], vr[U];
+        int kp[U];
+        fetch_keys<T, U, NS>(key0, stream, key1, table, d, kvd, kv_col, k_cache, v_cache, kr, vr, kp);
         for (int kb = key0; kb < key1; kb += STEP) {
-            Kv8<T> kr[U], vr[U];
-            int kp[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                kp[u] = kb + u * NS + stream;
-                if (kp[u] < key1) {
-                    const i64 off = (i64)table[kp[u] / d.block_size] * d.block_stride +
-                                    (i64)(kp[u] % d.block_size) * kvd + kv_col;
-                    kr[u].load(k_cache + off);
-                    vr[u].load(v_cache + off);
-                } else {
-                    kr[u].zero();
-                    vr[u].zero();
-                }
-            }
+            Kv8<T> kn[U], vn[U];
+            int np[U];
+            fetch_keys<T, U, NS>(kb + STEP, stream, key1, table, d, kvd, kv_col, k_cache, v_cache, kn, vn, np);
             float s[DEC_ROWS][U];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -416,6 +428,12 @@ __device__ void attn_decode_impl(const int* items, const float* q, const T* k_ca
 #pragma unroll
                     for (int e = 0; e < 8; ++e) acc[r][e] = fmaf(s[r][u], vf[e], acc[r][e]);
                 }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                kr[u] = kn[u];
+                vr[u] = vn[u];
+                kp[u] = np[u];
             }
         }
         // Merge the streams in stream order.
