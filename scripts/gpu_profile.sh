@@ -3,15 +3,16 @@
 # Runs `shelfserve bench` under Nsight Compute (kernel durations only, clocks left alone) with
 # CUDA graphs off so each kernel is launched and seen on its own, profiles the kernels of one
 # step after the 3 warm-up steps, and prints the time per kernel name (sum over the step).
-# Usage: gpu_profile.sh [config.json] [ctx]   (PER_STEP: kernels per decode step, default 195 =
-# embed + 6 per layer × 32 + final GEMV + argmax of the fused 8B decode path)
+# Usage: gpu_profile.sh [config.json] [ctx]   (PER_STEP: kernels per decode step, default 163 =
+# embed + 5 per layer × 32 + final GEMV + argmax of the fused 8B decode path with the streaming
+# decode attention; 195 with SHELFSERVE_CUDA_STREAM_DECODE=0, which adds the combine kernel)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0
 cfg=${1:-$HERE/configs/llama-8b.json}
 ctx=${2:-1024}
-per_step=${PER_STEP:-195}
+per_step=${PER_STEP:-163}
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "profile: no ncu on this machine"; exit 1; }
 csv=${OUT:-/tmp}/profile-ctx$ctx.csv

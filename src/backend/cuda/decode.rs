@@ -176,6 +176,41 @@ impl AttnLaunch {
     }
 }
 
+impl AttnLaunch {
+    /// Launch the streaming decode kernel `f` (`attn_decode_*`, 128 threads, static shared
+    /// memory) over `n_items` decode items; it writes finished rows of `out` itself.
+    pub fn launch_streaming(
+        &self,
+        gpu: &Gpu,
+        f: &cudarc::driver::CudaFunction,
+        items: u64,
+        n_items: usize,
+        counters: u64,
+        out: u64,
+    ) -> Result<(), BackendError> {
+        if n_items == 0 {
+            return Ok(());
+        }
+        launch!(
+            gpu,
+            f.clone(),
+            cfg((n_items as u32, 1), 128, 0),
+            &items,
+            &self.q,
+            &self.k_base,
+            &self.v_base,
+            &self.tables,
+            &self.table_off,
+            &self.positions,
+            &self.dims,
+            &self.part_acc,
+            &self.part_ml,
+            &counters,
+            &out
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,7 +10,7 @@ use super::decode::{
     RopeParams,
 };
 use super::gpu::{cfg, grid_for, DevBuf, Gpu, Precision};
-use super::plan::{StepLayout, ROWS_PER_ITEM};
+use super::plan::{AttnKernels, StepLayout, ROWS_PER_ITEM};
 use super::shard;
 use super::CudaBackend;
 use crate::backend::{BackendError, SeqStep};
@@ -36,6 +36,20 @@ impl Scratch {
         Ok(self.bufs[name].ptr())
     }
 
+    /// Like `get`, but a newly allocated buffer is zeroed (the attention tiles' counters,
+    /// which the kernel leaves at zero after every use).
+    pub(super) fn get_zeroed(&mut self, gpu: &Gpu, name: &'static str, bytes: usize) -> Result<u64, BackendError> {
+        let before = self.generation;
+        let ptr = self.get(gpu, name, bytes)?;
+        if self.generation != before {
+            let len = self.bufs[name].bytes();
+            // SAFETY: `ptr` is a live allocation of `len` bytes owned by this scratch.
+            unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, len, gpu.stream.cu_stream()) }
+                .map_err(|e| super::gpu::dev_err("clearing the attention counters", e))?;
+        }
+        Ok(ptr)
+    }
+
     pub fn logits_ptr(&self) -> u64 {
         self.bufs.get("logits").map_or(0, DevBuf::ptr)
     }
@@ -56,6 +70,7 @@ pub struct GraphKey {
     logit_rows: usize,
     seqs: usize,
     items: usize,
+    decode_items: usize,
     max_splits: usize,
     generation: u64,
 }
@@ -68,24 +83,40 @@ pub struct StepGraph(cudarc::driver::CudaGraph);
 // one thread at a time (`&mut self`).
 unsafe impl Send for StepGraph {}
 
+/// Streaming multiprocessors of the backend's device (the decode split policy aims at them).
+fn sm_count(gpu: &Gpu) -> Result<usize, BackendError> {
+    let attr = cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+    let n = gpu.ctx.attribute(attr).map_err(|e| super::gpu::dev_err("reading the SM count", e))?;
+    Ok(n.max(1) as usize)
+}
+
 /// Pack several i32/i64 host arrays into one upload; returns each array's device address.
-fn upload_layout(gpu: &Gpu, scratch: &mut Scratch, l: &StepLayout) -> Result<[u64; 9], BackendError> {
+fn upload_layout(gpu: &Gpu, scratch: &mut Scratch, l: &StepLayout) -> Result<[u64; 10], BackendError> {
     // Block tables last: they grow every few tokens, and nothing after them moves when they do.
-    let parts: [&[i32]; 8] =
-        [&l.ids, &l.positions, &l.table_off, &l.items, &l.token_splits, &l.logit_rows, &l.mma_items, &l.tables];
+    let parts: [&[i32]; 9] = [
+        &l.ids,
+        &l.positions,
+        &l.table_off,
+        &l.items,
+        &l.token_splits,
+        &l.logit_rows,
+        &l.mma_items,
+        &l.decode_items,
+        &l.tables,
+    ];
     let mut words: Vec<i32> = Vec::new();
     // i64 row offsets first (8-byte aligned), as pairs of i32 words.
     for &o in &l.row_off {
         words.extend([(o & 0xffff_ffff) as u32 as i32, (o >> 32) as i32]);
     }
-    let mut starts = [0usize; 9];
+    let mut starts = [0usize; 10];
     for (i, p) in parts.iter().enumerate() {
         starts[i + 1] = words.len();
         words.extend_from_slice(p);
     }
     let base = scratch.get(gpu, "layout", words.len().max(1) * 4)?;
     gpu.copy_htod(base, &words)?;
-    let mut ptrs = [0u64; 9];
+    let mut ptrs = [0u64; 10];
     for (p, s) in ptrs.iter_mut().zip(starts) {
         *p = base + 4 * s as u64;
     }
@@ -101,12 +132,16 @@ impl CudaBackend {
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
         let group = nh / nkv;
         let mma = self.prec == Precision::Bf16 && (hd == 64 || hd == 128) && self.tensor_cores;
-        let layout = StepLayout::new(batch, self.kv_layout, c.vocab_size, nkv, group, mma)?;
+        // The streaming decode kernel is built for head sizes 64 and 128 and ≤ ROWS_PER_ITEM
+        // query rows per tile (so at most that many q heads per kv head).
+        let streaming_decode = self.streaming_decode && (hd == 64 || hd == 128) && group <= ROWS_PER_ITEM;
+        let kernels = AttnKernels { mma, streaming_decode, sm_count: sm_count(&self.gpu)? };
+        let layout = StepLayout::new(batch, self.kv_layout, c.vocab_size, nkv, group, kernels)?;
         let t = layout.tokens();
         let (prec, sfx, eb) = (self.prec, self.prec.suffix(), self.prec.bytes());
         let gpu = &mut self.gpu;
         let s = &mut self.scratch;
-        let [row_off, ids, positions, table_off, items, token_splits, logit_rows, mma_items, tables] =
+        let [row_off, ids, positions, table_off, items, token_splits, logit_rows, mma_items, decode_items, tables] =
             upload_layout(gpu, s, &layout)?;
         let x = s.get(gpu, "x", t * h * 4)?;
         let xn = s.get(gpu, "xn", t * h.max(qd) * eb)?;
@@ -117,6 +152,7 @@ impl CudaBackend {
         let act = s.get(gpu, "act", t * inter * eb)?;
         let part_acc = s.get(gpu, "part_acc", layout.max_splits * t * nh * hd * 4)?;
         let part_ml = s.get(gpu, "part_ml", layout.max_splits * t * nh * 2 * 4)?;
+        let counters = s.get_zeroed(gpu, "attn_counters", t * nkv * 4)?;
         let m = layout.logit_rows.len();
         let xs = s.get(gpu, "final_x", m.max(1) * h * eb)?;
         let logits = s.get(gpu, "logits", m.max(1) * c.vocab_size * 4)?;
@@ -132,6 +168,7 @@ impl CudaBackend {
             logit_rows: m,
             seqs: layout.table_off.len(),
             items: layout.items.len(),
+            decode_items: layout.decode_items.len(),
             max_splits: layout.max_splits,
             generation: s.generation,
         });
@@ -154,6 +191,8 @@ impl CudaBackend {
             let partial_f = gpu.func("attention", &format!("attn_partial_c{chunks}_{sfx}"))?;
             let combine_f = gpu.func("attention", &format!("attn_combine_{sfx}"))?;
             let mma_f = if mma { Some(gpu.func("attention_mma", &format!("attn_prefill_mma_d{hd}"))?) } else { None };
+            let decode_f =
+                if streaming_decode { Some(gpu.func("attention", &format!("attn_decode_d{hd}_{sfx}"))?) } else { None };
             let attn_smem = ((2 * 32 * (hd + 1) + ROWS_PER_ITEM * hd) * 4) as u32;
             allow_dynamic_smem(&partial_f, attn_smem)?;
             let mma_smem = mma_attention_smem(hd);
@@ -275,20 +314,25 @@ impl CudaBackend {
                 }
                 attn_args.k_base = kbase;
                 attn_args.v_base = vbase;
+                if let Some(f) = &decode_f {
+                    attn_args.launch_streaming(gpu, f, decode_items, layout.num_decode_items(), counters, attn)?;
+                }
                 attn_args.launch(gpu, &partial_f, items, layout.num_items(), attn_smem)?;
                 if let Some(f) = &mma_f {
                     attn_args.launch(gpu, f, mma_items, layout.num_mma_items(), mma_smem)?;
                 }
-                launch!(
-                    gpu,
-                    combine_f.clone(),
-                    cfg((t as u32, nh as u32), hd.next_multiple_of(32) as u32, 0),
-                    &part_acc,
-                    &part_ml,
-                    &token_splits,
-                    &attn,
-                    &attn_args.dims
-                )?;
+                if layout.needs_combine() {
+                    launch!(
+                        gpu,
+                        combine_f.clone(),
+                        cfg((t as u32, nh as u32), hd.next_multiple_of(32) as u32, 0),
+                        &part_acc,
+                        &part_ml,
+                        &token_splits,
+                        &attn,
+                        &attn_args.dims
+                    )?;
+                }
                 let norm_post = lw.post_norm.ptr();
                 let accumulate = shard::residual_accumulates(&self.tp);
                 if fused {

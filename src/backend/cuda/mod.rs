@@ -81,6 +81,9 @@ pub struct CudaBackend {
     /// Prefill attention on the tensor cores (bf16, sm_80+); `false` keeps every step on the
     /// FMA kernel (`SHELFSERVE_CUDA_MMA_ATTENTION=0`).
     tensor_cores: bool,
+    /// Decode attention on the streaming split-K kernel with the combine folded in; `false`
+    /// keeps the split-and-combine pair (`SHELFSERVE_CUDA_STREAM_DECODE=0`, for comparison).
+    streaming_decode: bool,
     /// Replay decode steps as CUDA graphs (`SHELFSERVE_CUDA_GRAPHS=0` turns it off).
     cuda_graphs: bool,
     graphs: std::collections::HashMap<forward::GraphKey, forward::StepGraph>,
@@ -162,6 +165,7 @@ impl CudaBackend {
             kv,
             scratch: forward::Scratch::default(),
             tensor_cores: gpu_cc.0 >= 8 && std::env::var("SHELFSERVE_CUDA_MMA_ATTENTION").map_or(true, |v| v != "0"),
+            streaming_decode: std::env::var("SHELFSERVE_CUDA_STREAM_DECODE").map_or(true, |v| v != "0"),
             cuda_graphs: std::env::var("SHELFSERVE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             graphs: std::collections::HashMap::new(),
             tp,

@@ -21,6 +21,33 @@ pub const DECODE_SPLIT: usize = 64;
 pub const DECODE_MAX_TOKENS: usize = 16;
 /// Ints per work item, as `cuda/attention.cu` reads them.
 pub const ITEM_INTS: usize = 8;
+/// Most key splits of one streamed decode tile (`DEC_MAX_SPLITS` in cuda/attention.cu: the
+/// folded combine keeps every split's weight of a row in shared memory).
+pub const STREAM_MAX_SPLITS: usize = 64;
+/// Streamed decode split lengths are multiples of this many keys.
+pub const STREAM_SPLIT_ALIGN: usize = 64;
+
+/// Which attention kernels a step's work items are laid out for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnKernels {
+    /// Prefill chunks go to the tensor-core kernel (`cuda/attention_mma.cu`).
+    pub mma: bool,
+    /// Decode tiles go to the streaming kernel (`attn_decode_*`), which folds the split
+    /// combine in and sizes its splits by `streaming_split_len`.
+    pub streaming_decode: bool,
+    /// Streaming multiprocessors on the device.
+    pub sm_count: usize,
+}
+
+/// Key split length of a streamed decode tile over `keys` keys: aims at about two blocks per
+/// SM for one sequence (the batch-1 case, where the device would otherwise idle), never fewer
+/// than `STREAM_SPLIT_ALIGN` keys per block (a block's fixed cost) nor more than
+/// `STREAM_MAX_SPLITS` splits. Depends only on the sequence's own context and the device, so a
+/// row is computed the same way whatever shares the step.
+pub fn streaming_split_len(keys: usize, n_kv_heads: usize, sm_count: usize) -> usize {
+    let target = (2 * sm_count / n_kv_heads.max(1)).clamp(1, STREAM_MAX_SPLITS);
+    keys.div_ceil(target).next_multiple_of(STREAM_SPLIT_ALIGN).max(STREAM_SPLIT_ALIGN)
+}
 
 /// Where the KV cache keeps rows: `[block][layer][K|V][slot][kv_dim]`, so one block of every
 /// layer is contiguous (KV images are plain copies).
@@ -66,7 +93,11 @@ pub struct StepLayout {
     pub items: Vec<i32>,
     /// Prefill work items for the tensor-core kernel (same format, `MMA_ROWS_PER_ITEM` rows).
     pub mma_items: Vec<i32>,
-    /// Per token: how many key splits its tile has.
+    /// Decode work items for the streaming kernel (same format; the last int is the tile's
+    /// split count, which its blocks need to fold the combine in).
+    pub decode_items: Vec<i32>,
+    /// Per token: how many key splits its tile has for the combine kernel (0: a streamed
+    /// decode tile, combined by its own kernel).
     pub token_splits: Vec<i32>,
     pub max_splits: usize,
     /// Token rows that need logits, in batch order, and each sequence's first logits row.
@@ -87,15 +118,23 @@ impl StepLayout {
         self.mma_items.len() / ITEM_INTS
     }
 
-    /// Lay out `batch` (already checked by `validate_batch`). `group` = q heads per kv head;
-    /// `mma`: prefill chunks go to the tensor-core kernel's item list.
+    pub fn num_decode_items(&self) -> usize {
+        self.decode_items.len() / ITEM_INTS
+    }
+
+    /// Whether any row goes through the separate combine kernel.
+    pub fn needs_combine(&self) -> bool {
+        !self.items.is_empty() || !self.mma_items.is_empty()
+    }
+
+    /// Lay out `batch` (already checked by `validate_batch`). `group` = q heads per kv head.
     pub fn new(
         batch: &[SeqStep<'_>],
         kv: KvLayout,
         vocab: usize,
         n_kv_heads: usize,
         group: usize,
-        mma: bool,
+        kernels: AttnKernels,
     ) -> Result<Self, BackendError> {
         let mut l = StepLayout { offsets: vec![0], max_splits: 1, ..Default::default() };
         for (si, s) in batch.iter().enumerate() {
@@ -116,21 +155,33 @@ impl StepLayout {
                 l.row_off.push(kv.row_offset(s.block_table, pos));
             }
             let decode = s.tokens.len() <= DECODE_MAX_TOKENS;
-            let split = if decode { DECODE_SPLIT } else { usize::MAX };
-            let to_mma = mma && !decode;
+            let streamed = decode && kernels.streaming_decode;
+            let to_mma = kernels.mma && !decode;
             let rows = if to_mma { MMA_ROWS_PER_ITEM } else { ROWS_PER_ITEM };
             let tile_tokens = (rows / group.max(1)).max(1);
             for t0 in (0..s.tokens.len()).step_by(tile_tokens) {
                 let nt = tile_tokens.min(s.tokens.len() - t0);
                 let keys = s.start_pos + t0 + nt; // keys 0..=last position of the tile
+                let split = match (decode, streamed) {
+                    (true, true) => streaming_split_len(keys, n_kv_heads, kernels.sm_count),
+                    (true, false) => DECODE_SPLIT,
+                    (false, _) => usize::MAX,
+                };
                 let splits = keys.div_ceil(split.min(keys));
                 l.max_splits = l.max_splits.max(splits);
-                l.token_splits.extend(std::iter::repeat_n(splits as i32, nt));
+                l.token_splits.extend(std::iter::repeat_n(if streamed { 0 } else { splits as i32 }, nt));
+                let list = if streamed {
+                    &mut l.decode_items
+                } else if to_mma {
+                    &mut l.mma_items
+                } else {
+                    &mut l.items
+                };
                 for kvh in 0..n_kv_heads {
                     for sp in 0..splits {
                         let k0 = sp.saturating_mul(split);
                         let k1 = (k0.saturating_add(split)).min(keys);
-                        let list = if to_mma { &mut l.mma_items } else { &mut l.items };
+                        let last = if streamed { splits as i32 } else { 0 };
                         list.extend([
                             si as i32,
                             (tok_base + t0) as i32,
@@ -139,7 +190,7 @@ impl StepLayout {
                             k0 as i32,
                             k1 as i32,
                             sp as i32,
-                            0,
+                            last,
                         ]);
                     }
                 }
@@ -169,6 +220,13 @@ mod tests {
 
     const KV: KvLayout = KvLayout { block_size: 4, layers: 2, kv_dim: 8 };
 
+    /// The split-and-combine kernels only (`mma`: prefill on the tensor cores).
+    fn classic(mma: bool) -> AttnKernels {
+        AttnKernels { mma, streaming_decode: false, sm_count: 132 }
+    }
+
+    const STREAMED: AttnKernels = AttnKernels { mma: true, streaming_decode: true, sm_count: 132 };
+
     fn items(l: &StepLayout) -> Vec<[i32; ITEM_INTS]> {
         l.items.chunks_exact(ITEM_INTS).map(|c| c.try_into().unwrap()).collect()
     }
@@ -177,7 +235,7 @@ mod tests {
     fn rows_land_in_their_blocks() {
         let table = [5u32, 2, 9];
         let s = SeqStep { tokens: &[1, 2, 3], start_pos: 3, block_table: &table, logits_rows: 1, state_slot: 0 };
-        let l = StepLayout::new(&[s], KV, 10, 2, 2, false).unwrap();
+        let l = StepLayout::new(&[s], KV, 10, 2, 2, classic(false)).unwrap();
         assert_eq!(l.positions, vec![3, 4, 5]);
         let be = KV.block_elems() as i64;
         assert_eq!(l.row_off, vec![5 * be + 3 * 8, 2 * be, 2 * be + 8]);
@@ -190,7 +248,7 @@ mod tests {
     fn decode_splits_long_contexts_at_fixed_boundaries() {
         let table: Vec<u32> = (0..200).collect();
         let s = SeqStep { tokens: &[1], start_pos: 600, block_table: &table, logits_rows: 1, state_slot: 0 };
-        let l = StepLayout::new(&[s], KV, 10, 2, 4, true).unwrap();
+        let l = StepLayout::new(&[s], KV, 10, 2, 4, classic(true)).unwrap();
         let it = items(&l);
         let splits = 601usize.div_ceil(DECODE_SPLIT);
         assert_eq!(it.len(), 2 * splits, "2 kv heads × splits over 601 keys");
@@ -206,10 +264,10 @@ mod tests {
         let table: Vec<u32> = (0..200).collect();
         let toks: Vec<u32> = vec![1; 40];
         let s = SeqStep { tokens: &toks, start_pos: 500, block_table: &table, logits_rows: 40, state_slot: 0 };
-        let l = StepLayout::new(&[s], KV, 10, 1, 4, false).unwrap();
+        let l = StepLayout::new(&[s], KV, 10, 1, 4, classic(false)).unwrap();
         let it = items(&l);
         assert_eq!(it.len(), 10, "40 tokens in tiles of 16/4 = 4");
-        let m = StepLayout::new(&[s], KV, 10, 1, 4, true).unwrap();
+        let m = StepLayout::new(&[s], KV, 10, 1, 4, classic(true)).unwrap();
         assert!(m.items.is_empty());
         assert_eq!(m.num_mma_items(), 3, "40 tokens in tensor-core tiles of 64/4 = 16");
         assert!(it.iter().all(|i| i[4] == 0 && i[6] == 0));
@@ -224,8 +282,8 @@ mod tests {
         let tb: Vec<u32> = (100..200).collect();
         let a = SeqStep { tokens: &[7], start_pos: 300, block_table: &ta, logits_rows: 1, state_slot: 0 };
         let b = SeqStep { tokens: &[1, 2, 3, 4, 5], start_pos: 10, block_table: &tb, logits_rows: 2, state_slot: 0 };
-        let solo = StepLayout::new(&[a], KV, 10, 2, 3, true).unwrap();
-        let both = StepLayout::new(&[b, a], KV, 10, 2, 3, true).unwrap();
+        let solo = StepLayout::new(&[a], KV, 10, 2, 3, classic(true)).unwrap();
+        let both = StepLayout::new(&[b, a], KV, 10, 2, 3, classic(true)).unwrap();
         let strip = |v: Vec<[i32; ITEM_INTS]>, seq: i32, tok: i32| -> Vec<[i32; 6]> {
             v.into_iter().filter(|i| i[0] == seq).map(|i| [i[1] - tok, i[2], i[3], i[4], i[5], i[6]]).collect()
         };
@@ -238,7 +296,7 @@ mod tests {
         let table: Vec<u32> = (0..200).collect();
         let toks: Vec<u32> = vec![1; 200];
         let s = SeqStep { tokens: &toks, start_pos: 0, block_table: &table, logits_rows: 1, state_slot: 0 };
-        let l = StepLayout::new(&[s], KV, 10, 2, 4, true).unwrap();
+        let l = StepLayout::new(&[s], KV, 10, 2, 4, classic(true)).unwrap();
         let it: Vec<[i32; ITEM_INTS]> = l.mma_items.chunks_exact(ITEM_INTS).map(|c| c.try_into().unwrap()).collect();
         assert_eq!(it.len(), 2 * 200usize.div_ceil(16), "2 kv heads × tiles of 16 tokens");
         assert!(it.windows(2).all(|w| w[0][5] - w[0][4] >= w[1][5] - w[1][4]), "not longest first");
@@ -248,9 +306,73 @@ mod tests {
     }
 
     #[test]
+    fn streaming_split_length_follows_context_and_device() {
+        // 8B shapes on 132 SMs: 33 splits per kv head at most, 64-key multiples.
+        assert_eq!(streaming_split_len(1, 8, 132), 64);
+        assert_eq!(streaming_split_len(1025, 8, 132), 64);
+        assert_eq!(streaming_split_len(2112, 8, 132), 64);
+        assert_eq!(streaming_split_len(2113, 8, 132), 128);
+        assert_eq!(streaming_split_len(8193, 8, 132), 256);
+        // One kv head on a big device: capped at STREAM_MAX_SPLITS splits.
+        assert_eq!(streaming_split_len(64 * 64 + 1, 1, 132), 128);
+        for keys in 1..5000 {
+            for (nkv, sms) in [(8, 132), (1, 132), (2, 8), (32, 1), (0, 0)] {
+                let len = streaming_split_len(keys, nkv, sms);
+                assert_eq!(len % STREAM_SPLIT_ALIGN, 0);
+                assert!(keys.div_ceil(len) <= STREAM_MAX_SPLITS, "keys {keys} nkv {nkv} sms {sms}");
+            }
+        }
+    }
+
+    #[test]
+    fn streamed_decode_tiles_get_their_own_list_and_skip_the_combine() {
+        let table: Vec<u32> = (0..300).collect();
+        let s = SeqStep { tokens: &[1], start_pos: 1000, block_table: &table, logits_rows: 1, state_slot: 0 };
+        let l = StepLayout::new(&[s], KV, 10, 8, 4, STREAMED).unwrap();
+        let splits = 1001usize.div_ceil(64);
+        assert!(l.items.is_empty() && l.mma_items.is_empty());
+        assert!(!l.needs_combine());
+        assert_eq!(l.num_decode_items(), 8 * splits);
+        assert_eq!(l.token_splits, vec![0], "the combine kernel skips streamed rows");
+        assert_eq!(l.max_splits, splits, "partial buffers still sized for the splits");
+        let it: Vec<[i32; ITEM_INTS]> = l.decode_items.chunks_exact(ITEM_INTS).map(|c| c.try_into().unwrap()).collect();
+        assert!(it.iter().all(|i| i[7] == splits as i32), "every block knows the tile's split count");
+        assert_eq!(it[0], [0, 0, 1, 0, 0, 64, 0, splits as i32]);
+        assert_eq!((it[splits - 1][4], it[splits - 1][5]), (((splits - 1) * 64) as i32, 1001));
+        // A prefill chunk in the same step keeps the tensor-core list and the combine.
+        let toks: Vec<u32> = vec![1; 40];
+        let p = SeqStep { tokens: &toks, start_pos: 0, block_table: &table[200..], logits_rows: 1, state_slot: 0 };
+        let both = StepLayout::new(&[p, s], KV, 10, 8, 4, STREAMED).unwrap();
+        assert!(both.needs_combine());
+        assert_eq!(both.decode_items.len(), l.decode_items.len());
+        assert_eq!(both.token_splits[..40], [1; 40]);
+        assert_eq!(both.token_splits[40], 0);
+    }
+
+    #[test]
+    fn streamed_items_of_a_sequence_do_not_depend_on_its_company() {
+        let ta: Vec<u32> = (0..600).collect();
+        let tb: Vec<u32> = (600..1200).collect();
+        let strip = |l: &StepLayout, seq: i32, tok: i32| -> Vec<[i32; 7]> {
+            l.decode_items
+                .chunks_exact(ITEM_INTS)
+                .filter(|i| i[0] == seq)
+                .map(|i| [i[1] - tok, i[2], i[3], i[4], i[5], i[6], i[7]])
+                .collect()
+        };
+        for ctx in [5, 63, 64, 700, 2200] {
+            let a = SeqStep { tokens: &[7], start_pos: ctx, block_table: &ta, logits_rows: 1, state_slot: 0 };
+            let b = SeqStep { tokens: &[1, 2, 3], start_pos: 2000, block_table: &tb, logits_rows: 3, state_slot: 0 };
+            let solo = StepLayout::new(&[a], KV, 10, 2, 4, STREAMED).unwrap();
+            let both = StepLayout::new(&[b, a], KV, 10, 2, 4, STREAMED).unwrap();
+            assert_eq!(strip(&solo, 0, 0), strip(&both, 1, 3), "ctx {ctx}");
+        }
+    }
+
+    #[test]
     fn out_of_vocabulary_ids_are_refused() {
         let s = SeqStep { tokens: &[10], start_pos: 0, block_table: &[0], logits_rows: 1, state_slot: 0 };
-        let e = StepLayout::new(&[s], KV, 10, 1, 1, false).unwrap_err();
+        let e = StepLayout::new(&[s], KV, 10, 1, 1, classic(false)).unwrap_err();
         assert!(e.to_string().contains("outside the vocabulary"));
     }
 }
