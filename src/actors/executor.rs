@@ -224,8 +224,7 @@ fn sample_on_host(
     rank: usize,
     result: &mut StepResult,
 ) {
-    let forward =
-        if verify.contains(&true) { backend.forward_verify(steps, verify) } else { backend.forward(steps) };
+    let forward = if verify.contains(&true) { backend.forward_verify(steps, verify) } else { backend.forward(steps) };
     match forward {
         Ok(_) if rank != 0 => {}
         Ok(logits) => {

@@ -24,9 +24,9 @@ use self::gpu::{DevBuf, Gpu};
 use self::plan::KvLayout;
 use self::weights::DeviceWeights;
 use super::{validate_batch, Backend, BackendError, DeviceSampleSpec, KvGeometry, SeqStep, StepLogits};
-use crate::sampling::Sampled;
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::model::WeightSource;
+use crate::sampling::Sampled;
 
 #[derive(Clone, Copy, Debug)]
 pub struct CudaOptions {
@@ -216,11 +216,8 @@ impl CudaBackend {
         check_sample_specs(batch, specs)?;
         self.gpu.bind()?;
         let out = self.forward_device(batch).and_then(|layout| {
-            let rows: Vec<(usize, DeviceSampleSpec<'_>)> = specs
-                .iter()
-                .enumerate()
-                .filter_map(|(i, s)| s.map(|s| (layout.offsets[i + 1] - 1, s)))
-                .collect();
+            let rows: Vec<(usize, DeviceSampleSpec<'_>)> =
+                specs.iter().enumerate().filter_map(|(i, s)| s.map(|s| (layout.offsets[i + 1] - 1, s))).collect();
             let logits = self.scratch.logits_ptr();
             let mut drawn = self.sampler.sample(&mut self.gpu, logits, self.cfg.vocab_size, &rows)?.into_iter();
             Ok(specs.iter().map(|s| s.and_then(|_| drawn.next())).collect())

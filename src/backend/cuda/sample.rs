@@ -300,8 +300,7 @@ mod tests {
         let mut seen = at(S_SEEN_OFF, w[S_SEEN_N] as usize).to_vec();
         seen.sort();
         assert_eq!(seen, vec![1, 3, 9], "distinct prompt + output ids inside the vocabulary");
-        let mut out: Vec<(i32, i32)> =
-            at(S_OUT_OFF, 2 * w[S_OUT_N] as usize).chunks(2).map(|c| (c[0], c[1])).collect();
+        let mut out: Vec<(i32, i32)> = at(S_OUT_OFF, 2 * w[S_OUT_N] as usize).chunks(2).map(|c| (c[0], c[1])).collect();
         out.sort();
         assert_eq!(out, vec![(1, 1), (9, 2)]);
         // The first row asked for nothing: no history, no logprobs.

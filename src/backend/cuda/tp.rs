@@ -12,9 +12,9 @@ use crate::backend::tp::{group_block_bytes, lockstep, read_group_kv, write_group
 use crate::backend::{
     validate_batch, validate_kv_image, Backend, BackendError, DeviceSampleSpec, KvGeometry, SeqStep, StepLogits,
 };
-use crate::sampling::Sampled;
 use crate::config::LlamaConfig;
 use crate::model::WeightSource;
+use crate::sampling::Sampled;
 
 /// Devices `first..first + world`, checked against what the driver sees.
 pub fn group_devices(first: usize, world: usize) -> Result<Vec<usize>, BackendError> {
