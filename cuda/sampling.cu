@@ -50,8 +50,9 @@ extern "C" __global__ void argmax_rows(const float* logits, int vocab, int* out)
 // contract it into an FMA: adjusted logits and weights are bitwise the host's. Sums are f64 like
 // the host's but in a different (fixed) order, so a draw can differ only where the CDF boundary
 // lies within that rounding. Every reduction has a fixed shape: the same row gives the same
-// token whatever else the step holds. Blocks are SAMPLE_THREADS threads; thread t owns the
-// contiguous ids [t*chunk, (t+1)*chunk).
+// token whatever else the step holds. Blocks are SAMPLE_THREADS threads; passes that only reduce
+// read the row strided (coalesced); the draw's prefix and the top-p tie ranks need id order, so
+// there thread t owns the contiguous ids [t*chunk, (t+1)*chunk).
 
 #define SAMPLE_THREADS 1024
 #define SAMPLE_WARPS (SAMPLE_THREADS / 32)
@@ -244,10 +245,10 @@ __device__ long long block_exclusive_ll(long long v, long long* sh) {
 
 // First index of the largest non-NaN value (the host's `argmax_or_zero`: all -inf -> the first
 // -inf, all NaN -> 0).
-__device__ int block_argmax(const float* x, int lo, int hi, float* shv, int* shi) {
+__device__ int block_argmax(const float* x, int vocab, float* shv, int* shi) {
     float best = -INFINITY;
     int idx = 0x7fffffff;
-    for (int i = lo; i < hi; ++i) {
+    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
         const float v = x[i];
         if (v > best || (v == best && i < idx)) { best = v; idx = i; }
     }
@@ -272,7 +273,7 @@ sample_rows(const float* logits, int vocab, float* work_all, const int* specs, c
 
     // 1. Adjusted logits: bias (in list order: an id listed twice gets both), repetition over the
     //    distinct seen ids, presence/frequency over the distinct output ids.
-    for (int i = lo; i < hi; ++i) w[i] = raw[i];
+    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) w[i] = raw[i];
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int j = 0; j < s[S_BIAS_N]; ++j) {
@@ -304,13 +305,13 @@ sample_rows(const float* logits, int vocab, float* work_all, const int* specs, c
 
     // 2. Max of the adjusted row; greedy, or nothing left, decide here.
     float m = -INFINITY;
-    for (int i = lo; i < hi; ++i) m = w[i] > m ? w[i] : m;
+    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) m = w[i] > m ? w[i] : m;
     m = block_max_f(m, shf);
     int token = -1;
     if (m == -INFINITY) {
-        token = block_argmax(raw, lo, hi, shf, shi);
+        token = block_argmax(raw, vocab, shf, shi);
     } else if (s[S_GREEDY]) {
-        token = block_argmax(w, lo, hi, shf, shi);
+        token = block_argmax(w, vocab, shf, shi);
     }
     if (token < 0) {
         const float mx = fminf(m, FMAX);
@@ -323,7 +324,7 @@ sample_rows(const float* logits, int vocab, float* work_all, const int* specs, c
         if (top_k_on) {
             unsigned long long klo = order_key(-FMAX), khi = (unsigned long long)order_key(INFINITY) + 1;
             long long finite = 0;
-            for (int i = lo; i < hi; ++i) finite += (!isnan(w[i]) && w[i] != -INFINITY);
+            for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) finite += (!isnan(w[i]) && w[i] != -INFINITY);
             finite = block_sum_ll(finite, shl);
             if (finite > top_k) {
                 while (khi - klo > 1) {
@@ -331,7 +332,7 @@ sample_rows(const float* logits, int vocab, float* work_all, const int* specs, c
                     long long cnt[SEARCH_WAYS];
 #pragma unroll
                     for (int j = 0; j < SEARCH_WAYS; ++j) cnt[j] = 0;
-                    for (int i = lo; i < hi; ++i) {
+                    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
                         const float x = w[i];
                         if (isnan(x) || x == -INFINITY) continue;
                         const unsigned long long k = order_key(x);
@@ -352,7 +353,7 @@ sample_rows(const float* logits, int vocab, float* work_all, const int* specs, c
             }
         }
         // 4. Weights (0 for removed tokens).
-        for (int i = lo; i < hi; ++i) {
+        for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
             const float x = w[i];
             const bool cand = !top_k_on || kmin == 0 || (!isnan(x) && x != -INFINITY && order_key(x) >= kmin);
             w[i] = cand ? host_weight(x, mx, inv_t) : 0.0f;
@@ -363,7 +364,7 @@ sample_rows(const float* logits, int vocab, float* work_all, const int* specs, c
         const float top_p = spec_f(s, S_TOP_P);
         if (top_p < 1.0f) {
             double part = 0.0;
-            for (int i = lo; i < hi; ++i) part += (double)w[i];
+            for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) part += (double)w[i];
             const double total = block_sum_d(part, shd);
             const double limit = (double)top_p * total;
             unsigned long long vlo = 0, vhi = __float_as_uint(1.0f);
@@ -372,7 +373,7 @@ sample_rows(const float* logits, int vocab, float* work_all, const int* specs, c
                 double mass[SEARCH_WAYS];
 #pragma unroll
                 for (int j = 0; j < SEARCH_WAYS; ++j) mass[j] = 0.0;
-                for (int i = lo; i < hi; ++i) {
+                for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
                     const unsigned k = __float_as_uint(w[i]);
 #pragma unroll
                     for (int j = 1; j < SEARCH_WAYS; ++j) mass[j] += (k > vlo + j * step) ? (double)w[i] : 0.0;
@@ -388,22 +389,23 @@ sample_rows(const float* logits, int vocab, float* work_all, const int* specs, c
             }
             const unsigned wstar_bits = (unsigned)vhi;
             const float wstar = __uint_as_float(wstar_bits);
+            // The mass above w*, summed exactly as the search summed it (same threads, same
+            // order), so it is below the limit and the walk keeps at least one token.
             double above = 0.0;
-            long long ties = 0;
-            for (int i = lo; i < hi; ++i) {
-                const unsigned k = __float_as_uint(w[i]);
-                if (k > wstar_bits) above += (double)w[i];
-                ties += (k == wstar_bits);
-            }
+            for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS)
+                above += (__float_as_uint(w[i]) > wstar_bits) ? (double)w[i] : 0.0;
             above = block_sum_d(above, shd);
+            // Ties at w* are kept lowest id first: rank them over contiguous id ranges.
+            long long ties = 0;
+            for (int i = lo; i < hi; ++i) ties += (__float_as_uint(w[i]) == wstar_bits);
             const long long tie_before = block_exclusive_ll(ties, shl);
-            // How many of the tied tokens (ascending id) the host's walk keeps: it adds w* per
-            // tie while the mass before is below the limit. More than the ties there are is fine
-            // (the rank test below keeps them all).
+            const long long tie_total = block_sum_ll(ties, shl);
+            // How many tied tokens the host's walk keeps: it adds w* per tie while the mass
+            // before is below the limit (at most every tie).
             if (threadIdx.x == 0) {
                 double cum = above;
                 long long keep = 0;
-                while (cum < limit && keep < vocab) { cum += (double)wstar; ++keep; }
+                while (cum < limit && keep < tie_total) { cum += (double)wstar; ++keep; }
                 shl[32 * SEARCH_WAYS] = keep;
             }
             __syncthreads();
@@ -419,7 +421,7 @@ sample_rows(const float* logits, int vocab, float* work_all, const int* specs, c
         // 6. min-p: the best token (weight 1) always survives.
         const float min_p = spec_f(s, S_MIN_P);
         if (min_p > 0.0f) {
-            for (int i = lo; i < hi; ++i) if (w[i] < min_p && w[i] < 1.0f) w[i] = 0.0f;
+            for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) if (w[i] < min_p && w[i] < 1.0f) w[i] = 0.0f;
             __syncthreads();
         }
         // 7. Inverse CDF over ascending ids: the first kept id whose cumulative weight exceeds
@@ -460,7 +462,7 @@ sample_rows(const float* logits, int vocab, float* work_all, const int* specs, c
     const int n = s[S_LOGPROBS];
     if (n < 0) return;
     float rm = -INFINITY;
-    for (int i = lo; i < hi; ++i) rm = raw[i] > rm ? raw[i] : rm;
+    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) rm = raw[i] > rm ? raw[i] : rm;
     rm = fminf(block_max_f(rm, shf), FMAX);
     float* top_lp = out_top_lp + (long long)blockIdx.x * max_top;
     int* top_id = out_top_id + (long long)blockIdx.x * max_top;
@@ -473,7 +475,7 @@ sample_rows(const float* logits, int vocab, float* work_all, const int* specs, c
         return;
     }
     double se = 0.0;
-    for (int i = lo; i < hi; ++i) {
+    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
         const float x = raw[i];
         const float e = host_exp(__fsub_rn(fminf(x, FMAX), rm));
         se += isnan(x) ? 0.0 : (double)e;
@@ -491,7 +493,7 @@ sample_rows(const float* logits, int vocab, float* work_all, const int* specs, c
         if (j >= n) { if (threadIdx.x == 0) top_id[j] = -1; continue; }
         float bv = -INFINITY;
         int bi = 0x7fffffff;
-        for (int i = lo; i < hi; ++i) {
+        for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
             const float x = isnan(raw[i]) ? -INFINITY : fminf(raw[i], FMAX);
             const bool after = x < pv || (x == pv && i > pi);
             if (after && (x > bv || (x == bv && i < bi))) { bv = x; bi = i; }

@@ -24,7 +24,21 @@ use shelfserve::sampling::SamplingParams;
 use shelfserve::spec::SpeculativeMethod;
 
 /// (model, precision, rule) combinations measured to hold bitwise on the H200; asserted.
-const HOLDS: &[(&str, &str, &str)] = &[];
+/// Measured 2026-11-29: everything but f32 concurrent = solo on the tiny fixture (ids equal there,
+/// logprob bits not).
+const HOLDS: &[(&str, &str, &str)] = &[
+    ("llama3-tiny", "f32", "prefix hit = fresh"),
+    ("llama3-tiny", "f32", "drafted = undrafted"),
+    ("llama3-tiny", "bf16", "concurrent = solo"),
+    ("llama3-tiny", "bf16", "prefix hit = fresh"),
+    ("llama3-tiny", "bf16", "drafted = undrafted"),
+    ("synthetic-1b", "f32", "concurrent = solo"),
+    ("synthetic-1b", "f32", "prefix hit = fresh"),
+    ("synthetic-1b", "f32", "drafted = undrafted"),
+    ("synthetic-1b", "bf16", "concurrent = solo"),
+    ("synthetic-1b", "bf16", "prefix hit = fresh"),
+    ("synthetic-1b", "bf16", "drafted = undrafted"),
+];
 
 /// A reply as the rules compare it: ids and the bits of each token's logprob.
 type Reply = Vec<(u32, u32)>;
