@@ -226,12 +226,12 @@ async fn rules(e: &Engine) -> Vec<(&'static str, bool, bool)> {
 fn reason(rule: &str) -> &'static str {
     match rule {
         "concurrent = solo" => {
-            "decode GEMVs and the split-K attention combine take a batch-shaped path (fused GEMV up to 4 rows, cuBLAS beyond)"
+            "prompts prefilled in one step run their projections on cuBLAS, whose GEMM algorithm (tiling, split-K) depends on the step's token count"
         }
         "prefix hit = fresh" => {
-            "the prompt's last chunk is prefilled with a different number of query rows (tile shape of prefill attention and cuBLAS GEMM)"
+            "the prompt's tail is prefilled in a step of another token count (cuBLAS picks its GEMM algorithm by shape)"
         }
-        _ => "verify steps run several query rows per sequence through prefill-shaped kernels, plain decode one row",
+        _ => "verify steps run several query rows per sequence, plain decode one (a different GEMV or GEMM shape)",
     }
 }
 
