@@ -3,7 +3,8 @@
 //! the CUDA libraries at run time, so this module builds and its host-side parts test on
 //! machines without CUDA; kernels (`cuda/*.cu`) are compiled by NVRTC when a backend opens.
 //! Owns the device, its weights and KV memory; makes no scheduling decisions and never touches
-//! the CPU backend. Tensor parallelism: a backend can be one rank of a group (`shard`, `nccl`),
+//! the CPU backend. Sampling can run on the device too (`sample`, `Backend::forward_sampled`).
+//! Tensor parallelism: a backend can be one rank of a group (`shard`, `nccl`),
 //! driven in lockstep with the others by [`TpCudaBackend`].
 
 mod decode;
