@@ -407,3 +407,23 @@ impl Backend for CudaBackend {
         CudaBackend::write_kv_blocks(self, blocks, image)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::SamplingParams;
+
+    #[test]
+    fn sample_specs_must_match_the_batch_and_have_a_row() {
+        let p = SamplingParams::default();
+        let spec = DeviceSampleSpec { params: &p, penalties: None, step: 0 };
+        let step =
+            |rows| SeqStep { tokens: &[1, 2], start_pos: 0, block_table: &[0], logits_rows: rows, state_slot: 0 };
+        let batch = [step(1), step(0)];
+        assert!(check_sample_specs(&batch, &[Some(spec), None]).is_ok());
+        let e = check_sample_specs(&batch, &[Some(spec)]).unwrap_err().to_string();
+        assert!(e.contains("1 sampling specs for a batch of 2"), "{e}");
+        let e = check_sample_specs(&batch, &[None, Some(spec)]).unwrap_err().to_string();
+        assert!(e.contains("sequence 1 is to be sampled but asks for no logits rows"), "{e}");
+    }
+}
