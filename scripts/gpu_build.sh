@@ -5,6 +5,7 @@
 #   scripts/gpu_build.sh [validate]   DEST default .dev/cuda, for one GPU:
 #     DEST/gpu_validate.sh   # CUDA vs CPU/transformers checks (tests/gpu_validate.rs)
 #     DEST/gpu_bench.sh      # shelfserve bench + the PyTorch peer, with ratios
+#     DEST/gpu_sampling.sh   # device sampling and CUDA exactness (with TESTS="gpu_sampling gpu_exactness")
 #   scripts/gpu_build.sh tp           DEST default .dev/tp (= scripts/gpu_tp_build.sh), two GPUs:
 #     DEST/gpu_tp.sh         # tensor-parallel checks (tests/gpu_tp.rs) and the TP=1 vs TP=2 bench
 set -euo pipefail
@@ -13,7 +14,7 @@ case "${1:-validate}" in
   validate)
     test_name=gpu_validate
     DEST=${DEST:-.dev/cuda}
-    scripts=(scripts/gpu_validate.sh scripts/gpu_bench.sh scripts/gpu_profile.sh scripts/bench_peer.py)
+    scripts=(scripts/gpu_validate.sh scripts/gpu_sampling.sh scripts/gpu_bench.sh scripts/gpu_profile.sh scripts/bench_peer.py)
     ;;
   tp)
     test_name=gpu_tp
@@ -27,13 +28,17 @@ case "${1:-validate}" in
 esac
 mkdir -p "$DEST"
 cargo build --release --bin shelfserve
-test_bin=$(cargo test --release --no-run --test "$test_name" --message-format=json 2>/dev/null |
-  TEST_NAME=$test_name python3 -c 'import os,sys,json
+# Test binaries to ship: the mode's own, or TESTS="gpu_validate gpu_sampling gpu_exactness".
+for t in ${TESTS:-$test_name}; do
+  test_bin=$(cargo test --release --no-run --test "$t" --message-format=json 2>/dev/null |
+    T="$t" python3 -c 'import sys,json,os
 for l in sys.stdin:
     m=json.loads(l)
-    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]==os.environ["TEST_NAME"]: print(m["executable"])' | tail -1)
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]==os.environ["T"]: print(m["executable"])' | tail -1)
+  [ -n "$test_bin" ] || { echo "building test $t failed" >&2; cargo test --release --no-run --test "$t" 2>&1 | tail -30 >&2; exit 1; }
+  strip -o "$DEST/$t" "$test_bin"
+done
 strip -o "$DEST/shelfserve" target/release/shelfserve
-strip -o "$DEST/$test_name" "$test_bin"
 cp "${scripts[@]}" "$DEST/"
 mkdir -p "$DEST/configs" && cp configs/bench/*.json "$DEST/configs/"
 # The test binary finds its fixtures (and configs) under the manifest directory it was built in.

@@ -330,6 +330,14 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         (**self).forward(batch)
     }
 
+    fn forward_sampled(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        specs: &[Option<crate::backend::DeviceSampleSpec<'_>>],
+    ) -> Result<Option<Vec<Option<crate::sampling::Sampled>>>, BackendError> {
+        (**self).forward_sampled(batch, specs)
+    }
+
     fn forward_verify(&mut self, batch: &[SeqStep<'_>], verify: &[bool]) -> Result<StepLogits, BackendError> {
         (**self).forward_verify(batch, verify)
     }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::scheduler::SchedulerMsg;
-use crate::backend::{Backend, SeqStep};
+use crate::backend::{Backend, DeviceSampleSpec, SeqStep};
 use crate::kv::{EvictedPage, PageHash, SlotSnapshot};
 use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::SeqId;
@@ -150,8 +150,81 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResu
     // Only rank 0 samples, so only it knows the accepted length: tensor parallelism is refused for
     // models with recurrent state (see `generate::rank_backend_makers`).
     let verify: Vec<bool> = plan.seqs.iter().map(|s| s.num_draft > 0 && s.sample.is_some()).collect();
-    let forward =
-        if verify.contains(&true) { backend.forward_verify(&steps, &verify) } else { backend.forward(&steps) };
+    // Without drafts, rank 0 first offers the backend to sample on its device (only ids cross
+    // back); a backend that samples on the host answers `None` having run nothing.
+    if rank == 0 && !verify.contains(&true) {
+        match sample_on_device(backend, &steps, plan) {
+            Ok(Some(sampled)) => result.sampled = sampled,
+            Ok(None) => sample_on_host(backend, &steps, &verify, plan, rank, &mut result),
+            Err(e) => result.error = Some(e),
+        }
+    } else {
+        sample_on_host(backend, &steps, &verify, plan, rank, &mut result);
+    }
+    // A verify run's state is at its end only when all its drafts were accepted; otherwise the
+    // page it would have completed stays unpublished (recomputed on a later hit).
+    let reached_end = |s: &PlanSeq| {
+        s.num_draft == 0 || result.sampled.iter().any(|(seq, e)| *seq == s.seq && e.accepted == s.num_draft)
+    };
+    let snapshot_seqs: Vec<&PlanSeq> =
+        plan.seqs.iter().filter(|s| s.snapshot && result.error.is_none() && reached_end(s)).collect();
+    for s in snapshot_seqs {
+        match backend.read_state_slot(s.state_slot) {
+            Ok(image) => {
+                let tokens = s.start_pos + s.tokens.len();
+                result.snapshots.push(SlotSnapshot { seq: s.seq, tokens, image: image.into() });
+            }
+            // The page is then not published (recomputed on a later hit), nothing worse.
+            Err(e) => tracing::warn!(seq = s.seq, error = %e, "could not snapshot the recurrent state at a page end"),
+        }
+    }
+    result.elapsed = start.elapsed();
+    result
+}
+
+/// Device sampling for a step without drafts: `Ok(None)` when the backend samples on the host.
+fn sample_on_device(
+    backend: &mut dyn Backend,
+    steps: &[SeqStep<'_>],
+    plan: &StepPlan,
+) -> Result<Option<Vec<(SeqId, StepTokens)>>, String> {
+    let specs: Vec<Option<DeviceSampleSpec<'_>>> = plan
+        .seqs
+        .iter()
+        .map(|s| {
+            s.sample.as_ref().map(|spec| DeviceSampleSpec {
+                params: &spec.params,
+                penalties: spec.penalties.as_deref(),
+                step: spec.step,
+            })
+        })
+        .collect();
+    let Some(drawn) = backend.forward_sampled(steps, &specs).map_err(|e| e.to_string())? else {
+        return Ok(None);
+    };
+    let mut sampled = Vec::new();
+    for (s, d) in plan.seqs.iter().zip(drawn) {
+        match (&s.sample, d) {
+            (Some(_), Some(token)) => {
+                sampled.push((s.seq, StepTokens { tokens: vec![token], drafted: 0, accepted: 0 }))
+            }
+            (Some(_), None) => return Err(format!("the backend sampled nothing for sequence {}", s.seq)),
+            (None, _) => {}
+        }
+    }
+    Ok(Some(sampled))
+}
+
+/// The host path: the backend returns logits rows and rank 0 samples them (and verifies drafts).
+fn sample_on_host(
+    backend: &mut dyn Backend,
+    steps: &[SeqStep<'_>],
+    verify: &[bool],
+    plan: &StepPlan,
+    rank: usize,
+    result: &mut StepResult,
+) {
+    let forward = if verify.contains(&true) { backend.forward_verify(steps, verify) } else { backend.forward(steps) };
     match forward {
         Ok(_) if rank != 0 => {}
         Ok(logits) => {
@@ -183,25 +256,6 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResu
         }
         Err(e) => result.error = Some(e.to_string()),
     }
-    // A verify run's state is at its end only when all its drafts were accepted; otherwise the
-    // page it would have completed stays unpublished (recomputed on a later hit).
-    let reached_end = |s: &PlanSeq| {
-        s.num_draft == 0 || result.sampled.iter().any(|(seq, e)| *seq == s.seq && e.accepted == s.num_draft)
-    };
-    let snapshot_seqs: Vec<&PlanSeq> =
-        plan.seqs.iter().filter(|s| s.snapshot && result.error.is_none() && reached_end(s)).collect();
-    for s in snapshot_seqs {
-        match backend.read_state_slot(s.state_slot) {
-            Ok(image) => {
-                let tokens = s.start_pos + s.tokens.len();
-                result.snapshots.push(SlotSnapshot { seq: s.seq, tokens, image: image.into() });
-            }
-            // The page is then not published (recomputed on a later hit), nothing worse.
-            Err(e) => tracing::warn!(seq = s.seq, error = %e, "could not snapshot the recurrent state at a page end"),
-        }
-    }
-    result.elapsed = start.elapsed();
-    result
 }
 
 fn send(state: &ExecutorState, job: Job) -> Result<(), ActorProcessingErr> {

@@ -9,6 +9,7 @@ pub mod cuda;
 pub mod tp;
 
 use crate::model::ModelError;
+use crate::sampling::{PenaltyState, Sampled, SamplingParams};
 
 /// Shape of the paged KV store a backend allocates at construction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,6 +74,18 @@ impl StepLogits {
     }
 }
 
+/// What to sample on the device for one sequence of a step: its last logits row, drawn exactly as
+/// [`crate::sampling::sample`] draws it on the host (same order of operations, same tie rules,
+/// the same `uniform(seed, step)`).
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceSampleSpec<'a> {
+    pub params: &'a SamplingParams,
+    /// Penalty history before this token; `None` when the params use no penalties.
+    pub penalties: Option<&'a PenaltyState>,
+    /// Index of the token being generated (the counter of the seeded draw).
+    pub step: u64,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     #[error(transparent)]
@@ -96,6 +109,21 @@ pub trait Backend: Send {
     /// Run one step: append every sequence's `tokens` to its KV blocks and return the
     /// requested logits rows.
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError>;
+
+    /// Run a step and sample on the device, so only token ids (and logprobs when asked) cross to
+    /// the host: `specs[i]` for `batch[i]` (`None`: nothing sampled; `Some`: its last logits row,
+    /// which needs `logits_rows >= 1`). Returns `Ok(None)` without running anything when the
+    /// backend samples on the host (the default, and what the CPU backend does): the caller then
+    /// runs [`Backend::forward`] and samples the rows itself. Draft verification always takes the
+    /// host path (rejection sampling needs each row's whole processed distribution).
+    fn forward_sampled(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        specs: &[Option<DeviceSampleSpec<'_>>],
+    ) -> Result<Option<Vec<Option<Sampled>>>, BackendError> {
+        let _ = (batch, specs);
+        Ok(None)
+    }
 
     /// Run a step in which some sequences verify draft tokens (`verify[i]` for `batch[i]`; a
     /// shorter slice means `false` for the rest). For those, a backend with recurrent state keeps

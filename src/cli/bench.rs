@@ -41,9 +41,49 @@ pub struct BenchArgs {
     /// (NCCL; set NCCL_NVLS_ENABLE=0).
     #[arg(long = "tensor-parallel-size", visible_alias = "tp", default_value_t = 1)]
     pub tensor_parallel_size: usize,
+    /// How decode steps pick their tokens, each measured in turn: `greedy` (argmax on the
+    /// device), `device` or `host` (temperature 0.8, top-p 0.9 sampled on the device, or the
+    /// logits copied to the host and sampled there).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "greedy")]
+    pub sampling: Vec<BenchSampling>,
     /// Append one JSON object per measurement to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BenchSampling {
+    Greedy,
+    Device,
+    Host,
+}
+
+/// One decode step's tokens for `batch`, picked as `mode` says (`step` is the draw counter).
+fn decode_tokens(
+    b: &mut TpCudaBackend,
+    batch: &[SeqStep<'_>],
+    mode: BenchSampling,
+    params: &crate::sampling::SamplingParams,
+    step: u64,
+) -> Result<Vec<u32>, BackendError> {
+    use crate::backend::{Backend as _, DeviceSampleSpec};
+    match mode {
+        BenchSampling::Greedy => b.forward_greedy(batch),
+        BenchSampling::Device => {
+            let specs = vec![Some(DeviceSampleSpec { params, penalties: None, step }); batch.len()];
+            let drawn = b.forward_sampled(batch, &specs)?.ok_or_else(|| {
+                BackendError::InvalidStep("device sampling is off (SHELFSERVE_CUDA_SAMPLING=0)".into())
+            })?;
+            Ok(drawn.into_iter().map(|s| s.map_or(0, |s| s.token)).collect())
+        }
+        BenchSampling::Host => {
+            let logits = b.forward(batch)?;
+            let none = crate::sampling::PenaltyState::default();
+            Ok((0..batch.len())
+                .map(|i| logits.last_row(i).map_or(0, |r| crate::sampling::sample(r, params, &none, step).token))
+                .collect())
+        }
+    }
 }
 
 struct Report {
@@ -136,12 +176,16 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
     }
 
     println!(
-        "{:<10} {:>6} {:>6} {:>10} {:>10} {:>10} {:>8}",
-        "decode", "batch", "ctx", "ms/step", "tok/s", "GB/s", "÷copy"
+        "{:<10} {:>6} {:>6} {:>7} {:>10} {:>10} {:>10} {:>8}",
+        "decode", "batch", "ctx", "tokens", "ms/step", "tok/s", "GB/s", "÷copy"
     );
     let vocab = cfg.vocab_size as u32;
+    let sample_params = crate::sampling::SamplingParams { temperature: 0.8, top_p: 0.9, seed: 7, ..Default::default() };
+    if args.sampling.iter().any(|&m| m != BenchSampling::Greedy) {
+        println!("sampled decode: temperature 0.8, top-p 0.9 (device: on the GPU; host: logits copied, host sampler)");
+    }
     for &ctx in &args.contexts {
-        for &batch in &args.batches {
+        for (&batch, &mode) in args.batches.iter().flat_map(|b| args.sampling.iter().map(move |m| (b, m))) {
             let per_seq = (ctx + args.steps + 4).div_ceil(args.block_size);
             if per_seq * batch > geom.num_blocks {
                 println!("{:<10} {:>6} {:>6} {:>10}", name, batch, ctx, "KV does not fit");
@@ -155,6 +199,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
             let mut pos = ctx;
             let mut ids: Vec<u32> = (0..batch as u32).map(|i| (i * 7919 + 11) % vocab).collect();
             let step = |b: &mut TpCudaBackend, pos: usize, ids: &mut Vec<u32>| -> Result<(), BackendError> {
+                let draw = pos as u64;
                 let batch_steps: Vec<SeqStep<'_>> = ids
                     .iter()
                     .zip(&tables)
@@ -166,7 +211,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
                         state_slot: 0,
                     })
                     .collect();
-                let next = b.forward_greedy(&batch_steps)?;
+                let next = decode_tokens(b, &batch_steps, mode, &sample_params, draw)?;
                 *ids = next;
                 Ok(())
             };
@@ -186,10 +231,11 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
             let bytes = device_weights as f64 + (batch * mean_ctx * device_kv_token) as f64;
             let bw = bytes / secs;
             println!(
-                "{:<10} {:>6} {:>6} {:>10.2} {:>10.0} {:>10.0} {:>7.0}%",
+                "{:<10} {:>6} {:>6} {:>7} {:>10.2} {:>10.0} {:>10.0} {:>7.0}%",
                 name,
                 batch,
                 ctx,
+                format!("{mode:?}").to_lowercase(),
                 secs * 1e3,
                 batch as f64 / secs,
                 bw / 1e9,
@@ -197,6 +243,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
             );
             report.emit(
                 serde_json::json!({"kind": "decode", "tp": world, "batch": batch, "ctx": ctx, "secs_per_step": secs,
+                "sampling": format!("{mode:?}").to_lowercase(),
                 "tok_per_s": batch as f64 / secs, "bytes_per_s": bw, "of_copy": bw / copy_bw}),
             )?;
         }

@@ -158,6 +158,16 @@ impl PenaltyState {
         self.seen.insert(token);
         *self.output_counts.entry(token).or_insert(0) += 1;
     }
+
+    /// Distinct ids of prompt + output (the repetition penalty's domain), in no particular order.
+    pub fn seen_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.seen.iter().copied()
+    }
+
+    /// Distinct output ids with how often each was generated, in no particular order.
+    pub fn output_counts(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
+        self.output_counts.iter().map(|(&id, &n)| (id, n))
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]

@@ -3,7 +3,8 @@
 //! the CUDA libraries at run time, so this module builds and its host-side parts test on
 //! machines without CUDA; kernels (`cuda/*.cu`) are compiled by NVRTC when a backend opens.
 //! Owns the device, its weights and KV memory; makes no scheduling decisions and never touches
-//! the CPU backend. Tensor parallelism: a backend can be one rank of a group (`shard`, `nccl`),
+//! the CPU backend. Sampling can run on the device too (`sample`, `Backend::forward_sampled`).
+//! Tensor parallelism: a backend can be one rank of a group (`shard`, `nccl`),
 //! driven in lockstep with the others by [`TpCudaBackend`].
 
 mod decode;
@@ -11,19 +12,22 @@ mod forward;
 pub mod gpu;
 pub mod nccl;
 pub mod plan;
+pub mod sample;
 pub mod shard;
 mod tp;
 mod weights;
 
 pub use gpu::{device_count, device_memory, Precision};
+pub use sample::RowSampler;
 pub use tp::{group_devices, load_rank, nccl_group, TpCudaBackend};
 
 use self::gpu::{DevBuf, Gpu};
 use self::plan::KvLayout;
 use self::weights::DeviceWeights;
-use super::{validate_batch, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
+use super::{validate_batch, Backend, BackendError, DeviceSampleSpec, KvGeometry, SeqStep, StepLogits};
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::model::WeightSource;
+use crate::sampling::Sampled;
 
 #[derive(Clone, Copy, Debug)]
 pub struct CudaOptions {
@@ -89,6 +93,10 @@ pub struct CudaBackend {
     graphs: std::collections::HashMap<forward::GraphKey, forward::StepGraph>,
     /// This rank's communicator and slices; `None` when the backend holds the whole model.
     tp: Option<shard::CudaTp>,
+    /// Sample on the device in `forward_sampled` (`SHELFSERVE_CUDA_SAMPLING=0` keeps sampling on
+    /// the host, for comparisons).
+    device_sampling: bool,
+    sampler: sample::DeviceSampler,
 }
 
 impl CudaBackend {
@@ -169,6 +177,8 @@ impl CudaBackend {
             cuda_graphs: std::env::var("SHELFSERVE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             graphs: std::collections::HashMap::new(),
             tp,
+            device_sampling: std::env::var("SHELFSERVE_CUDA_SAMPLING").map_or(true, |v| v != "0"),
+            sampler: sample::DeviceSampler::default(),
         })
     }
 
@@ -189,6 +199,35 @@ impl CudaBackend {
     pub fn set_cuda_graphs(&mut self, on: bool) {
         self.cuda_graphs = on;
         self.graphs.clear();
+    }
+
+    /// Sample on the device in `forward_sampled` (or leave sampling to the host).
+    pub fn set_device_sampling(&mut self, on: bool) {
+        self.device_sampling = on;
+    }
+
+    pub fn device_sampling(&self) -> bool {
+        self.device_sampling
+    }
+
+    /// `Backend::forward_sampled` with device sampling on: run the step, then sample each spec'd
+    /// sequence's last logits row on the device.
+    fn forward_and_sample(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        specs: &[Option<DeviceSampleSpec<'_>>],
+    ) -> Result<Vec<Option<Sampled>>, BackendError> {
+        validate_batch(batch, self.geom)?;
+        check_sample_specs(batch, specs)?;
+        self.gpu.bind()?;
+        let out = self.forward_device(batch).and_then(|layout| {
+            let rows: Vec<(usize, DeviceSampleSpec<'_>)> =
+                specs.iter().enumerate().filter_map(|(i, s)| s.map(|s| (layout.offsets[i + 1] - 1, s))).collect();
+            let logits = self.scratch.logits_ptr();
+            let mut drawn = self.sampler.sample(&mut self.gpu, logits, self.cfg.vocab_size, &rows)?.into_iter();
+            Ok(specs.iter().map(|s| s.and_then(|_| drawn.next())).collect())
+        });
+        self.abort_group_on(out)
     }
 
     pub fn precision(&self) -> Precision {
@@ -287,6 +326,21 @@ impl CudaBackend {
     }
 }
 
+/// One spec per sequence, and every sampled sequence has a logits row to sample.
+fn check_sample_specs(batch: &[SeqStep<'_>], specs: &[Option<DeviceSampleSpec<'_>>]) -> Result<(), BackendError> {
+    if specs.len() != batch.len() {
+        return Err(BackendError::InvalidStep(format!(
+            "{} sampling specs for a batch of {} sequences",
+            specs.len(),
+            batch.len()
+        )));
+    }
+    if let Some(i) = (0..batch.len()).find(|&i| specs[i].is_some() && batch[i].logits_rows == 0) {
+        return Err(BackendError::InvalidStep(format!("sequence {i} is to be sampled but asks for no logits rows")));
+    }
+    Ok(())
+}
+
 /// Shapes the kernels support, refused up front with a reason.
 fn check_shapes(c: &LlamaConfig) -> Result<(), BackendError> {
     let bad = |msg: String| Err(BackendError::Unavailable { device: "cuda".into(), reason: msg });
@@ -327,6 +381,17 @@ impl Backend for CudaBackend {
         self.abort_group_on(out)
     }
 
+    fn forward_sampled(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        specs: &[Option<DeviceSampleSpec<'_>>],
+    ) -> Result<Option<Vec<Option<Sampled>>>, BackendError> {
+        if !self.device_sampling {
+            return Ok(None);
+        }
+        self.forward_and_sample(batch, specs).map(Some)
+    }
+
     fn abort_collectives(&self, reason: &str) {
         if let Some(tp) = &self.tp {
             tp.comm.abort(reason);
@@ -344,5 +409,25 @@ impl Backend for CudaBackend {
 
     fn write_kv_blocks(&mut self, blocks: &[u32], image: &[u8]) -> Result<(), BackendError> {
         CudaBackend::write_kv_blocks(self, blocks, image)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::SamplingParams;
+
+    #[test]
+    fn sample_specs_must_match_the_batch_and_have_a_row() {
+        let p = SamplingParams::default();
+        let spec = DeviceSampleSpec { params: &p, penalties: None, step: 0 };
+        let step =
+            |rows| SeqStep { tokens: &[1, 2], start_pos: 0, block_table: &[0], logits_rows: rows, state_slot: 0 };
+        let batch = [step(1), step(0)];
+        assert!(check_sample_specs(&batch, &[Some(spec), None]).is_ok());
+        let e = check_sample_specs(&batch, &[Some(spec)]).unwrap_err().to_string();
+        assert!(e.contains("1 sampling specs for a batch of 2"), "{e}");
+        let e = check_sample_specs(&batch, &[None, Some(spec)]).unwrap_err().to_string();
+        assert!(e.contains("sequence 1 is to be sampled but asks for no logits rows"), "{e}");
     }
 }

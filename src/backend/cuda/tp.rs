@@ -10,10 +10,12 @@ use super::weights::DeviceWeights;
 use super::{CudaBackend, CudaOptions};
 use crate::backend::tp::{group_block_bytes, lockstep, read_group_kv, write_group_kv};
 use crate::backend::{
-    check_token_ids, validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits,
+    check_token_ids, validate_batch, validate_kv_image, Backend, BackendError, DeviceSampleSpec, KvGeometry, SeqStep,
+    StepLogits,
 };
 use crate::config::LlamaConfig;
 use crate::model::WeightSource;
+use crate::sampling::Sampled;
 
 /// Devices `first..first + world`, checked against what the driver sees.
 pub fn group_devices(first: usize, world: usize) -> Result<Vec<usize>, BackendError> {
@@ -55,6 +57,15 @@ pub fn load_rank(
         "tensor-parallel rank loaded on cuda:{ordinal}"
     );
     Ok(b)
+}
+
+/// Every token id inside the vocabulary: checked once for the group, so a bad step fails on every
+/// rank alike, before any collective.
+fn check_token_ids(batch: &[SeqStep<'_>], vocab: usize) -> Result<(), BackendError> {
+    match batch.iter().flat_map(|s| s.tokens.iter()).find(|&&id| id as usize >= vocab) {
+        Some(bad) => Err(BackendError::InvalidStep(format!("token id {bad} is outside the vocabulary ({vocab})"))),
+        None => Ok(()),
+    }
 }
 
 pub struct TpCudaBackend {
@@ -124,6 +135,11 @@ impl TpCudaBackend {
         self.ranks.iter_mut().for_each(|r| r.set_cuda_graphs(on));
     }
 
+    /// Sample on rank 0's device in `forward_sampled` (or leave sampling to the host).
+    pub fn set_device_sampling(&mut self, on: bool) {
+        self.ranks.iter_mut().for_each(|r| r.set_device_sampling(on));
+    }
+
     /// Greedy ids of every logits row (argmax on rank 0's device).
     pub fn forward_greedy(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<u32>, BackendError> {
         validate_batch(batch, self.kv_geometry())?;
@@ -159,10 +175,23 @@ impl Backend for TpCudaBackend {
     }
 
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {
-        // Checked once here so a bad step fails on every rank alike, before any collective.
         validate_batch(batch, self.kv_geometry())?;
         check_token_ids(batch, self.vocab_size())?;
         lockstep(&mut self.ranks, |r| r.forward(batch), |r| r.forward_follow(batch))
+    }
+
+    /// Rank 0 samples after the lockstep forward; the other ranks only run their share of it.
+    fn forward_sampled(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        specs: &[Option<DeviceSampleSpec<'_>>],
+    ) -> Result<Option<Vec<Option<Sampled>>>, BackendError> {
+        if !self.ranks[0].device_sampling() {
+            return Ok(None);
+        }
+        validate_batch(batch, self.kv_geometry())?;
+        check_token_ids(batch, self.vocab_size())?;
+        lockstep(&mut self.ranks, |r| r.forward_and_sample(batch, specs), |r| r.forward_follow(batch)).map(Some)
     }
 
     fn kv_block_bytes(&self) -> usize {
