@@ -59,15 +59,6 @@ pub fn load_rank(
     Ok(b)
 }
 
-/// Every token id inside the vocabulary: checked once for the group, so a bad step fails on every
-/// rank alike, before any collective.
-fn check_token_ids(batch: &[SeqStep<'_>], vocab: usize) -> Result<(), BackendError> {
-    match batch.iter().flat_map(|s| s.tokens.iter()).find(|&&id| id as usize >= vocab) {
-        Some(bad) => Err(BackendError::InvalidStep(format!("token id {bad} is outside the vocabulary ({vocab})"))),
-        None => Ok(()),
-    }
-}
-
 pub struct TpCudaBackend {
     ranks: Vec<CudaBackend>,
 }
