@@ -221,6 +221,29 @@ impl CudaBackend {
         check_sample_specs(batch, specs)?;
         self.gpu.bind()?;
         let out = self.forward_device(batch).and_then(|layout| {
+            if specs.iter().flatten().all(is_plain_greedy) {
+                // The one-pass argmax costs a fraction of the full pipeline's sweeps over the row
+                // and picks the same id (the lowest among equal maxima, never a NaN).
+                let offsets = layout.offsets.clone();
+                let ids = self.argmax(layout)?;
+                let vocab = self.cfg.vocab_size;
+                return Ok(specs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| {
+                        s.map(|_| {
+                            let id = ids[offsets[i + 1] - 1];
+                            // A row with no number at all (every logit NaN) has no argmax: token 0,
+                            // as the host sampler gives for a row with nothing to choose.
+                            Sampled {
+                                token: if (id as usize) < vocab { id } else { 0 },
+                                logprob: f32::NAN,
+                                top_logprobs: Vec::new(),
+                            }
+                        })
+                    })
+                    .collect());
+            }
             let rows: Vec<(usize, DeviceSampleSpec<'_>)> =
                 specs.iter().enumerate().filter_map(|(i, s)| s.map(|s| (layout.offsets[i + 1] - 1, s))).collect();
             let logits = self.scratch.logits_ptr();
@@ -327,6 +350,18 @@ impl CudaBackend {
 }
 
 /// One spec per sequence, and every sampled sequence has a logits row to sample.
+/// Greedy with nothing that changes the argmax or asks for logprobs: the device argmax alone
+/// gives the host pipeline's token.
+fn is_plain_greedy(spec: &DeviceSampleSpec<'_>) -> bool {
+    let p = spec.params;
+    p.is_greedy()
+        && p.logit_bias.is_empty()
+        && p.logprobs.is_none()
+        && p.repetition_penalty == 1.0
+        && p.presence_penalty == 0.0
+        && p.frequency_penalty == 0.0
+}
+
 fn check_sample_specs(batch: &[SeqStep<'_>], specs: &[Option<DeviceSampleSpec<'_>>]) -> Result<(), BackendError> {
     if specs.len() != batch.len() {
         return Err(BackendError::InvalidStep(format!(
@@ -416,6 +451,24 @@ impl Backend for CudaBackend {
 mod tests {
     use super::*;
     use crate::sampling::SamplingParams;
+
+    #[test]
+    fn only_greedy_without_logit_changes_or_logprobs_takes_the_argmax_path() {
+        let plain = SamplingParams::default();
+        let spec = |p| is_plain_greedy(&DeviceSampleSpec { params: p, penalties: None, step: 0 });
+        assert!(spec(&plain));
+        let changed = [
+            SamplingParams { temperature: 0.7, ..plain.clone() },
+            SamplingParams { logit_bias: vec![(3, 5.0)], ..plain.clone() },
+            SamplingParams { logprobs: Some(0), ..plain.clone() },
+            SamplingParams { repetition_penalty: 1.1, ..plain.clone() },
+            SamplingParams { presence_penalty: 0.5, ..plain.clone() },
+            SamplingParams { frequency_penalty: -0.5, ..plain.clone() },
+        ];
+        for p in &changed {
+            assert!(!spec(p), "{p:?}");
+        }
+    }
 
     #[test]
     fn sample_specs_must_match_the_batch_and_have_a_row() {
