@@ -213,7 +213,8 @@ impl SchedulerState {
             return;
         }
         // Generous: a draft model prefills a new sequence's prompt inside this call.
-        let drafts = match ractor::call_t!(drafter, |reply| DrafterMsg::Propose { updates, reply }, DRAFTER_TIMEOUT_MS) {
+        let drafts = match ractor::call_t!(drafter, |reply| DrafterMsg::Propose { updates, reply }, DRAFTER_TIMEOUT_MS)
+        {
             Ok(d) => d,
             Err(e) => {
                 tracing::warn!(error = %e, "drafter did not answer; this step runs without drafts");

@@ -228,7 +228,7 @@ impl DraftModel {
         let geometry = KvGeometry { block_size: DRAFT_BLOCK_TOKENS, num_blocks, state_slots: 1 };
         let (backend, _) =
             crate::generate::any_cpu_backend(bundle, opts.threads, geometry).map_err(|e| fail(e.to_string()))?;
-        Self::with_backend(backend, max_positions).map_err(|msg| fail(msg))
+        Self::with_backend(backend, max_positions).map_err(fail)
     }
 
     /// Wrap a built backend (attention-only) whose model addresses `max_positions` positions.
