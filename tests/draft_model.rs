@@ -190,11 +190,16 @@ fn cached_batched_drafts_equal_drafts_from_scratch() {
             fresh.extend(0, &contexts[seq]);
             assert_eq!(*d, fresh.propose(0, requests[seq].k), "round {round}, sequence {seq}");
             assert_eq!(d.len(), requests[seq].k);
-            // Accept a varying prefix, then a token that differs from the next draft.
+            // Accept a varying prefix, then a token that differs from the next draft; every other
+            // round two more tokens follow (steps the drafter was not asked about), so a position
+            // after a rejected draft must be recomputed, not taken from the draft's KV.
             let accepted = (round * 3 + seq) % (d.len() + 1);
             let mut append = d[..accepted].to_vec();
             let next = d.get(accepted).map_or(7, |&t| (t + 1) % 512);
             append.push(next);
+            if round % 2 == 1 {
+                append.extend([(next * 7 + 3) % 512, (next * 13 + 5) % 512]);
+            }
             match accepted {
                 0 => none += 1,
                 a if a == d.len() => full += 1,
