@@ -43,8 +43,9 @@ def acceptance(base):
     text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
     drafted, accepted = {}, {}
     for name, table in (("shelfserve_spec_draft_tokens_total", drafted), ("shelfserve_spec_accepted_tokens_total", accepted)):
-        for m in re.finditer(name + r'\{position="(\d+)"\} (\d+(?:\.\d+)?)', text):
-            table[int(m.group(1))] = float(m.group(2))
+        # Summed over the `source` label (ngram, draft-model).
+        for m in re.finditer(name + r'\{position="(\d+)"[^}]*\} (\d+(?:\.\d+)?)', text):
+            table[int(m.group(1))] = table.get(int(m.group(1)), 0.0) + float(m.group(2))
     return {p: accepted.get(p, 0) / d for p, d in sorted(drafted.items()) if d}
 
 

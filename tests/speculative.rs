@@ -517,6 +517,9 @@ impl<D: DraftSource> DraftSource for Counting<D> {
     fn len(&self, seq: u64) -> usize {
         self.inner.len(seq)
     }
+    fn sequences(&self) -> usize {
+        self.inner.sequences()
+    }
 }
 
 /// The one-shot `generate` path (`--speculative ngram`): drafted output equals plain output on

@@ -1,15 +1,21 @@
 //! `DrafterActor`: owns the draft sources (one per lane that drafts) and their per-sequence state.
 //! The scheduler sends it, once per planned step, the tokens each decoding sequence accepted since
 //! last time together with how many drafts it may take, and gets the proposals back in the same
-//! reply — one round trip per step, however many sequences draft. It never sees KV blocks or
-//! logits; whether a draft is used (budget, blocks, preemption) is the scheduler's call.
+//! reply — one round trip per step, however many sequences draft. It never sees the target's KV
+//! blocks or logits; whether a draft is used (budget, blocks, preemption) is the scheduler's call.
+//!
+//! A `draft:PATH` lane's source is a draft model on the CPU backend with its own KV store
+//! (`spec::draft_model`); each lane's requests go to its source in one `propose_batch` call, so the
+//! draft model runs one batched forward per draft position. That compute runs on the blocking
+//! pool, never on the actor's async thread.
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use crate::sched::SeqId;
 use crate::spec::adaptive::{Adaptive, AdaptiveConfig};
+use crate::spec::draft_model::{DraftModel, DraftModelOptions, VocabIdentity};
 use crate::spec::ngram::{NgramConfig, NgramDrafter};
-use crate::spec::{DraftError, DraftSource, SpeculativeMethod};
+use crate::spec::{DraftError, DraftRequest, DraftSource, SpeculativeMethod};
 
 /// New context for one sequence and a request for up to `k` drafts.
 #[derive(Clone, Debug)]
@@ -24,8 +30,10 @@ pub struct DraftUpdate {
 pub enum DrafterMsg {
     /// Extend and propose; the reply holds `(seq, draft)` for sequences with a non-empty draft.
     Propose { updates: Vec<DraftUpdate>, reply: RpcReplyPort<Vec<(SeqId, Vec<u32>)>> },
-    /// The sequence ended (finished, cancelled, failed): drop its state.
+    /// The sequence ended (finished, cancelled, failed) or was preempted: drop its state.
     Forget { seq: SeqId, lane: usize },
+    /// Sequences each lane's source holds state for (diagnostics and tests).
+    Held { reply: RpcReplyPort<Vec<usize>> },
 }
 
 pub struct DrafterActor;
@@ -35,9 +43,18 @@ pub struct DrafterState {
     sources: Vec<Option<Box<dyn DraftSource>>>,
 }
 
+pub type LaneSources = Vec<Option<Box<dyn DraftSource>>>;
+
 /// Build the source for each lane's method. The n-gram drafter runs under the adaptive draft
 /// length (`spec::adaptive`): long drafts where they are being accepted, none where they fail.
-pub fn sources_for(methods: &[SpeculativeMethod]) -> Result<Vec<Option<Box<dyn DraftSource>>>, DraftError> {
+/// A draft model is opened with the target's loaders and refused unless it shares the target's
+/// vocabulary (`target`); each drafting lane gets its own instance and KV store. Loading is
+/// blocking work.
+pub fn sources_for(
+    methods: &[SpeculativeMethod],
+    target_vocab: &VocabIdentity,
+    draft_opts: DraftModelOptions,
+) -> Result<LaneSources, DraftError> {
     methods
         .iter()
         .map(|m| match m {
@@ -46,22 +63,44 @@ pub fn sources_for(methods: &[SpeculativeMethod]) -> Result<Vec<Option<Box<dyn D
                 let ngram = NgramDrafter::new(NgramConfig::default())?;
                 Ok(Some(Box::new(Adaptive::new(ngram, AdaptiveConfig::default())) as Box<dyn DraftSource>))
             }
-            SpeculativeMethod::DraftModel(path) => Err(DraftError::InvalidConfig(format!(
-                "draft-model drafting (draft:{path}) is not available yet; use ngram or none"
-            ))),
+            SpeculativeMethod::DraftModel(path) => {
+                let model = DraftModel::open(path, target_vocab, draft_opts)?;
+                tracing::info!(path = %path, "draft model loaded on the CPU backend");
+                Ok(Some(Box::new(model) as Box<dyn DraftSource>))
+            }
         })
         .collect()
+}
+
+/// Extend every update's sequence and ask each lane's source for its drafts in one batch.
+fn propose_all(sources: &mut LaneSources, updates: Vec<DraftUpdate>) -> Vec<(SeqId, Vec<u32>)> {
+    let mut by_lane: Vec<Vec<DraftRequest>> = vec![Vec::new(); sources.len()];
+    for u in updates {
+        let Some(Some(src)) = sources.get_mut(u.lane) else { continue };
+        src.extend(u.seq, &u.append);
+        by_lane[u.lane].push(DraftRequest { seq: u.seq, k: u.k });
+    }
+    let mut out = Vec::new();
+    for (src, requests) in sources.iter_mut().zip(by_lane) {
+        let Some(src) = src else { continue };
+        if requests.is_empty() {
+            continue;
+        }
+        let drafts = src.propose_batch(&requests);
+        out.extend(requests.iter().zip(drafts).filter(|(_, d)| !d.is_empty()).map(|(r, d)| (r.seq, d)));
+    }
+    out
 }
 
 impl Actor for DrafterActor {
     type Msg = DrafterMsg;
     type State = DrafterState;
-    type Arguments = Vec<Option<Box<dyn DraftSource>>>;
+    type Arguments = LaneSources;
 
     async fn pre_start(
         &self,
         _myself: ActorRef<DrafterMsg>,
-        sources: Self::Arguments,
+        sources: LaneSources,
     ) -> Result<DrafterState, ActorProcessingErr> {
         Ok(DrafterState { sources })
     }
@@ -74,16 +113,19 @@ impl Actor for DrafterActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             DrafterMsg::Propose { updates, reply } => {
-                let mut out = Vec::new();
-                for u in updates {
-                    let Some(Some(src)) = st.sources.get_mut(u.lane) else { continue };
-                    src.extend(u.seq, &u.append);
-                    let draft = src.propose(u.seq, u.k);
-                    if !draft.is_empty() {
-                        out.push((u.seq, draft));
-                    }
-                }
+                // A draft model's forwards are blocking compute: run them on the blocking pool.
+                // Messages are handled one at a time, so the sources are back before the next one.
+                let mut sources = std::mem::take(&mut st.sources);
+                let (sources, out) = tokio::task::spawn_blocking(move || {
+                    let out = propose_all(&mut sources, updates);
+                    (sources, out)
+                })
+                .await?;
+                st.sources = sources;
                 let _ = reply.send(out);
+            }
+            DrafterMsg::Held { reply } => {
+                let _ = reply.send(st.sources.iter().map(|s| s.as_ref().map_or(0, |s| s.sequences())).collect());
             }
             DrafterMsg::Forget { seq, lane } => {
                 if let Some(Some(src)) = st.sources.get_mut(lane) {

@@ -18,6 +18,7 @@ use crate::generate::{rank_backend_makers, DeviceSelection};
 use crate::kv::PoolIdentity;
 use crate::model::ModelBundle;
 use crate::sched::{align_budget_to_pages, PolicyConfig};
+use crate::spec::draft_model::{DraftModelOptions, VocabIdentity};
 use crate::spec::SpeculativeMethod;
 
 /// Prefix-cache page size for llama-family models when the configuration does not set one: 16
@@ -269,7 +270,14 @@ pub async fn start_engine(
     // Unnamed actors: ractor's registry is process-wide, and tests run several engines.
     let methods: Vec<_> = config.lanes.iter().map(|l| l.speculative.clone()).collect();
     let drafter = if methods.iter().any(|m| *m != SpeculativeMethod::None) {
-        let sources = sources_for(&methods).map_err(|e| EngineError::Invalid(e.to_string()))?;
+        // A draft model shares the target's vocabulary (checked here, before anything runs), gets
+        // a KV store as large as the target's pool, and loads on the blocking pool.
+        let target_vocab = VocabIdentity::of(&bundle);
+        let draft_opts = DraftModelOptions { threads: opts.device.threads, pool_tokens: pool };
+        let sources = tokio::task::spawn_blocking(move || sources_for(&methods, &target_vocab, draft_opts))
+            .await
+            .map_err(|e| EngineError::Executor(format!("loading the draft model: {e}")))?
+            .map_err(|e| EngineError::Invalid(e.to_string()))?;
         let (d, _) =
             Actor::spawn(None, DrafterActor, sources).await.map_err(|e| EngineError::Executor(e.to_string()))?;
         for l in config.lanes.iter().filter(|l| l.speculative != SpeculativeMethod::None) {
@@ -326,6 +334,13 @@ impl Engine {
     /// KV pool occupancy and prefix-cache counters (`None` while loading).
     pub async fn pool_stats(&self) -> Option<PoolStats> {
         ractor::call_t!(self.scheduler, SchedulerMsg::PoolStats, 5000).ok()
+    }
+
+    /// Sequences each lane's draft source holds state for (`None` without drafting lanes); all
+    /// zero once no drafted request is live.
+    pub async fn drafter_sequences(&self) -> Option<Vec<usize>> {
+        let d = self.drafter.as_ref()?;
+        ractor::call_t!(d, |reply| DrafterMsg::Held { reply }, 5000).ok()
     }
 
     /// Stop the actors; the executor thread ends after its current step and frees the weights

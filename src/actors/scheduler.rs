@@ -153,6 +153,9 @@ pub struct SchedulerState {
 
 pub struct SchedulerActor;
 
+/// How long a step waits for its drafts before running without them.
+const DRAFTER_TIMEOUT_MS: u64 = 10_000;
+
 fn uses_penalties(p: &SamplingParams) -> bool {
     p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0
 }
@@ -209,7 +212,9 @@ impl SchedulerState {
         if updates.is_empty() {
             return;
         }
-        let drafts = match ractor::call_t!(drafter, |reply| DrafterMsg::Propose { updates, reply }, 2000) {
+        // Generous: a draft model prefills a new sequence's prompt inside this call.
+        let drafts = match ractor::call_t!(drafter, |reply| DrafterMsg::Propose { updates, reply }, DRAFTER_TIMEOUT_MS)
+        {
             Ok(d) => d,
             Err(e) => {
                 tracing::warn!(error = %e, "drafter did not answer; this step runs without drafts");
@@ -290,6 +295,16 @@ impl SchedulerState {
         self.stats.preemptions += out.preempted.len() as u64;
         if !out.preempted.is_empty() {
             metrics::counter!("shelfserve_preemptions_total").increment(out.preempted.len() as u64);
+        }
+        // A preempted sequence's draft state goes (a draft model's KV is memory too); when it
+        // runs again the drafter is given its whole context afresh.
+        for &id in &out.preempted {
+            if let Some(l) = self.live.get(&id) {
+                self.forget_drafts(id, l);
+            }
+            if let Some(l) = self.live.get_mut(&id) {
+                l.drafter_len = 0;
+            }
         }
         for &(id, cached) in &out.prefix_hits {
             if let Some(l) = self.live.get_mut(&id).filter(|l| !l.hit_reported) {
@@ -377,7 +392,8 @@ impl SchedulerState {
         for (id, step) in r.sampled {
             let Some(l) = self.live.get_mut(&id) else { continue };
             if step.drafted > 0 {
-                self.acceptance.record(step.drafted, step.accepted);
+                let source = self.args.lanes[l.lane].speculative.source_name().unwrap_or("none");
+                self.acceptance.record(source, step.drafted, step.accepted);
                 self.stats.drafted_tokens += step.drafted as u64;
                 self.stats.accepted_tokens += step.accepted as u64;
             }

@@ -22,7 +22,8 @@ use crate::generate::{
 use crate::model::default_model::{fetch_default, CacheDir};
 use crate::model::ModelBundle;
 use crate::sampling::SamplingParams;
-use crate::spec::{validate_num_tokens, DraftError, SpeculativeMethod};
+use crate::spec::draft_model::{DraftModelOptions, VocabIdentity};
+use crate::spec::{validate_num_tokens, DraftError, SpeculativeMethod, MAX_SPECULATIVE_TOKENS};
 use crate::tokenizer::chat::{ChatRender, ChatTemplate};
 use crate::tokenizer::detok::IncrementalDetokenizer;
 
@@ -248,7 +249,12 @@ pub fn run_generate(args: &GenerateArgs) -> Result<(), CliError> {
         args.speculative.parse().map_err(|e: DraftError| CliError::Usage(format!("--speculative: {e}")))?;
     let k = validate_num_tokens(args.num_speculative_tokens)
         .map_err(|e| CliError::Usage(format!("--num-speculative-tokens: {e}")))?;
-    let mut drafter = sources_for(std::slice::from_ref(&method))
+    // A draft model gets a store for this one sequence (its drafts included).
+    let draft_opts = DraftModelOptions {
+        threads: args.model.threads,
+        pool_tokens: prompt.len() + args.max_tokens + MAX_SPECULATIVE_TOKENS,
+    };
+    let mut drafter = sources_for(std::slice::from_ref(&method), &VocabIdentity::of(&bundle), draft_opts)
         .map_err(|e| CliError::Usage(format!("--speculative: {e}")))?
         .pop()
         .flatten();

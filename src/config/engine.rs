@@ -126,12 +126,6 @@ impl EngineConfig {
             }
             crate::spec::validate_num_tokens(l.num_speculative_tokens)
                 .map_err(|e| format!("lane `{}`: {e}", l.name))?;
-            if let crate::spec::SpeculativeMethod::DraftModel(path) = &l.speculative {
-                return Err(format!(
-                    "lane `{}`: speculative = \"draft:{path}\": draft-model drafting is not available yet; use \"ngram\" or \"none\"",
-                    l.name
-                ));
-            }
         }
         let s = &self.scheduler;
         if s.max_num_seqs == 0 || s.max_num_batched_tokens == 0 || s.block_size == 0 {

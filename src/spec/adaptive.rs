@@ -132,6 +132,10 @@ impl<S: DraftSource> DraftSource for Adaptive<S> {
     fn len(&self, seq: SeqId) -> usize {
         self.inner.len(seq)
     }
+
+    fn sequences(&self) -> usize {
+        self.inner.sequences()
+    }
 }
 
 #[cfg(test)]
@@ -177,6 +181,9 @@ mod tests {
         fn forget(&mut self, _: SeqId) {}
         fn truncate(&mut self, _: SeqId, _: usize) {}
         fn len(&self, _: SeqId) -> usize {
+            0
+        }
+        fn sequences(&self) -> usize {
             0
         }
     }

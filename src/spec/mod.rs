@@ -2,18 +2,27 @@
 //! verification rules that keep a drafted reply equal to (greedy) or distributed as (sampled) the
 //! un-drafted one, and acceptance statistics.
 //!
-//! Owns: drafter state per sequence (an n-gram index, a draft model's cache later) and the pure
+//! Owns: drafter state per sequence (an n-gram index, a draft model's KV cache) and the pure
 //! verification functions. Must not touch: the scheduler's queues or KV blocks (the scheduler
 //! decides whether a sequence gets drafts and how many fit; a preempted or cancelled sequence's
 //! drafts are dropped by the scheduler, and `forget` tells the drafter), the target model or its
 //! logits beyond what it is handed.
 //!
-//! Draft sources are pluggable behind [`DraftSource`]: the model-free n-gram drafter lives here;
-//! a draft model, an MTP head, or a DFlash-style block drafter (one forward proposes k tokens from
-//! the target's hidden states) implement the same trait — `extend` feeds them the accepted tokens,
-//! `propose` asks for up to k more.
+//! Draft sources are pluggable behind [`DraftSource`]: the model-free n-gram drafter and the
+//! draft-model drafter (`draft_model`, a smaller checkpoint with the target's tokenizer) live here.
+//! `extend` feeds a source the accepted tokens, `propose` asks for up to k more for one sequence,
+//! and `propose_batch` for many sequences at once: a model-backed source overrides it to run one
+//! batched forward per draft position instead of one per sequence.
+//!
+//! How an MTP head or a DFlash-style block drafter (one forward proposes k tokens from the
+//! target's hidden states) plugs in: it implements `DraftSource` the same way, overriding
+//! `propose_batch` with its single batched forward; what it needs beyond tokens (the target's last
+//! hidden state per sequence) arrives with `extend`'s tokens once the executor returns hidden
+//! states in its `StepResult` and the scheduler forwards them in `DraftUpdate`. Its per-sequence
+//! state follows the same rules: fed only accepted tokens, dropped on `forget`.
 
 pub mod adaptive;
+pub mod draft_model;
 pub mod ngram;
 pub mod stats;
 pub mod step;
@@ -31,6 +40,15 @@ pub const MAX_SPECULATIVE_TOKENS: usize = 7;
 pub enum DraftError {
     #[error("invalid speculative decoding setting: {0}")]
     InvalidConfig(String),
+    #[error("draft model `{path}`: {msg}")]
+    DraftModel { path: String, msg: String },
+}
+
+/// One sequence's share of a batched proposal: up to `k` drafts for `seq`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DraftRequest {
+    pub seq: SeqId,
+    pub k: usize,
 }
 
 /// A source of draft tokens. Implementations keep whatever per-sequence state they need, fed
@@ -48,10 +66,17 @@ pub trait DraftSource: Send {
     fn truncate(&mut self, seq: SeqId, len: usize);
     /// Tokens of context held for `seq`.
     fn len(&self, seq: SeqId) -> usize;
+    /// Sequences this source holds state for (0 once every sequence was forgotten).
+    fn sequences(&self) -> usize;
+    /// Drafts for many sequences at once, in request order. The default asks `propose` one
+    /// sequence at a time; a model-backed source batches its forwards across the requests.
+    fn propose_batch(&mut self, requests: &[DraftRequest]) -> Vec<Vec<u32>> {
+        requests.iter().map(|r| self.propose(r.seq, r.k)).collect()
+    }
 }
 
 /// Which drafter a lane uses: `none`, `ngram`, or `draft:PATH` (a smaller checkpoint with the
-/// same tokenizer).
+/// same tokenizer: a GGUF file, an HF directory or `default`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum SpeculativeMethod {
@@ -59,6 +84,17 @@ pub enum SpeculativeMethod {
     None,
     Ngram,
     DraftModel(String),
+}
+
+impl SpeculativeMethod {
+    /// The source name metrics label acceptance with (`None` when the lane does not draft).
+    pub fn source_name(&self) -> Option<&'static str> {
+        match self {
+            Self::None => None,
+            Self::Ngram => Some("ngram"),
+            Self::DraftModel(_) => Some("draft-model"),
+        }
+    }
 }
 
 impl FromStr for SpeculativeMethod {

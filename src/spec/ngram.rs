@@ -120,6 +120,10 @@ impl DraftSource for NgramDrafter {
     fn len(&self, seq: SeqId) -> usize {
         self.seqs.get(&seq).map_or(0, |s| s.tokens.len())
     }
+
+    fn sequences(&self) -> usize {
+        self.seqs.len()
+    }
 }
 
 #[cfg(test)]

@@ -16,8 +16,9 @@ pub struct AcceptanceStats {
 }
 
 impl AcceptanceStats {
-    /// Record one sequence's verification: `drafted` tokens proposed, `accepted` kept.
-    pub fn record(&mut self, drafted: usize, accepted: usize) {
+    /// Record one sequence's verification: `drafted` tokens proposed by `source` (`ngram`,
+    /// `draft-model`; a label on the exported counters), `accepted` kept.
+    pub fn record(&mut self, source: &'static str, drafted: usize, accepted: usize) {
         debug_assert!(accepted <= drafted);
         if drafted == 0 {
             return;
@@ -35,13 +36,15 @@ impl AcceptanceStats {
         self.steps += 1;
         self.emitted += accepted as u64 + 1;
         for (i, position) in (1..=drafted).map(|p| (p - 1, p.to_string())) {
-            metrics::counter!("shelfserve_spec_draft_tokens_total", "position" => position.clone()).increment(1);
+            metrics::counter!("shelfserve_spec_draft_tokens_total", "position" => position.clone(), "source" => source)
+                .increment(1);
             if i < accepted {
-                metrics::counter!("shelfserve_spec_accepted_tokens_total", "position" => position).increment(1);
+                metrics::counter!("shelfserve_spec_accepted_tokens_total", "position" => position, "source" => source)
+                    .increment(1);
             }
         }
-        metrics::counter!("shelfserve_spec_verify_steps_total").increment(1);
-        metrics::counter!("shelfserve_spec_emitted_tokens_total").increment(accepted as u64 + 1);
+        metrics::counter!("shelfserve_spec_verify_steps_total", "source" => source).increment(1);
+        metrics::counter!("shelfserve_spec_emitted_tokens_total", "source" => source).increment(accepted as u64 + 1);
     }
 
     /// Acceptance rate at each draft position (1-based position = index + 1).
@@ -78,10 +81,10 @@ mod tests {
     #[test]
     fn positions_rates_and_means() {
         let mut s = AcceptanceStats::default();
-        s.record(3, 3);
-        s.record(3, 1);
-        s.record(2, 0);
-        s.record(0, 0);
+        s.record("ngram", 3, 3);
+        s.record("ngram", 3, 1);
+        s.record("ngram", 2, 0);
+        s.record("ngram", 0, 0);
         assert_eq!(s.proposed, vec![3, 3, 2]);
         assert_eq!(s.accepted, vec![2, 1, 1]);
         assert_eq!(s.steps, 3);
