@@ -176,6 +176,7 @@ fn lane() -> LaneConfig {
         max_queue: 4,
         speculative: Default::default(),
         num_speculative_tokens: 7,
+        speculative_row_cost: None,
     }
 }
 

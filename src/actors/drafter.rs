@@ -50,18 +50,30 @@ pub type LaneSources = Vec<Option<Box<dyn DraftSource>>>;
 /// A draft model is opened with the target's loaders and refused unless it shares the target's
 /// vocabulary (`target`); each drafting lane gets its own instance and KV store. Loading is
 /// blocking work.
+///
+/// `row_costs[i]` is lane `i`'s verification cost per draft token (see
+/// [`AdaptiveConfig::row_cost`]).
 pub fn sources_for(
     methods: &[SpeculativeMethod],
+    row_costs: &[f64],
     target_vocab: &VocabIdentity,
     draft_opts: DraftModelOptions,
 ) -> Result<LaneSources, DraftError> {
+    if row_costs.len() != methods.len() {
+        return Err(DraftError::InvalidConfig(format!("{} row costs for {} lanes", row_costs.len(), methods.len())));
+    }
     methods
         .iter()
-        .map(|m| match m {
+        .zip(row_costs)
+        .map(|(m, &row_cost)| match m {
             SpeculativeMethod::None => Ok(None),
             SpeculativeMethod::Ngram => {
                 let ngram = NgramDrafter::new(NgramConfig::default())?;
-                Ok(Some(Box::new(Adaptive::new(ngram, AdaptiveConfig::default())) as Box<dyn DraftSource>))
+                Ok(
+                    Some(
+                        Box::new(Adaptive::new(ngram, AdaptiveConfig::with_row_cost(row_cost))) as Box<dyn DraftSource>
+                    ),
+                )
             }
             SpeculativeMethod::DraftModel(path) => {
                 let model = DraftModel::open(path, target_vocab, draft_opts)?;

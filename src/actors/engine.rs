@@ -274,7 +274,10 @@ pub async fn start_engine(
         // a KV store as large as the target's pool, and loads on the blocking pool.
         let target_vocab = VocabIdentity::of(&bundle);
         let draft_opts = DraftModelOptions { threads: opts.device.threads, pool_tokens: pool };
-        let sources = tokio::task::spawn_blocking(move || sources_for(&methods, &target_vocab, draft_opts))
+        let device_row_cost = crate::spec::adaptive::verify_row_cost_for(opts.device.resolve());
+        let row_costs: Vec<f64> =
+            config.lanes.iter().map(|l| l.speculative_row_cost.unwrap_or(device_row_cost)).collect();
+        let sources = tokio::task::spawn_blocking(move || sources_for(&methods, &row_costs, &target_vocab, draft_opts))
             .await
             .map_err(|e| EngineError::Executor(format!("loading the draft model: {e}")))?
             .map_err(|e| EngineError::Invalid(e.to_string()))?;

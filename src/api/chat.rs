@@ -556,6 +556,7 @@ mod tests {
             max_queue: 4,
             speculative: Default::default(),
             num_speculative_tokens: 7,
+            speculative_row_cost: None,
         }
     }
 

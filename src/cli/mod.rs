@@ -254,7 +254,8 @@ pub fn run_generate(args: &GenerateArgs) -> Result<(), CliError> {
         threads: args.model.threads,
         pool_tokens: prompt.len() + args.max_tokens + MAX_SPECULATIVE_TOKENS,
     };
-    let mut drafter = sources_for(std::slice::from_ref(&method), &VocabIdentity::of(&bundle), draft_opts)
+    let row_cost = crate::spec::adaptive::verify_row_cost_for(args.model.device_selection()?.resolve());
+    let mut drafter = sources_for(std::slice::from_ref(&method), &[row_cost], &VocabIdentity::of(&bundle), draft_opts)
         .map_err(|e| CliError::Usage(format!("--speculative: {e}")))?
         .pop()
         .flatten();

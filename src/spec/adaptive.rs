@@ -35,13 +35,35 @@ pub struct AdaptiveConfig {
     pub prior_weight: f64,
 }
 
+/// Marginal cost of one more verified token on the CPU backend: its multi-row matmuls do the
+/// arithmetic of every row.
+pub const CPU_VERIFY_ROW_COST: f64 = 0.25;
+/// On a GPU a decode step is bound by reading the weights, so extra rows are nearly free: the 8B
+/// bench config on the H200 takes 4.5 ms per step at batch 1 and 6.3 ms at batch 8 (session 4,
+/// docs/benchmarks.md), about 0.05 of a step per extra row.
+pub const CUDA_VERIFY_ROW_COST: f64 = 0.05;
+
+/// The measured verification row cost of the device a target runs on.
+pub fn verify_row_cost_for(device: crate::generate::DeviceKind) -> f64 {
+    match device {
+        crate::generate::DeviceKind::Cuda => CUDA_VERIFY_ROW_COST,
+        // `Auto` is resolved before this is asked; a CPU guess is the conservative one.
+        crate::generate::DeviceKind::Cpu | crate::generate::DeviceKind::Auto => CPU_VERIFY_ROW_COST,
+    }
+}
+
 impl Default for AdaptiveConfig {
     fn default() -> Self {
-        Self { row_cost: 0.25, decay: 0.8, idle_decay: 0.97, prior: 0.6, prior_weight: 1.0 }
+        Self { row_cost: CPU_VERIFY_ROW_COST, decay: 0.8, idle_decay: 0.97, prior: 0.6, prior_weight: 1.0 }
     }
 }
 
 impl AdaptiveConfig {
+    /// The default estimator with verification costing `row_cost` decode steps per extra row.
+    pub fn with_row_cost(row_cost: f64) -> Self {
+        Self { row_cost, ..Self::default() }
+    }
+
     /// The draft length in `0..=k_max` maximising expected emitted tokens per unit of cost for a
     /// per-token acceptance probability `a`.
     pub fn best_k(&self, a: f64, k_max: usize) -> usize {
@@ -142,6 +164,23 @@ impl<S: DraftSource> DraftSource for Adaptive<S> {
 mod tests {
     use super::*;
     use crate::spec::ngram::{NgramConfig, NgramDrafter};
+
+    #[test]
+    fn the_gpu_cost_drafts_where_the_cpu_cost_does_not() {
+        use crate::generate::DeviceKind;
+        let cpu = AdaptiveConfig::with_row_cost(verify_row_cost_for(DeviceKind::Cpu));
+        let gpu = AdaptiveConfig::with_row_cost(verify_row_cost_for(DeviceKind::Cuda));
+        assert_eq!(cpu, AdaptiveConfig::default());
+        // At 20 % acceptance one more row pays on the GPU (1.2 / 1.05 > 1) but not on the CPU
+        // (1.2 / 1.25 < 1, and longer drafts add less than they cost).
+        assert_eq!(cpu.best_k(0.2, 7), 0);
+        assert!(gpu.best_k(0.2, 7) >= 1);
+        // At every acceptance the cheaper verification drafts at least as long.
+        for i in 0..=20 {
+            let a = i as f64 / 20.0;
+            assert!(gpu.best_k(a, 7) >= cpu.best_k(a, 7), "a = {a}");
+        }
+    }
 
     #[test]
     fn the_draft_length_follows_acceptance_and_cost() {
