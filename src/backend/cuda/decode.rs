@@ -146,13 +146,14 @@ pub struct AttnLaunch {
 }
 
 impl AttnLaunch {
-    /// Launch `f` (the FMA or the tensor-core partial kernel) over `n_items` work items.
+    /// Launch `f` (the FMA or the tensor-core partial kernel) over `n_items` work items,
+    /// `threads` per block (each kernel's own block size).
     pub fn launch(
         &self,
         gpu: &Gpu,
         f: &cudarc::driver::CudaFunction,
-        items: u64,
-        n_items: usize,
+        (items, n_items): (u64, usize),
+        threads: u32,
         smem: u32,
     ) -> Result<(), BackendError> {
         if n_items == 0 {
@@ -161,7 +162,7 @@ impl AttnLaunch {
         launch!(
             gpu,
             f.clone(),
-            cfg((n_items as u32, 1), 128, smem),
+            cfg((n_items as u32, 1), threads, smem),
             &items,
             &self.q,
             &self.k_base,
