@@ -4,7 +4,9 @@
 // an online softmax in registers (base 2). q is rounded to bf16 here; P is rounded to bf16
 // before P·V. FlashAttention-2 style: K and V tiles stay row-major in shared memory, two stages
 // deep, filled by cp.async while the previous tile computes; B fragments come from ldmatrix
-// (.trans for V). Causal and window masks cost only where a tile crosses a warp's row bounds:
+// (.trans for V). A tile whose item has one key split (its last int is 1: every prefill tile
+// today) writes the normalised bf16 output itself, exactly what the combine kernel would write
+// for one split (acc / sum with weight exp(0) = 1), so the combine skips its rows. Causal and window masks cost only where a tile crosses a warp's row bounds:
 // a tile no row of a warp can see is skipped by that warp (exactly what masking all of it would
 // give: nothing changes), and a tile every row sees in full is not masked. Each output row
 // depends only on its own q row and keys, so batch invariance is kept.
@@ -64,7 +66,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* p) {
 template <int HD, int WARPS>
 __device__ void attn_prefill_mma_impl(const int* items, const float* q, const bf16* k_cache, const bf16* v_cache,
                                       const int* tables, const int* table_off, const int* positions, AttnDims d,
-                                      float* part_acc, float* part_ml) {
+                                      float* part_acc, float* part_ml, bf16* out) {
     constexpr int LD = HD + 8;  // bf16 per K/V row in shared memory (16-byte pad: no bank conflicts)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* ks = reinterpret_cast<bf16*>(smem_raw);  // [2 stages][MKT keys][LD]
@@ -74,6 +76,7 @@ __device__ void attn_prefill_mma_impl(const int* items, const float* q, const bf
 
     const int* it = items + blockIdx.x * ITEM_INTS;
     const int seq = it[0], tok0 = it[1], ntok = it[2], kvh = it[3], key0 = it[4], key1 = it[5], split = it[6];
+    const bool direct = it[7] != 0;
     const int group = d.nh / d.nkv, rows = ntok * group, kvd = d.nkv * HD;
     const int* table = tables + table_off[seq];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -244,6 +247,14 @@ __device__ void attn_prefill_mma_impl(const int* items, const float* q, const bf
         const int r = half ? r1 : r0;
         if (r >= rows) continue;
         const int tok = tok0 + r / group, head = kvh * group + r % group;
+        if (direct) {
+            const float l = half ? l1 : l0;
+            unsigned* orow = reinterpret_cast<unsigned*>(out + ((i64)tok * d.nh + head) * HD);
+#pragma unroll
+            for (int n = 0; n < HD / 8; ++n)
+                orow[(n * 8 + 2 * t) / 2] = pack_bf16(o[n][2 * half] / l, o[n][2 * half + 1] / l);
+            continue;
+        }
         const i64 pidx = ((i64)split * d.total_tokens + tok) * d.nh + head;
 #pragma unroll
         for (int n = 0; n < HD / 8; ++n) {
@@ -265,8 +276,8 @@ __device__ void attn_prefill_mma_impl(const int* items, const float* q, const bf
 #define MMA_ENTRY(NAME, HD, WARPS, MINB)                                                                            \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)                                                  \
         NAME(const int* items, const float* q, const bf16* kc, const bf16* vc, const int* tables, const int* toff,   \
-             const int* pos, AttnDims d, float* pa, float* pm) {                                                     \
-        attn_prefill_mma_impl<HD, WARPS>(items, q, kc, vc, tables, toff, pos, d, pa, pm);                            \
+             const int* pos, AttnDims d, float* pa, float* pm, bf16* out) {                                          \
+        attn_prefill_mma_impl<HD, WARPS>(items, q, kc, vc, tables, toff, pos, d, pa, pm, out);                       \
     }
 MMA_ENTRY(attn_prefill_mma_d64, 64, 8, 1)
 MMA_ENTRY(attn_prefill_mma_d128, 128, 8, 1)

@@ -178,6 +178,37 @@ impl AttnLaunch {
 }
 
 impl AttnLaunch {
+    /// Launch the tensor-core prefill kernel `f` (`attn_prefill_mma_*`) over `n_items` items,
+    /// `threads` per block; items marked single-split write their rows of `out` themselves.
+    pub fn launch_prefill_mma(
+        &self,
+        gpu: &Gpu,
+        f: &cudarc::driver::CudaFunction,
+        (items, n_items): (u64, usize),
+        (threads, smem): (u32, u32),
+        out: u64,
+    ) -> Result<(), BackendError> {
+        if n_items == 0 {
+            return Ok(());
+        }
+        launch!(
+            gpu,
+            f.clone(),
+            cfg((n_items as u32, 1), threads, smem),
+            &items,
+            &self.q,
+            &self.k_base,
+            &self.v_base,
+            &self.tables,
+            &self.table_off,
+            &self.positions,
+            &self.dims,
+            &self.part_acc,
+            &self.part_ml,
+            &out
+        )
+    }
+
     /// Launch the streaming decode kernel `f` (`attn_decode_*`, 128 threads, static shared
     /// memory) over `n_items` decode items; it writes finished rows of `out` itself.
     pub fn launch_streaming(

@@ -320,7 +320,8 @@ impl CudaBackend {
                 }
                 attn_args.launch(gpu, &partial_f, (items, layout.num_items()), 128, attn_smem)?;
                 if let Some(f) = &mma_f {
-                    attn_args.launch(gpu, f, (mma_items, layout.num_mma_items()), mma_tiles.threads(), mma_smem)?;
+                    let (n, shape) = (layout.num_mma_items(), (mma_tiles.threads(), mma_smem));
+                    attn_args.launch_prefill_mma(gpu, f, (mma_items, n), shape, attn)?;
                 }
                 if layout.needs_combine() {
                     launch!(

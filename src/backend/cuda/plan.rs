@@ -139,13 +139,14 @@ pub struct StepLayout {
     pub table_off: Vec<i32>,
     /// `ITEM_INTS` per work item: seq, first token, tokens, kv head, key begin, key end, split, 0.
     pub items: Vec<i32>,
-    /// Prefill work items for the tensor-core kernel (same format, `MmaTiles::rows` rows).
+    /// Prefill work items for the tensor-core kernel (same format, `MmaTiles::rows` rows; the
+    /// last int is 1 where the tile has one split and the kernel writes its output rows itself).
     pub mma_items: Vec<i32>,
     /// Decode work items for the streaming kernel (same format; the last int is the tile's
     /// split count, which its blocks need to fold the combine in).
     pub decode_items: Vec<i32>,
-    /// Per token: how many key splits its tile has for the combine kernel (0: a streamed
-    /// decode tile, combined by its own kernel).
+    /// Per token: how many key splits its tile has for the combine kernel (0: its own kernel
+    /// writes the output rows: a streamed decode tile, or a single-split tensor-core tile).
     pub token_splits: Vec<i32>,
     pub max_splits: usize,
     /// Token rows that need logits, in batch order, and each sequence's first logits row.
@@ -172,7 +173,7 @@ impl StepLayout {
 
     /// Whether any row goes through the separate combine kernel.
     pub fn needs_combine(&self) -> bool {
-        !self.items.is_empty() || !self.mma_items.is_empty()
+        self.token_splits.iter().any(|&s| s > 0)
     }
 
     /// Lay out `batch` (already checked by `validate_batch`). `group` = q heads per kv head.
@@ -217,7 +218,10 @@ impl StepLayout {
                 };
                 let splits = keys.div_ceil(split.min(keys));
                 l.max_splits = l.max_splits.max(splits);
-                l.token_splits.extend(std::iter::repeat_n(if streamed { 0 } else { splits as i32 }, nt));
+                // Rows their own kernel finishes: streamed decode tiles and one-split prefill tiles.
+                let direct = to_mma && splits == 1;
+                let combined = if streamed || direct { 0 } else { splits as i32 };
+                l.token_splits.extend(std::iter::repeat_n(combined, nt));
                 let list = if streamed {
                     &mut l.decode_items
                 } else if to_mma {
@@ -229,7 +233,7 @@ impl StepLayout {
                     for sp in 0..splits {
                         let k0 = sp.saturating_mul(split);
                         let k1 = (k0.saturating_add(split)).min(keys);
-                        let last = if streamed { splits as i32 } else { 0 };
+                        let last = if streamed { splits as i32 } else { i32::from(direct) };
                         list.extend([
                             si as i32,
                             (tok_base + t0) as i32,
@@ -406,14 +410,20 @@ mod tests {
         assert!(it.iter().all(|i| i[7] == splits as i32), "every block knows the tile's split count");
         assert_eq!(it[0], [0, 0, 1, 0, 0, 64, 0, splits as i32]);
         assert_eq!((it[splits - 1][4], it[splits - 1][5]), (((splits - 1) * 64) as i32, 1001));
-        // A prefill chunk in the same step keeps the tensor-core list and the combine.
+        // A prefill chunk in the same step keeps the tensor-core list; its one-split tiles
+        // write their own rows, so nothing goes through the combine.
         let toks: Vec<u32> = vec![1; 40];
         let p = SeqStep { tokens: &toks, start_pos: 0, block_table: &table[200..], logits_rows: 1, state_slot: 0 };
         let both = StepLayout::new(&[p, s], KV, 10, 8, 4, STREAMED).unwrap();
-        assert!(both.needs_combine());
+        assert!(!both.needs_combine());
         assert_eq!(both.decode_items.len(), l.decode_items.len());
-        assert_eq!(both.token_splits[..40], [1; 40]);
-        assert_eq!(both.token_splits[40], 0);
+        assert_eq!(both.token_splits, [0; 41]);
+        assert!(both.mma_items.chunks_exact(ITEM_INTS).all(|i| i[6] == 0 && i[7] == 1), "single split, direct");
+        // Without the streaming kernel the decode row still needs the combine.
+        let classic_both = StepLayout::new(&[p, s], KV, 10, 8, 4, classic(true)).unwrap();
+        assert!(classic_both.needs_combine());
+        assert_eq!(classic_both.token_splits[..40], [0; 40]);
+        assert_eq!(classic_both.token_splits[40], splits as i32);
     }
 
     #[test]
