@@ -29,9 +29,9 @@ impl MmaTiles {
             None | Some("128") => Ok(MmaTiles::Rows128),
             Some("128x2") => Ok(MmaTiles::Rows128TwoBlocks),
             Some("64") => Ok(MmaTiles::Rows64),
-            Some(other) => Err(BackendError::Device(format!(
-                "SHELFSERVE_CUDA_PREFILL_TILES={other:?}: expected 128, 128x2 or 64"
-            ))),
+            Some(other) => {
+                Err(BackendError::Device(format!("SHELFSERVE_CUDA_PREFILL_TILES={other:?}: expected 128, 128x2 or 64")))
+            }
         }
     }
 
@@ -373,7 +373,7 @@ mod tests {
         assert!(it.windows(2).all(|w| w[0][5] - w[0][4] >= w[1][5] - w[1][4]), "not longest first");
         assert_eq!((it[0][1], it[0][5], it[0][3]), (192, 200, 0), "last tile of kv head 0 first");
         assert_eq!((it[1][1], it[1][3]), (192, 1), "then the same tile of kv head 1");
-        assert_eq!(*it.last().unwrap(), [0, 0, 32, 1, 0, 32, 0, 0]);
+        assert_eq!(*it.last().unwrap(), [0, 0, 32, 1, 0, 32, 0, 1], "one split: the kernel writes its rows");
     }
 
     #[test]
