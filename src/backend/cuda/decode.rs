@@ -146,13 +146,14 @@ pub struct AttnLaunch {
 }
 
 impl AttnLaunch {
-    /// Launch `f` (the FMA or the tensor-core partial kernel) over `n_items` work items.
+    /// Launch `f` (the FMA or the tensor-core partial kernel) over `n_items` work items,
+    /// `threads` per block (each kernel's own block size).
     pub fn launch(
         &self,
         gpu: &Gpu,
         f: &cudarc::driver::CudaFunction,
-        items: u64,
-        n_items: usize,
+        (items, n_items): (u64, usize),
+        threads: u32,
         smem: u32,
     ) -> Result<(), BackendError> {
         if n_items == 0 {
@@ -161,7 +162,7 @@ impl AttnLaunch {
         launch!(
             gpu,
             f.clone(),
-            cfg((n_items as u32, 1), 128, smem),
+            cfg((n_items as u32, 1), threads, smem),
             &items,
             &self.q,
             &self.k_base,
@@ -177,6 +178,37 @@ impl AttnLaunch {
 }
 
 impl AttnLaunch {
+    /// Launch the tensor-core prefill kernel `f` (`attn_prefill_mma_*`) over `n_items` items,
+    /// `threads` per block; items marked single-split write their rows of `out` themselves.
+    pub fn launch_prefill_mma(
+        &self,
+        gpu: &Gpu,
+        f: &cudarc::driver::CudaFunction,
+        (items, n_items): (u64, usize),
+        (threads, smem): (u32, u32),
+        out: u64,
+    ) -> Result<(), BackendError> {
+        if n_items == 0 {
+            return Ok(());
+        }
+        launch!(
+            gpu,
+            f.clone(),
+            cfg((n_items as u32, 1), threads, smem),
+            &items,
+            &self.q,
+            &self.k_base,
+            &self.v_base,
+            &self.tables,
+            &self.table_off,
+            &self.positions,
+            &self.dims,
+            &self.part_acc,
+            &self.part_ml,
+            &out
+        )
+    }
+
     /// Launch the streaming decode kernel `f` (`attn_decode_*`, 128 threads, static shared
     /// memory) over `n_items` decode items; it writes finished rows of `out` itself.
     pub fn launch_streaming(

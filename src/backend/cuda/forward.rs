@@ -135,7 +135,8 @@ impl CudaBackend {
         // The streaming decode kernel is built for head sizes 64 and 128 and ≤ ROWS_PER_ITEM
         // query rows per tile (so at most that many q heads per kv head).
         let streaming_decode = self.streaming_decode && (hd == 64 || hd == 128) && group <= ROWS_PER_ITEM;
-        let kernels = AttnKernels { mma, streaming_decode, sm_count: sm_count(&self.gpu)? };
+        let mma_tiles = self.prefill_tiles;
+        let kernels = AttnKernels { mma, mma_tiles, streaming_decode, sm_count: sm_count(&self.gpu)? };
         let layout = StepLayout::new(batch, self.kv_layout, c.vocab_size, nkv, group, kernels)?;
         let t = layout.tokens();
         let (prec, sfx, eb) = (self.prec, self.prec.suffix(), self.prec.bytes());
@@ -190,7 +191,7 @@ impl CudaBackend {
             let chunks = hd.div_ceil(32).next_power_of_two();
             let partial_f = gpu.func("attention", &format!("attn_partial_c{chunks}_{sfx}"))?;
             let combine_f = gpu.func("attention", &format!("attn_combine_{sfx}"))?;
-            let mma_f = if mma { Some(gpu.func("attention_mma", &format!("attn_prefill_mma_d{hd}"))?) } else { None };
+            let mma_f = if mma { Some(gpu.func("attention_mma", &mma_tiles.kernel(hd))?) } else { None };
             let decode_f =
                 if streaming_decode { Some(gpu.func("attention", &format!("attn_decode_d{hd}_{sfx}"))?) } else { None };
             let attn_smem = ((2 * 32 * (hd + 1) + ROWS_PER_ITEM * hd) * 4) as u32;
@@ -317,9 +318,10 @@ impl CudaBackend {
                 if let Some(f) = &decode_f {
                     attn_args.launch_streaming(gpu, f, decode_items, layout.num_decode_items(), counters, attn)?;
                 }
-                attn_args.launch(gpu, &partial_f, items, layout.num_items(), attn_smem)?;
+                attn_args.launch(gpu, &partial_f, (items, layout.num_items()), 128, attn_smem)?;
                 if let Some(f) = &mma_f {
-                    attn_args.launch(gpu, f, mma_items, layout.num_mma_items(), mma_smem)?;
+                    let (n, shape) = (layout.num_mma_items(), (mma_tiles.threads(), mma_smem));
+                    attn_args.launch_prefill_mma(gpu, f, (mma_items, n), shape, attn)?;
                 }
                 if layout.needs_combine() {
                     launch!(

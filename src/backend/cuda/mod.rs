@@ -85,6 +85,8 @@ pub struct CudaBackend {
     /// Prefill attention on the tensor cores (bf16, sm_80+); `false` keeps every step on the
     /// FMA kernel (`SHELFSERVE_CUDA_MMA_ATTENTION=0`).
     tensor_cores: bool,
+    /// Block shape of the tensor-core prefill kernel (`SHELFSERVE_CUDA_PREFILL_TILES`).
+    prefill_tiles: plan::MmaTiles,
     /// Decode attention on the streaming split-K kernel with the combine folded in; `false`
     /// keeps the split-and-combine pair (`SHELFSERVE_CUDA_STREAM_DECODE=0`, for comparison).
     streaming_decode: bool,
@@ -173,6 +175,7 @@ impl CudaBackend {
             kv,
             scratch: forward::Scratch::default(),
             tensor_cores: gpu_cc.0 >= 8 && std::env::var("SHELFSERVE_CUDA_MMA_ATTENTION").map_or(true, |v| v != "0"),
+            prefill_tiles: plan::MmaTiles::parse(std::env::var("SHELFSERVE_CUDA_PREFILL_TILES").ok().as_deref())?,
             streaming_decode: std::env::var("SHELFSERVE_CUDA_STREAM_DECODE").map_or(true, |v| v != "0"),
             cuda_graphs: std::env::var("SHELFSERVE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             graphs: std::collections::HashMap::new(),

@@ -10,8 +10,54 @@ use crate::backend::{BackendError, SeqStep};
 
 /// Query rows (token × q head of one kv head's group) one attention work item covers per pass.
 pub const ROWS_PER_ITEM: usize = 16;
-/// Query rows per work item of the tensor-core prefill kernel (`cuda/attention_mma.cu`).
-pub const MMA_ROWS_PER_ITEM: usize = 64;
+/// Block shape of the tensor-core prefill kernel (`cuda/attention_mma.cu`), chosen by
+/// `SHELFSERVE_CUDA_PREFILL_TILES` for comparisons: `128` (the default: 8 warps of 16 query
+/// rows share each K/V tile), `128x2` (the same capped at 128 registers so two blocks share an
+/// SM) or `64` (4 warps, the previous shape).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MmaTiles {
+    #[default]
+    Rows128,
+    Rows128TwoBlocks,
+    Rows64,
+}
+
+impl MmaTiles {
+    /// Parse the environment value (`None`: the default).
+    pub fn parse(value: Option<&str>) -> Result<Self, BackendError> {
+        match value {
+            None | Some("128") => Ok(MmaTiles::Rows128),
+            Some("128x2") => Ok(MmaTiles::Rows128TwoBlocks),
+            Some("64") => Ok(MmaTiles::Rows64),
+            Some(other) => {
+                Err(BackendError::Device(format!("SHELFSERVE_CUDA_PREFILL_TILES={other:?}: expected 128, 128x2 or 64")))
+            }
+        }
+    }
+
+    /// Query rows (token × q head of one kv head's group) per work item.
+    pub fn rows(self) -> usize {
+        match self {
+            MmaTiles::Rows128 | MmaTiles::Rows128TwoBlocks => 128,
+            MmaTiles::Rows64 => 64,
+        }
+    }
+
+    /// Threads per block: one warp per 16 rows.
+    pub fn threads(self) -> u32 {
+        (self.rows() / 16 * 32) as u32
+    }
+
+    /// The kernel's name for head size `hd`.
+    pub fn kernel(self, hd: usize) -> String {
+        let sfx = match self {
+            MmaTiles::Rows128 => "",
+            MmaTiles::Rows128TwoBlocks => "_b2",
+            MmaTiles::Rows64 => "_r64",
+        };
+        format!("attn_prefill_mma_d{hd}{sfx}")
+    }
+}
 /// Key split length for decode and short verification steps: long contexts are spread over
 /// many blocks (two 32-key tiles each: a decode block is latency-bound, so short splits and
 /// many blocks beat long loops) and merged by the combine kernel.
@@ -32,6 +78,8 @@ pub const STREAM_SPLIT_ALIGN: usize = 64;
 pub struct AttnKernels {
     /// Prefill chunks go to the tensor-core kernel (`cuda/attention_mma.cu`).
     pub mma: bool,
+    /// The tensor-core kernel's block shape (its rows per work item).
+    pub mma_tiles: MmaTiles,
     /// Decode tiles go to the streaming kernel (`attn_decode_*`), which folds the split
     /// combine in and sizes its splits by `streaming_split_len`.
     pub streaming_decode: bool,
@@ -91,13 +139,14 @@ pub struct StepLayout {
     pub table_off: Vec<i32>,
     /// `ITEM_INTS` per work item: seq, first token, tokens, kv head, key begin, key end, split, 0.
     pub items: Vec<i32>,
-    /// Prefill work items for the tensor-core kernel (same format, `MMA_ROWS_PER_ITEM` rows).
+    /// Prefill work items for the tensor-core kernel (same format, `MmaTiles::rows` rows; the
+    /// last int is 1 where the tile has one split and the kernel writes its output rows itself).
     pub mma_items: Vec<i32>,
     /// Decode work items for the streaming kernel (same format; the last int is the tile's
     /// split count, which its blocks need to fold the combine in).
     pub decode_items: Vec<i32>,
-    /// Per token: how many key splits its tile has for the combine kernel (0: a streamed
-    /// decode tile, combined by its own kernel).
+    /// Per token: how many key splits its tile has for the combine kernel (0: its own kernel
+    /// writes the output rows: a streamed decode tile, or a single-split tensor-core tile).
     pub token_splits: Vec<i32>,
     pub max_splits: usize,
     /// Token rows that need logits, in batch order, and each sequence's first logits row.
@@ -124,7 +173,7 @@ impl StepLayout {
 
     /// Whether any row goes through the separate combine kernel.
     pub fn needs_combine(&self) -> bool {
-        !self.items.is_empty() || !self.mma_items.is_empty()
+        self.token_splits.iter().any(|&s| s > 0)
     }
 
     /// Lay out `batch` (already checked by `validate_batch`). `group` = q heads per kv head.
@@ -157,7 +206,7 @@ impl StepLayout {
             let decode = s.tokens.len() <= DECODE_MAX_TOKENS;
             let streamed = decode && kernels.streaming_decode;
             let to_mma = kernels.mma && !decode;
-            let rows = if to_mma { MMA_ROWS_PER_ITEM } else { ROWS_PER_ITEM };
+            let rows = if to_mma { kernels.mma_tiles.rows() } else { ROWS_PER_ITEM };
             let tile_tokens = (rows / group.max(1)).max(1);
             for t0 in (0..s.tokens.len()).step_by(tile_tokens) {
                 let nt = tile_tokens.min(s.tokens.len() - t0);
@@ -169,7 +218,10 @@ impl StepLayout {
                 };
                 let splits = keys.div_ceil(split.min(keys));
                 l.max_splits = l.max_splits.max(splits);
-                l.token_splits.extend(std::iter::repeat_n(if streamed { 0 } else { splits as i32 }, nt));
+                // Rows their own kernel finishes: streamed decode tiles and one-split prefill tiles.
+                let direct = to_mma && splits == 1;
+                let combined = if streamed || direct { 0 } else { splits as i32 };
+                l.token_splits.extend(std::iter::repeat_n(combined, nt));
                 let list = if streamed {
                     &mut l.decode_items
                 } else if to_mma {
@@ -181,7 +233,7 @@ impl StepLayout {
                     for sp in 0..splits {
                         let k0 = sp.saturating_mul(split);
                         let k1 = (k0.saturating_add(split)).min(keys);
-                        let last = if streamed { splits as i32 } else { 0 };
+                        let last = if streamed { splits as i32 } else { i32::from(direct) };
                         list.extend([
                             si as i32,
                             (tok_base + t0) as i32,
@@ -222,10 +274,11 @@ mod tests {
 
     /// The split-and-combine kernels only (`mma`: prefill on the tensor cores).
     fn classic(mma: bool) -> AttnKernels {
-        AttnKernels { mma, streaming_decode: false, sm_count: 132 }
+        AttnKernels { mma, mma_tiles: MmaTiles::Rows128, streaming_decode: false, sm_count: 132 }
     }
 
-    const STREAMED: AttnKernels = AttnKernels { mma: true, streaming_decode: true, sm_count: 132 };
+    const STREAMED: AttnKernels =
+        AttnKernels { mma: true, mma_tiles: MmaTiles::Rows128, streaming_decode: true, sm_count: 132 };
 
     fn items(l: &StepLayout) -> Vec<[i32; ITEM_INTS]> {
         l.items.chunks_exact(ITEM_INTS).map(|c| c.try_into().unwrap()).collect()
@@ -269,7 +322,7 @@ mod tests {
         assert_eq!(it.len(), 10, "40 tokens in tiles of 16/4 = 4");
         let m = StepLayout::new(&[s], KV, 10, 1, 4, classic(true)).unwrap();
         assert!(m.items.is_empty());
-        assert_eq!(m.num_mma_items(), 3, "40 tokens in tensor-core tiles of 64/4 = 16");
+        assert_eq!(m.num_mma_items(), 2, "40 tokens in tensor-core tiles of 128/4 = 32");
         assert!(it.iter().all(|i| i[4] == 0 && i[6] == 0));
         assert_eq!(it[9][5], 540);
         assert_eq!(l.max_splits, 1);
@@ -292,17 +345,35 @@ mod tests {
     }
 
     #[test]
+    fn tensor_core_tile_shapes_set_rows_threads_and_kernel() {
+        assert_eq!(MmaTiles::parse(None).unwrap(), MmaTiles::Rows128);
+        assert_eq!(MmaTiles::parse(Some("128x2")).unwrap(), MmaTiles::Rows128TwoBlocks);
+        assert_eq!(MmaTiles::parse(Some("64")).unwrap(), MmaTiles::Rows64);
+        assert!(MmaTiles::parse(Some("96")).unwrap_err().to_string().contains("expected 128, 128x2 or 64"));
+        assert_eq!((MmaTiles::Rows128.rows(), MmaTiles::Rows128.threads()), (128, 256));
+        assert_eq!((MmaTiles::Rows64.rows(), MmaTiles::Rows64.threads()), (64, 128));
+        assert_eq!(MmaTiles::Rows128TwoBlocks.kernel(128), "attn_prefill_mma_d128_b2");
+        assert_eq!(MmaTiles::Rows64.kernel(64), "attn_prefill_mma_d64_r64");
+        // The 64-row shape tiles 40 tokens of a 4-head group in 16-token items.
+        let table: Vec<u32> = (0..200).collect();
+        let toks: Vec<u32> = vec![1; 40];
+        let s = SeqStep { tokens: &toks, start_pos: 500, block_table: &table, logits_rows: 40, state_slot: 0 };
+        let k = AttnKernels { mma_tiles: MmaTiles::Rows64, ..classic(true) };
+        assert_eq!(StepLayout::new(&[s], KV, 10, 1, 4, k).unwrap().num_mma_items(), 3);
+    }
+
+    #[test]
     fn tensor_core_items_come_longest_first() {
         let table: Vec<u32> = (0..200).collect();
         let toks: Vec<u32> = vec![1; 200];
         let s = SeqStep { tokens: &toks, start_pos: 0, block_table: &table, logits_rows: 1, state_slot: 0 };
         let l = StepLayout::new(&[s], KV, 10, 2, 4, classic(true)).unwrap();
         let it: Vec<[i32; ITEM_INTS]> = l.mma_items.chunks_exact(ITEM_INTS).map(|c| c.try_into().unwrap()).collect();
-        assert_eq!(it.len(), 2 * 200usize.div_ceil(16), "2 kv heads × tiles of 16 tokens");
+        assert_eq!(it.len(), 2 * 200usize.div_ceil(32), "2 kv heads × tiles of 32 tokens");
         assert!(it.windows(2).all(|w| w[0][5] - w[0][4] >= w[1][5] - w[1][4]), "not longest first");
         assert_eq!((it[0][1], it[0][5], it[0][3]), (192, 200, 0), "last tile of kv head 0 first");
         assert_eq!((it[1][1], it[1][3]), (192, 1), "then the same tile of kv head 1");
-        assert_eq!(*it.last().unwrap(), [0, 0, 16, 1, 0, 16, 0, 0]);
+        assert_eq!(*it.last().unwrap(), [0, 0, 32, 1, 0, 32, 0, 1], "one split: the kernel writes its rows");
     }
 
     #[test]
@@ -339,14 +410,20 @@ mod tests {
         assert!(it.iter().all(|i| i[7] == splits as i32), "every block knows the tile's split count");
         assert_eq!(it[0], [0, 0, 1, 0, 0, 64, 0, splits as i32]);
         assert_eq!((it[splits - 1][4], it[splits - 1][5]), (((splits - 1) * 64) as i32, 1001));
-        // A prefill chunk in the same step keeps the tensor-core list and the combine.
+        // A prefill chunk in the same step keeps the tensor-core list; its one-split tiles
+        // write their own rows, so nothing goes through the combine.
         let toks: Vec<u32> = vec![1; 40];
         let p = SeqStep { tokens: &toks, start_pos: 0, block_table: &table[200..], logits_rows: 1, state_slot: 0 };
         let both = StepLayout::new(&[p, s], KV, 10, 8, 4, STREAMED).unwrap();
-        assert!(both.needs_combine());
+        assert!(!both.needs_combine());
         assert_eq!(both.decode_items.len(), l.decode_items.len());
-        assert_eq!(both.token_splits[..40], [1; 40]);
-        assert_eq!(both.token_splits[40], 0);
+        assert_eq!(both.token_splits, [0; 41]);
+        assert!(both.mma_items.chunks_exact(ITEM_INTS).all(|i| i[6] == 0 && i[7] == 1), "single split, direct");
+        // Without the streaming kernel the decode row still needs the combine.
+        let classic_both = StepLayout::new(&[p, s], KV, 10, 8, 4, classic(true)).unwrap();
+        assert!(classic_both.needs_combine());
+        assert_eq!(classic_both.token_splits[..40], [0; 40]);
+        assert_eq!(classic_both.token_splits[40], splits as i32);
     }
 
     #[test]
