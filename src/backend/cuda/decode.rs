@@ -156,28 +156,9 @@ impl AttnLaunch {
         threads: u32,
         smem: u32,
     ) -> Result<(), BackendError> {
-        if n_items == 0 {
-            return Ok(());
-        }
-        launch!(
-            gpu,
-            f.clone(),
-            cfg((n_items as u32, 1), threads, smem),
-            &items,
-            &self.q,
-            &self.k_base,
-            &self.v_base,
-            &self.tables,
-            &self.table_off,
-            &self.positions,
-            &self.dims,
-            &self.part_acc,
-            &self.part_ml
-        )
+        self.launch_with(gpu, f, (items, n_items), (threads, smem), &[])
     }
-}
 
-impl AttnLaunch {
     /// Launch the tensor-core prefill kernel `f` (`attn_prefill_mma_*`) over `n_items` items,
     /// `threads` per block; items marked single-split write their rows of `out` themselves.
     pub fn launch_prefill_mma(
@@ -188,25 +169,7 @@ impl AttnLaunch {
         (threads, smem): (u32, u32),
         out: u64,
     ) -> Result<(), BackendError> {
-        if n_items == 0 {
-            return Ok(());
-        }
-        launch!(
-            gpu,
-            f.clone(),
-            cfg((n_items as u32, 1), threads, smem),
-            &items,
-            &self.q,
-            &self.k_base,
-            &self.v_base,
-            &self.tables,
-            &self.table_off,
-            &self.positions,
-            &self.dims,
-            &self.part_acc,
-            &self.part_ml,
-            &out
-        )
+        self.launch_with(gpu, f, (items, n_items), (threads, smem), &[out])
     }
 
     /// Launch the streaming decode kernel `f` (`attn_decode_*`, 128 threads, static shared
@@ -220,26 +183,42 @@ impl AttnLaunch {
         counters: u64,
         out: u64,
     ) -> Result<(), BackendError> {
+        self.launch_with(gpu, f, (items, n_items), (128, 0), &[counters, out])
+    }
+
+    /// Every attention kernel takes its item list, then these fields in this order, then its own
+    /// trailing device pointers (`extra`).
+    fn launch_with(
+        &self,
+        gpu: &Gpu,
+        f: &cudarc::driver::CudaFunction,
+        (items, n_items): (u64, usize),
+        (threads, smem): (u32, u32),
+        extra: &[u64],
+    ) -> Result<(), BackendError> {
+        use cudarc::driver::PushKernelArg as _;
         if n_items == 0 {
             return Ok(());
         }
-        launch!(
-            gpu,
-            f.clone(),
-            cfg((n_items as u32, 1), 128, 0),
-            &items,
-            &self.q,
-            &self.k_base,
-            &self.v_base,
-            &self.tables,
-            &self.table_off,
-            &self.positions,
-            &self.dims,
-            &self.part_acc,
-            &self.part_ml,
-            &counters,
-            &out
-        )
+        let mut b = gpu.stream.launch_builder(f);
+        b.arg(&items)
+            .arg(&self.q)
+            .arg(&self.k_base)
+            .arg(&self.v_base)
+            .arg(&self.tables)
+            .arg(&self.table_off)
+            .arg(&self.positions)
+            .arg(&self.dims)
+            .arg(&self.part_acc)
+            .arg(&self.part_ml);
+        for e in extra {
+            b.arg(e);
+        }
+        // SAFETY: the attention kernels' parameter lists (cuda/attention*.cu) are the fields
+        // above in this order followed by `extra`, which each caller passes for its kernel.
+        unsafe { b.launch(cfg((n_items as u32, 1), threads, smem)) }
+            .map(|_| ())
+            .map_err(|e| super::gpu::dev_err("kernel launch", e))
     }
 }
 
