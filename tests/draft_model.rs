@@ -33,20 +33,7 @@ fn hf(name: &str) -> String {
 /// Lane `k0` does not draft; lanes `k1`, `k3`, `k7` draft with `method`.
 fn config(method: SpeculativeMethod) -> EngineConfig {
     let mut cfg = EngineConfig::builtin();
-    let template = cfg.lanes[0].clone();
-    cfg.lanes = [0]
-        .into_iter()
-        .chain(KS)
-        .map(|k| {
-            let mut l = template.clone();
-            l.name = format!("k{k}");
-            l.port = 0;
-            l.priority = 0;
-            l.speculative = if k == 0 { SpeculativeMethod::None } else { method.clone() };
-            l.num_speculative_tokens = k.max(1);
-            l
-        })
-        .collect();
+    cfg.lanes = common::engine::draft_length_lanes(&cfg, [0].into_iter().chain(KS), &method);
     cfg.scheduler.max_num_seqs = 32;
     cfg.scheduler.max_num_batched_tokens = 1024;
     cfg.scheduler.kv_pool_tokens = 16_384;
@@ -58,11 +45,7 @@ async fn start(target: &str, cfg: EngineConfig) -> Result<Arc<Engine>, String> {
     let engine = start_engine(bundle, cfg, EngineOptions { device: Default::default(), served_model_name: "t".into() })
         .await
         .map_err(|e| e.to_string())?;
-    let t0 = std::time::Instant::now();
-    while !engine.is_ready() {
-        assert!(t0.elapsed() < Duration::from_secs(120), "model did not load");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    common::engine::wait_ready(&engine, Duration::from_secs(120)).await;
     Ok(engine)
 }
 
@@ -77,16 +60,7 @@ fn prompts() -> Vec<Vec<u32>> {
 }
 
 fn request(lane: &str, prompt: &[u32], max_tokens: usize) -> GenerationRequest {
-    GenerationRequest {
-        lane: lane.into(),
-        prompt: prompt.to_vec(),
-        sampling: SamplingParams::default(),
-        max_tokens,
-        stop_strings: Vec::new(),
-        stop_token_ids: Vec::new(),
-        ignore_eos: true,
-        skip_special_tokens: true,
-    }
+    GenerationRequest::greedy_fixed_length(lane, prompt.to_vec(), max_tokens)
 }
 
 async fn generate(engine: &Engine, lane: &str, prompt: &[u32]) -> Vec<u32> {

@@ -111,11 +111,7 @@ async fn start(bundle: ModelBundle, precision: Precision) -> Arc<Engine> {
     let e = start_engine(bundle, engine_config(), EngineOptions { device, served_model_name: "t".into() })
         .await
         .expect("start the engine on cuda:0");
-    let t0 = std::time::Instant::now();
-    while !e.is_ready() {
-        assert!(t0.elapsed() < Duration::from_secs(180), "model load timed out");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    common::engine::wait_ready(&e, Duration::from_secs(180)).await;
     e
 }
 

@@ -36,18 +36,7 @@ const PROMPTS: &[&str] = &[
 /// One lane per draft length (k1..k7) plus an un-drafted lane.
 fn config(method: SpeculativeMethod) -> EngineConfig {
     let mut cfg = EngineConfig::builtin();
-    let template = cfg.lanes[0].clone();
-    cfg.lanes = (0..=7)
-        .map(|k| {
-            let mut l = template.clone();
-            l.name = format!("k{k}");
-            l.port = 0;
-            l.priority = 0;
-            l.speculative = if k == 0 { SpeculativeMethod::None } else { method.clone() };
-            l.num_speculative_tokens = k.max(1);
-            l
-        })
-        .collect();
+    cfg.lanes = common::engine::draft_length_lanes(&cfg, 0..=7, &method);
     cfg.scheduler.max_num_seqs = 64;
     cfg.scheduler.max_num_batched_tokens = 1024;
     cfg
@@ -63,11 +52,7 @@ async fn start(cfg: EngineConfig) -> Option<(std::sync::Arc<Engine>, Vec<Vec<u32
         start_engine(bundle, cfg, EngineOptions { device: Default::default(), served_model_name: "default".into() })
             .await
             .expect("start the engine");
-    let t0 = std::time::Instant::now();
-    while !engine.is_ready() {
-        assert!(t0.elapsed() < Duration::from_secs(300), "model did not load");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    common::engine::wait_ready(&engine, Duration::from_secs(300)).await;
     Some((engine, prompts))
 }
 
@@ -447,11 +432,7 @@ async fn glm5_drafted_greedy_equals_undrafted_through_the_engine() {
         served_model_name: "glm5-tiny".into(),
     };
     let engine = start_engine(open_tiny_glm5(), glm5_config(), opts).await.expect("start the engine");
-    let t0 = std::time::Instant::now();
-    while !engine.is_ready() {
-        assert!(t0.elapsed() < Duration::from_secs(60), "model did not load");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    common::engine::wait_ready(&engine, Duration::from_secs(60)).await;
     let prompts = glm5_prompts();
     let mut reference = Vec::new();
     for p in &prompts {

@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 
 use shelfserve::actors::kvpool::PoolStats;
 use shelfserve::actors::{start_engine, Engine, EngineOptions, InferenceEngine, Usage};
-use shelfserve::config::engine::EngineConfig;
+use shelfserve::config::engine::{EngineConfig, LaneConfig};
 use shelfserve::kv::MissReason;
 use shelfserve::model::ModelBundle;
+use shelfserve::spec::SpeculativeMethod;
 
 /// Starts an engine and waits until its model is loaded; a load slower than `patience` fails.
 pub async fn start_ready(
@@ -33,6 +34,27 @@ pub async fn wait_ready(e: &Engine, patience: Duration) {
         assert!(t0.elapsed() < patience, "the model did not load within {patience:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// One lane `k{k}` per draft length in `ks`, copied from `cfg`'s first lane: `k0` does not
+/// draft, the others draft up to k tokens with `method` (port 0, one priority).
+pub fn draft_length_lanes(
+    cfg: &EngineConfig,
+    ks: impl IntoIterator<Item = usize>,
+    method: &SpeculativeMethod,
+) -> Vec<LaneConfig> {
+    let template = &cfg.lanes[0];
+    ks.into_iter()
+        .map(|k| {
+            let mut l = template.clone();
+            l.name = format!("k{k}");
+            l.port = 0;
+            l.priority = 0;
+            l.speculative = if k == 0 { SpeculativeMethod::None } else { method.clone() };
+            l.num_speculative_tokens = k.max(1);
+            l
+        })
+        .collect()
 }
 
 /// The spill tier on `dir` with a 1 GiB budget, or off.
