@@ -5,8 +5,8 @@
 # Usage: gpu_bench.sh [config.json ...]   (default: the 8B and 1B configs)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+. "$HERE/gpu_env.sh"
+export PYTHONUNBUFFERED=1
 OUTDIR=${OUT:-/tmp}
 configs=("$@")
 [ ${#configs[@]} -eq 0 ] && configs=("$HERE/configs/llama-8b.json" "$HERE/configs/llama-1b.json")

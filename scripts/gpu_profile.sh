@@ -8,8 +8,7 @@
 # decode attention; 195 with SHELFSERVE_CUDA_STREAM_DECODE=0, which adds the combine kernel)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0
+. "$HERE/gpu_env.sh"
 cfg=${1:-$HERE/configs/llama-8b.json}
 ctx=${2:-1024}
 per_step=${PER_STEP:-163}

@@ -5,17 +5,15 @@
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUTDIR=${OUT:-/tmp}
-SITE=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
+. "$HERE/gpu_env.sh"
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # cudarc opens `libnccl.so`; the NCCL wheel ships only `libnccl.so.2`.
-nccl=$(ls $SITE/nccl/lib/libnccl.so* $SITE/cu13/lib/libnccl.so* /usr/lib/x86_64-linux-gnu/libnccl.so* 2>/dev/null | head -1)
+nccl=$(ls $GPU_SITE/nccl/lib/libnccl.so* $GPU_SITE/cu13/lib/libnccl.so* /usr/lib/x86_64-linux-gnu/libnccl.so* 2>/dev/null | head -1)
 mkdir -p /tmp/ncclib && ln -sf "$nccl" /tmp/ncclib/libnccl.so
-export LD_LIBRARY_PATH=/tmp/ncclib:$SITE/cu13/lib:$SITE/nccl/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+export LD_LIBRARY_PATH=/tmp/ncclib:$LD_LIBRARY_PATH
 echo "NCCL library: $nccl"
 nvidia-smi topo -m 2>&1 | head -4
-# Fixtures are found under the directory the test binary was built in: point it here.
-built=$(cat "$HERE/manifest_dir")
-if [ ! -e "$built/tests/fixtures" ]; then mkdir -p "$(dirname "$built")" && ln -sfn "$PWD" "$built"; fi
+link_fixtures
 status=0
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 "$HERE/gpu_tp" --include-ignored --nocapture --test-threads=1 2>&1 | tee "$OUTDIR/gpu_tp.log" || status=1
 for tp in 1 2; do
