@@ -270,6 +270,7 @@ FOR_STORAGE_TYPES(ATTN_KERNELS)
 #define DEC_ROWS 4         // query rows per pass (one decode token of a GQA-4 group)
 #define DEC_MAX_ROWS 16    // ROWS_PER_ITEM in plan.rs
 #define DEC_MAX_SPLITS 64  // STREAM_MAX_SPLITS in plan.rs
+#define DEC_MAX_TOKENS 16  // DECODE_MAX_TOKENS in plan.rs: most tokens of a sequence in a streamed step
 
 // 8 consecutive K or V elements, raw until used (bf16: one 16-byte load; f32: two).
 template <typename T> struct Kv8;
@@ -355,6 +356,25 @@ __device__ void attn_decode_impl(const int* items, const float* q, const T* k_ca
     const float sl2 = d.scale * 1.4426950408889634f;
     const i64 kv_col = (i64)kvh * HD + c0;
 
+    // While the q/k/v kernel drains (programmatic dependent launch), load the first step's K/V
+    // rows that no kernel of this step writes: a streamed tile's sequence has at most
+    // DEC_MAX_TOKENS tokens in the step, none before positions[tok0] + 1 - DEC_MAX_TOKENS (the
+    // positions, item list and block tables come from the host). Then wait for q and the new rows.
+    pdl_launch_dependents();
+    const int settled = positions[tok0] + 1 - DEC_MAX_TOKENS;
+    Kv8<T> kr[U], vr[U];
+    int kp[U];
+    fetch_keys<T, U, NS>(key0, stream, min(key1, settled), table, d, kvd, kv_col, k_cache, v_cache, kr, vr, kp);
+    pdl_wait();
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (kp[u] >= settled && kp[u] < key1) {
+            const i64 off = (i64)table[kp[u] / d.block_size] * d.block_stride + (i64)(kp[u] % d.block_size) * kvd + kv_col;
+            kr[u].load(k_cache + off);
+            vr[u].load(v_cache + off);
+        }
+    }
+
     for (int pass0 = 0; pass0 < rows; pass0 += DEC_ROWS) {
         const int prow = min(DEC_ROWS, rows - pass0);  // uniform over the block
         float qv[DEC_ROWS][8], m[DEC_ROWS], l[DEC_ROWS], acc[DEC_ROWS][8];
@@ -377,9 +397,7 @@ __device__ void attn_decode_impl(const int* items, const float* q, const T* k_ca
             for (int e = 0; e < 8; ++e) acc[r][e] = 0.f;
         }
         // Two steps in flight: the next step's K/V loads are issued before this step computes.
-        Kv8<T> kr[U], vr[U];
-        int kp[U];
-        fetch_keys<T, U, NS>(key0, stream, key1, table, d, kvd, kv_col, k_cache, v_cache, kr, vr, kp);
+        if (pass0 > 0) fetch_keys<T, U, NS>(key0, stream, key1, table, d, kvd, kv_col, k_cache, v_cache, kr, vr, kp);
         for (int kb = key0; kb < key1; kb += STEP) {
             Kv8<T> kn[U], vn[U];
             int np[U];
@@ -532,7 +550,7 @@ __device__ void attn_decode_impl(const int* items, const float* q, const T* k_ca
 }
 
 #define ATTN_DECODE_KERNEL(T, S, HD)                                                                          \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS) attn_decode_d##HD##_##S(                        \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS, 3) attn_decode_d##HD##_##S(                        \
         const int* items, const float* q, const T* kc, const T* vc, const int* tables, const int* toff,        \
         const int* pos, AttnDims d, float* pa, float* pm, int* counters, T* out) {                             \
         attn_decode_impl<T, HD>(items, q, kc, vc, tables, toff, pos, d, pa, pm, counters, out);               \

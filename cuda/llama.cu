@@ -6,6 +6,7 @@
 
 template <typename T>
 __device__ void embed_impl(const int* ids, const T* table, float* x, int h) {
+    pdl_launch_dependents();  // the first layer's GEMV may start loading its weights
     const T* row = table + (i64)ids[blockIdx.x] * h;
     float* out = x + (i64)blockIdx.x * h;
     for (int i = threadIdx.x; i < h; i += blockDim.x) out[i] = to_f(row[i]);

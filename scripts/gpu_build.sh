@@ -14,7 +14,7 @@ case "${1:-validate}" in
   validate)
     test_name=gpu_validate
     DEST=${DEST:-.dev/cuda}
-    scripts=(scripts/gpu_env.sh scripts/gpu_validate.sh scripts/gpu_sampling.sh scripts/gpu_bench.sh scripts/gpu_profile.sh scripts/bench_peer.py)
+    scripts=(scripts/gpu_env.sh scripts/gpu_validate.sh scripts/gpu_sampling.sh scripts/gpu_bench.sh scripts/gpu_profile.sh scripts/gpu_ab.sh scripts/bench_peer.py)
     ;;
   tp)
     test_name=gpu_tp

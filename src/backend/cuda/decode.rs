@@ -3,9 +3,9 @@
 //! by-value parameter blocks shared with the kernels (RoPE, attention dimensions) and the
 //! attention launch helper both attention kernels go through. Plain data; no model logic.
 
-use super::gpu::{cfg, DeviceRepr, Gpu, Precision, GEMV_MAX_ROWS};
+use super::gpu::{cfg, kernel_param, DeviceRepr, Gpu, Precision, GEMV_MAX_ROWS};
 use crate::backend::BackendError;
-use crate::launch;
+use crate::launch_dependent;
 
 /// Weight rows (output columns) one GEMV block computes (`GEMV_COLS` in cuda/gemv.cu).
 pub const GEMV_COLS: usize = 8;
@@ -111,7 +111,8 @@ pub fn launch_gemv(gpu: &mut Gpu, kind: GemvKind, prec: Precision, a: &GemvArgs)
     debug_assert!(!matches!(kind, GemvKind::NormSwiglu | GemvKind::NormRope) || a.n % 2 == 0);
     let f = gpu.func("gemv", &gemv_kernel_name(kind, a.m as usize, prec))?;
     let blocks = (a.n as usize).div_ceil(GEMV_COLS) as u32;
-    launch!(gpu, f, cfg((blocks, 1), GEMV_THREADS, 0), a)
+    // The GEMVs load weights before `pdl_wait()` and touch activations only after it.
+    launch_dependent!(gpu, f, cfg((blocks, 1), GEMV_THREADS, 0), a)
 }
 
 /// Dynamic shared memory of the tensor-core prefill attention kernel for head size `hd`: two
@@ -156,7 +157,7 @@ impl AttnLaunch {
         threads: u32,
         smem: u32,
     ) -> Result<(), BackendError> {
-        self.launch_with(gpu, f, (items, n_items), (threads, smem), &[])
+        self.launch_with(gpu, f, (items, n_items), (threads, smem), &[], false)
     }
 
     /// Launch the tensor-core prefill kernel `f` (`attn_prefill_mma_*`) over `n_items` items,
@@ -169,11 +170,12 @@ impl AttnLaunch {
         (threads, smem): (u32, u32),
         out: u64,
     ) -> Result<(), BackendError> {
-        self.launch_with(gpu, f, (items, n_items), (threads, smem), &[out])
+        self.launch_with(gpu, f, (items, n_items), (threads, smem), &[kernel_param(&out)], false)
     }
 
     /// Launch the streaming decode kernel `f` (`attn_decode_*`, 128 threads, static shared
-    /// memory) over `n_items` decode items; it writes finished rows of `out` itself.
+    /// memory) over `n_items` decode items; it writes finished rows of `out` itself. It waits on
+    /// the q/k/v kernel with `pdl_wait()`, so it is launched as a dependent.
     pub fn launch_streaming(
         &self,
         gpu: &Gpu,
@@ -183,42 +185,41 @@ impl AttnLaunch {
         counters: u64,
         out: u64,
     ) -> Result<(), BackendError> {
-        self.launch_with(gpu, f, (items, n_items), (128, 0), &[counters, out])
+        let extra = [kernel_param(&counters), kernel_param(&out)];
+        self.launch_with(gpu, f, (items, n_items), (128, 0), &extra, true)
     }
 
     /// Every attention kernel takes its item list, then these fields in this order, then its own
-    /// trailing device pointers (`extra`).
+    /// trailing arguments (`extra`, each as [`kernel_param`] gives it).
     fn launch_with(
         &self,
         gpu: &Gpu,
         f: &cudarc::driver::CudaFunction,
         (items, n_items): (u64, usize),
         (threads, smem): (u32, u32),
-        extra: &[u64],
+        extra: &[*mut std::ffi::c_void],
+        dependent: bool,
     ) -> Result<(), BackendError> {
-        use cudarc::driver::PushKernelArg as _;
         if n_items == 0 {
             return Ok(());
         }
-        let mut b = gpu.stream.launch_builder(f);
-        b.arg(&items)
-            .arg(&self.q)
-            .arg(&self.k_base)
-            .arg(&self.v_base)
-            .arg(&self.tables)
-            .arg(&self.table_off)
-            .arg(&self.positions)
-            .arg(&self.dims)
-            .arg(&self.part_acc)
-            .arg(&self.part_ml);
-        for e in extra {
-            b.arg(e);
-        }
+        let mut params = vec![
+            kernel_param(&items),
+            kernel_param(&self.q),
+            kernel_param(&self.k_base),
+            kernel_param(&self.v_base),
+            kernel_param(&self.tables),
+            kernel_param(&self.table_off),
+            kernel_param(&self.positions),
+            kernel_param(&self.dims),
+            kernel_param(&self.part_acc),
+            kernel_param(&self.part_ml),
+        ];
+        params.extend_from_slice(extra);
         // SAFETY: the attention kernels' parameter lists (cuda/attention*.cu) are the fields
-        // above in this order followed by `extra`, which each caller passes for its kernel.
-        unsafe { b.launch(cfg((n_items as u32, 1), threads, smem)) }
-            .map(|_| ())
-            .map_err(|e| super::gpu::dev_err("kernel launch", e))
+        // above in this order followed by `extra`, which each caller passes for its kernel; all
+        // of them outlive the call.
+        unsafe { gpu.launch_params(f, cfg((n_items as u32, 1), threads, smem), &mut params, dependent) }
     }
 }
 

@@ -145,6 +145,37 @@ pub fn grid_for(n: usize, block: u32) -> u32 {
     (n.div_ceil(block as usize)).clamp(1, 65_535) as u32
 }
 
+/// How the kernels that support it are launched; read once when the device opens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchTuning {
+    /// Launch the kernels that wait on their predecessor (`pdl_wait` in cuda/common.cuh) as
+    /// programmatic dependents, so each starts loading its weights while the previous kernel
+    /// drains (sm_90 and later; `SHELFSERVE_CUDA_PDL=0` turns it off).
+    pub dependent_launch: bool,
+}
+
+impl LaunchTuning {
+    /// The tuning for a device of compute capability `cc`, from the environment's values (`var`
+    /// looks one up by name).
+    pub fn parse(cc: (i32, i32), var: impl Fn(&str) -> Option<String>) -> Result<Self, BackendError> {
+        let allowed = match var("SHELFSERVE_CUDA_PDL").as_deref() {
+            None | Some("1") => true,
+            Some("0") => false,
+            Some(other) => return Err(BackendError::Device(format!("SHELFSERVE_CUDA_PDL={other:?}: expected 0 or 1"))),
+        };
+        Ok(LaunchTuning { dependent_launch: allowed && cc.0 >= 9 })
+    }
+
+    fn from_env(cc: (i32, i32)) -> Result<Self, BackendError> {
+        Self::parse(cc, |name| std::env::var(name).ok())
+    }
+}
+
+/// A kernel parameter as the driver takes it: the address of the value.
+pub fn kernel_param<T: DeviceRepr>(value: &T) -> *mut std::ffi::c_void {
+    value as *const T as *mut std::ffi::c_void
+}
+
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
@@ -154,6 +185,7 @@ pub struct Gpu {
     pub name: String,
     pub ordinal: usize,
     pub compute_capability: (i32, i32),
+    pub tuning: LaunchTuning,
 }
 
 impl Gpu {
@@ -175,6 +207,7 @@ impl Gpu {
         let blas = CudaBlas::new(stream.clone()).map_err(|e| dev_err("creating the cuBLAS handle", e))?;
         let compute_capability = ctx.compute_capability().map_err(|e| dev_err("reading compute capability", e))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
+        let tuning = LaunchTuning::from_env(compute_capability)?;
         let mut gpu = Gpu {
             ctx,
             stream,
@@ -184,6 +217,7 @@ impl Gpu {
             name,
             ordinal,
             compute_capability,
+            tuning,
         };
         for (module, src) in MODULES {
             gpu.compile(module, src)?;
@@ -220,6 +254,49 @@ impl Gpu {
         let f = m.load_function(name).map_err(|e| dev_err(&format!("kernel {name}"), e))?;
         self.functions.insert(name.to_string(), f.clone());
         Ok(f)
+    }
+
+    /// Launch `f` with `params` (each the address of one argument, in the kernel's order). A
+    /// `dependent` launch may start while the previous kernel on the stream drains when the
+    /// tuning allows it; only kernels that call `pdl_wait()` before touching their
+    /// predecessors' outputs may be launched so.
+    ///
+    /// # Safety
+    /// `params` must match `f`'s parameter list and point at live values.
+    pub unsafe fn launch_params(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        params: &mut [*mut std::ffi::c_void],
+        dependent: bool,
+    ) -> Result<(), BackendError> {
+        use cudarc::driver::sys;
+        self.bind()?;
+        let stream = self.stream.cu_stream();
+        let (grid, block) = (cfg.grid_dim, cfg.block_dim);
+        if !(dependent && self.tuning.dependent_launch) {
+            return drv::launch_kernel(f.cu_function(), grid, block, cfg.shared_mem_bytes, stream, params)
+                .map_err(|e| dev_err("kernel launch", e));
+        }
+        // SAFETY: a zeroed attribute is a valid value of the C struct; its id and value are set next.
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut())
+            .result()
+            .map_err(|e| dev_err("dependent kernel launch", e))
     }
 
     pub fn bind(&self) -> Result<(), BackendError> {
@@ -344,11 +421,41 @@ macro_rules! launch {
     }};
 }
 
+/// Launch `f` as a programmatic dependent of the kernel before it (see [`Gpu::launch_params`]):
+/// only for kernels that call `pdl_wait()` before reading what earlier kernels wrote.
+#[macro_export]
+macro_rules! launch_dependent {
+    ($gpu:expr, $f:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
+        // SAFETY: every kernel's parameter list matches the arguments listed here (see cuda/*.cu);
+        // the argument temporaries live until the end of this statement, past the launch.
+        unsafe {
+            $gpu.launch_params(&$f, $cfg, &mut [$($crate::backend::cuda::gpu::kernel_param($arg)),+], true)
+        }
+    }};
+}
+
 pub use cudarc::driver::DeviceRepr;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn launch_tuning_defaults_by_architecture_and_refuses_bad_values() {
+        fn with(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+            let pairs: Vec<(String, String)> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            move |name| pairs.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+        }
+        let hopper = LaunchTuning::parse((9, 0), with(&[])).unwrap();
+        assert!(hopper.dependent_launch);
+        assert!(!LaunchTuning::parse((8, 0), with(&[])).unwrap().dependent_launch, "griddepcontrol needs sm_90");
+        assert!(!LaunchTuning::parse((8, 0), with(&[("SHELFSERVE_CUDA_PDL", "1")])).unwrap().dependent_launch);
+        assert!(!LaunchTuning::parse((9, 0), with(&[("SHELFSERVE_CUDA_PDL", "0")])).unwrap().dependent_launch);
+        for bad in ["yes", "2", ""] {
+            let e = LaunchTuning::parse((9, 0), with(&[("SHELFSERVE_CUDA_PDL", bad)])).unwrap_err().to_string();
+            assert!(e.contains("SHELFSERVE_CUDA_PDL"), "{e}");
+        }
+    }
 
     // No GPU needed, only the library: the NVIDIA wheels of a torch install ship it
     // (`site-packages/nvidia/cu13/lib`). gpu_validate.sh runs the integration tests, not this one.

@@ -63,7 +63,9 @@ impl MmaTiles {
 /// many blocks beat long loops) and merged by the combine kernel.
 pub const DECODE_SPLIT: usize = 64;
 /// Steps of at most this many tokens of one sequence count as decode/verify (split keys);
-/// longer prefill chunks have enough query tiles to fill the device without splitting.
+/// longer prefill chunks have enough query tiles to fill the device without splitting. The
+/// streaming decode kernel relies on it (`DEC_MAX_TOKENS`): keys more than this far behind a
+/// tile's first token are not written by the step, so it loads them before the q/k/v kernel ends.
 pub const DECODE_MAX_TOKENS: usize = 16;
 /// Ints per work item, as `cuda/attention.cu` reads them.
 pub const ITEM_INTS: usize = 8;
@@ -374,6 +376,18 @@ mod tests {
         assert_eq!((it[0][1], it[0][5], it[0][3]), (192, 200, 0), "last tile of kv head 0 first");
         assert_eq!((it[1][1], it[1][3]), (192, 1), "then the same tile of kv head 1");
         assert_eq!(*it.last().unwrap(), [0, 0, 32, 1, 0, 32, 0, 1], "one split: the kernel writes its rows");
+    }
+
+    #[test]
+    fn the_attention_kernels_limits_match_the_planner() {
+        let src = super::super::gpu::MODULES.iter().find(|(m, _)| *m == "attention").unwrap().1;
+        let define = |name: &str| -> usize {
+            let line = src.lines().find(|l| l.starts_with(&format!("#define {name} "))).unwrap();
+            line.split_whitespace().nth(2).unwrap().parse().unwrap()
+        };
+        assert_eq!(define("DEC_MAX_TOKENS"), DECODE_MAX_TOKENS);
+        assert_eq!(define("DEC_MAX_ROWS"), ROWS_PER_ITEM);
+        assert_eq!(define("DEC_MAX_SPLITS"), STREAM_MAX_SPLITS);
     }
 
     #[test]
