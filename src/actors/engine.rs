@@ -209,6 +209,9 @@ pub async fn start_engine(
     opts: EngineOptions,
 ) -> Result<Arc<Engine>, EngineError> {
     config.validate().map_err(EngineError::Invalid)?;
+    // The one place `auto` is settled (probing the driver once): the drafter's verification
+    // price, the pool's KV layout and every rank's backend read this.
+    let device = opts.device.resolve();
     let s = &config.scheduler;
     let model_ctx = bundle.config.max_position_embeddings;
     let pool = pool_tokens(&config, model_ctx);
@@ -258,13 +261,8 @@ pub async fn start_engine(
     let spill = crate::spill::open_store(spill_dir.as_ref(), s.spill_budget, &fingerprint);
     let pool_identity = PoolIdentity {
         model_fingerprint: fingerprint,
-        // The device and its precision decide the image layout (CPU f16/f32 follows the weights,
-        // which the fingerprint covers).
-        kv_layout: match opts.device.tensor_parallel {
-            0 | 1 => format!("{:?}/{:?}/block{}", opts.device.kind, opts.device.cuda_precision, kv.block_size),
-            // Each rank's blocks hold its own kv heads.
-            tp => format!("{:?}/{:?}/block{}/tp{tp}", opts.device.kind, opts.device.cuda_precision, kv.block_size),
-        },
+        // The resolved device and its precision decide the bytes of a block image.
+        kv_layout: device.kv_layout(kv.block_size),
         rank: 0,
     };
     // Unnamed actors: ractor's registry is process-wide, and tests run several engines.
@@ -274,7 +272,7 @@ pub async fn start_engine(
         // a KV store as large as the target's pool, and loads on the blocking pool.
         let target_vocab = VocabIdentity::of(&bundle);
         let draft_opts = DraftModelOptions { threads: opts.device.threads, pool_tokens: pool };
-        let device_row_cost = crate::spec::adaptive::verify_row_cost_for(opts.device.resolve());
+        let device_row_cost = crate::spec::adaptive::verify_row_cost_for(device.kind);
         let row_costs: Vec<f64> =
             config.lanes.iter().map(|l| l.speculative_row_cost.unwrap_or(device_row_cost)).collect();
         let sources = tokio::task::spawn_blocking(move || sources_for(&methods, &row_costs, &target_vocab, draft_opts))
@@ -292,8 +290,7 @@ pub async fn start_engine(
     };
     // One executor per tensor-parallel rank, each loading its shard on its own thread; the
     // scheduler learns them from their ready reports and sends every step to all of them.
-    let makers =
-        rank_backend_makers(Arc::new(bundle), &opts.device, kv).map_err(|e| EngineError::Invalid(e.to_string()))?;
+    let makers = rank_backend_makers(Arc::new(bundle), &device, kv).map_err(|e| EngineError::Invalid(e.to_string()))?;
     let (scheduler, _) = Actor::spawn(
         None,
         SchedulerActor,

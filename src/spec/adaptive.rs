@@ -18,6 +18,7 @@
 use std::collections::HashMap;
 
 use super::{DraftSource, SeqId};
+use crate::generate::ResolvedKind;
 
 /// Cost model and estimator parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -44,11 +45,10 @@ pub const CPU_VERIFY_ROW_COST: f64 = 0.25;
 pub const CUDA_VERIFY_ROW_COST: f64 = 0.05;
 
 /// The measured verification row cost of the device a target runs on.
-pub fn verify_row_cost_for(device: crate::generate::DeviceKind) -> f64 {
+pub fn verify_row_cost_for(device: ResolvedKind) -> f64 {
     match device {
-        crate::generate::DeviceKind::Cuda => CUDA_VERIFY_ROW_COST,
-        // `Auto` is resolved before this is asked; a CPU guess is the conservative one.
-        crate::generate::DeviceKind::Cpu | crate::generate::DeviceKind::Auto => CPU_VERIFY_ROW_COST,
+        ResolvedKind::Cuda => CUDA_VERIFY_ROW_COST,
+        ResolvedKind::Cpu => CPU_VERIFY_ROW_COST,
     }
 }
 
@@ -167,9 +167,8 @@ mod tests {
 
     #[test]
     fn the_gpu_cost_drafts_where_the_cpu_cost_does_not() {
-        use crate::generate::DeviceKind;
-        let cpu = AdaptiveConfig::with_row_cost(verify_row_cost_for(DeviceKind::Cpu));
-        let gpu = AdaptiveConfig::with_row_cost(verify_row_cost_for(DeviceKind::Cuda));
+        let cpu = AdaptiveConfig::with_row_cost(verify_row_cost_for(ResolvedKind::Cpu));
+        let gpu = AdaptiveConfig::with_row_cost(verify_row_cost_for(ResolvedKind::Cuda));
         assert_eq!(cpu, AdaptiveConfig::default());
         // At 20 % acceptance one more row pays on the GPU (1.2 / 1.05 > 1) but not on the CPU
         // (1.2 / 1.25 < 1, and longer drafts add less than they cost).
