@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use ractor::{Actor, ActorRef};
 
-use super::drafter::{sources_for, DrafterActor, DrafterMsg};
+use super::drafter::{sources_for, DrafterActor, DrafterMsg, LanePricing};
 use super::executor::{ExecutorActor, ExecutorArgs, ExecutorMsg};
 use super::handle::{EngineError, EventStream, GenerationRequest, InferenceEngine, ModelInfo};
 use super::kvpool::PoolStats;
@@ -95,13 +95,7 @@ pub struct CapacityCard {
 impl CapacityCard {
     pub fn new(bundle: &ModelBundle, pool_tokens: usize, page_tokens: usize, spill_budget: u64) -> Self {
         let c = &bundle.config;
-        let weight_bytes = bundle
-            .weights
-            .tensor_names()
-            .iter()
-            .filter_map(|n| bundle.weights.tensor(n))
-            .map(|t| t.data.len() as u64)
-            .sum();
+        let weight_bytes = bundle.stored_weight_bytes();
         let kv_bytes_per_token = (2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4) as u64;
         // The CPU backend's slot image: f32 KDA states and conv windows.
         let snapshot_bytes_per_page = if crate::model::glm5_next::MODEL_TYPES.contains(&c.model_type.as_str()) {
@@ -273,12 +267,21 @@ pub async fn start_engine(
         let target_vocab = VocabIdentity::of(&bundle);
         let draft_opts = DraftModelOptions { threads: opts.device.threads, pool_tokens: pool };
         let device_row_cost = crate::spec::adaptive::verify_row_cost_for(device.kind);
-        let row_costs: Vec<f64> =
-            config.lanes.iter().map(|l| l.speculative_row_cost.unwrap_or(device_row_cost)).collect();
-        let sources = tokio::task::spawn_blocking(move || sources_for(&methods, &row_costs, &target_vocab, draft_opts))
-            .await
-            .map_err(|e| EngineError::Executor(format!("loading the draft model: {e}")))?
-            .map_err(|e| EngineError::Invalid(e.to_string()))?;
+        let pricing: Vec<LanePricing> = config
+            .lanes
+            .iter()
+            .map(|l| LanePricing {
+                row_cost: l.speculative_row_cost.unwrap_or(device_row_cost),
+                draft_cost: l.speculative_draft_cost,
+            })
+            .collect();
+        let target_weight_bytes = card.weight_bytes;
+        let sources = tokio::task::spawn_blocking(move || {
+            sources_for(&methods, &pricing, &target_vocab, target_weight_bytes, draft_opts)
+        })
+        .await
+        .map_err(|e| EngineError::Executor(format!("loading the draft model: {e}")))?
+        .map_err(|e| EngineError::Invalid(e.to_string()))?;
         let (d, _) =
             Actor::spawn(None, DrafterActor, sources).await.map_err(|e| EngineError::Executor(e.to_string()))?;
         for l in config.lanes.iter().filter(|l| l.speculative != SpeculativeMethod::None) {

@@ -11,7 +11,7 @@ use clap::{Args, Parser, Subcommand};
 pub mod bench;
 pub mod serve;
 
-use crate::actors::drafter::sources_for;
+use crate::actors::drafter::{sources_for, LanePricing};
 use crate::backend::cuda::Precision;
 use crate::backend::{Backend, KvGeometry};
 use crate::fidelity::{compare, LogitsFile};
@@ -263,7 +263,9 @@ pub fn run_generate(args: &GenerateArgs) -> Result<(), CliError> {
     // Resolved once: the verification price and the backend both follow it.
     let device = args.model.device_selection()?.resolve();
     let row_cost = crate::spec::adaptive::verify_row_cost_for(device.kind);
-    let mut drafter = sources_for(std::slice::from_ref(&method), &[row_cost], &VocabIdentity::of(&bundle), draft_opts)
+    let pricing = LanePricing { row_cost, draft_cost: None };
+    let target = VocabIdentity::of(&bundle);
+    let mut drafter = sources_for(&[method], &[pricing], &target, bundle.stored_weight_bytes(), draft_opts)
         .map_err(|e| CliError::Usage(format!("--speculative: {e}")))?
         .pop()
         .flatten();
