@@ -7,8 +7,8 @@
 //! A `draft:PATH` lane's source is a draft model on the CPU backend with its own KV store
 //! (`spec::draft_model`); each lane's requests go to its source in one `propose_batch` call, so the
 //! draft model runs one batched forward per draft position. Every source runs under the adaptive
-//! draft length (`spec::adaptive`), so a request's `k` is the most a sequence may get. That compute runs on the blocking
-//! pool, never on the actor's async thread.
+//! draft length (`spec::adaptive`), so a request's `k` is the most a sequence may get. That
+//! compute runs on the blocking pool, never on the actor's async thread.
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
