@@ -165,38 +165,105 @@ impl Default for DeviceSelection {
 }
 
 impl DeviceSelection {
-    /// Settle `auto`: CUDA when the driver sees a device, else the CPU, logging which and why.
-    pub fn resolve(&self) -> DeviceKind {
-        match self.kind {
-            DeviceKind::Auto => match crate::backend::cuda::device_count() {
+    /// Settle `auto` by asking the CUDA driver: CUDA when it sees the device, else the CPU,
+    /// logging which and why. Call once where the engine or backend is built and hand the
+    /// [`ResolvedDevice`] to everything that depends on the device.
+    pub fn resolve(&self) -> ResolvedDevice {
+        self.resolve_with(crate::backend::cuda::device_count)
+    }
+
+    /// [`DeviceSelection::resolve`] with the device count from `probe` (called for `auto` only,
+    /// at most once): the seam tests count through.
+    pub fn resolve_with(&self, probe: impl FnOnce() -> Result<usize, String>) -> ResolvedDevice {
+        let kind = match self.kind {
+            DeviceKind::Cpu => ResolvedKind::Cpu,
+            DeviceKind::Cuda => ResolvedKind::Cuda,
+            DeviceKind::Auto => match probe() {
                 Ok(n) if n > self.cuda_ordinal => {
                     tracing::info!(devices = n, "device auto: using cuda:{} (CUDA device found)", self.cuda_ordinal);
-                    DeviceKind::Cuda
+                    ResolvedKind::Cuda
                 }
                 Ok(n) => {
                     tracing::info!("device auto: using the CPU (the CUDA driver sees {n} device(s))");
-                    DeviceKind::Cpu
+                    ResolvedKind::Cpu
                 }
                 Err(reason) => {
                     tracing::info!("device auto: using the CPU ({reason})");
-                    DeviceKind::Cpu
+                    ResolvedKind::Cpu
                 }
             },
-            k => k,
+        };
+        ResolvedDevice {
+            kind,
+            threads: self.threads,
+            cuda_ordinal: self.cuda_ordinal,
+            cuda_precision: self.cuda_precision,
+            tensor_parallel: self.tensor_parallel,
         }
     }
 }
 
-/// Build the backend the selection names, for a model, with KV geometry `kv`. Call on the
+/// The device a backend really runs on (`auto` settled).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResolvedKind {
+    Cpu,
+    Cuda,
+}
+
+/// A [`DeviceSelection`] with `auto` settled: backends are built from it and prices that depend on
+/// the device read it, so the driver is probed (and "device auto" logged) once per engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ResolvedDevice {
+    pub kind: ResolvedKind,
+    /// CPU worker threads (0 = one per core).
+    pub threads: usize,
+    pub cuda_ordinal: usize,
+    /// Weights and KV precision on CUDA (ignored on the CPU).
+    pub cuda_precision: Precision,
+    /// Tensor-parallel ranks (1 = unsharded).
+    pub tensor_parallel: usize,
+}
+
+impl ResolvedDevice {
+    /// The CPU backend with `threads` workers, unsharded.
+    pub fn cpu(threads: usize) -> Self {
+        ResolvedDevice {
+            kind: ResolvedKind::Cpu,
+            threads,
+            cuda_ordinal: 0,
+            cuda_precision: Precision::Bf16,
+            tensor_parallel: 1,
+        }
+    }
+
+    /// What decides the bytes of a KV block image on this device, for the pool identity that
+    /// salts page hashes (and so names spill files): a page written under one layout is never
+    /// read under another. CUDA stores K and V in its precision (bf16 or f32); the CPU backend's
+    /// KV follows the weights (f16 or f32), which the model fingerprint already covers, so the
+    /// CUDA precision knob does not enter a CPU identity. Each tensor-parallel rank's blocks hold
+    /// its own KV heads.
+    pub fn kv_layout(&self, block_size: usize) -> String {
+        let device = match self.kind {
+            ResolvedKind::Cpu => "cpu".to_string(),
+            ResolvedKind::Cuda => format!("cuda/{:?}", self.cuda_precision).to_lowercase(),
+        };
+        match self.tensor_parallel {
+            0 | 1 => format!("{device}/block{block_size}"),
+            tp => format!("{device}/block{block_size}/tp{tp}"),
+        }
+    }
+}
+
+/// Build the backend on the resolved device, for a model, with KV geometry `kv`. Call on the
 /// thread that will use it (device contexts belong to their thread).
 pub fn make_backend(
     bundle: &ModelBundle,
-    sel: &DeviceSelection,
+    sel: &ResolvedDevice,
     kv: KvGeometry,
 ) -> Result<Box<dyn Backend>, BackendError> {
     let started = std::time::Instant::now();
-    let b: Box<dyn Backend> = match sel.resolve() {
-        DeviceKind::Cuda => {
+    let b: Box<dyn Backend> = match sel.kind {
+        ResolvedKind::Cuda => {
             if crate::model::glm5_next::MODEL_TYPES.contains(&bundle.config.model_type.as_str()) {
                 return Err(BackendError::Unavailable {
                     device: format!("cuda:{}", sel.cuda_ordinal),
@@ -216,7 +283,7 @@ pub fn make_backend(
             );
             Box::new(b)
         }
-        _ => {
+        ResolvedKind::Cpu => {
             let (b, info) = any_cpu_backend_tp(bundle, sel.threads, sel.tensor_parallel, kv)?;
             tracing::info!(
                 weights_mib = info.weight_bytes / (1 << 20),
@@ -236,13 +303,13 @@ pub fn make_backend(
 /// Builds one rank's backend on the thread that will use it (its executor's).
 pub type BackendMaker = Box<dyn FnOnce() -> Result<Box<dyn Backend>, BackendError> + Send>;
 
-/// One backend builder per tensor-parallel rank of the selection (one executor per rank): the
+/// One backend builder per tensor-parallel rank of the resolved device (one executor per rank): the
 /// group's communicators are made here (CPU: an in-process group; CUDA: NCCL over devices
 /// `cuda_ordinal..cuda_ordinal + N`), each rank's weights are loaded by its own builder. At one
 /// rank, the single builder is [`make_backend`].
 pub fn rank_backend_makers(
     bundle: std::sync::Arc<ModelBundle>,
-    sel: &DeviceSelection,
+    sel: &ResolvedDevice,
     kv: KvGeometry,
 ) -> Result<Vec<BackendMaker>, BackendError> {
     let world = sel.tensor_parallel.max(1);
@@ -270,8 +337,8 @@ pub fn rank_backend_makers(
     )
     .map_err(|e| refuse(e.to_string()))?;
     let mut makers: Vec<BackendMaker> = Vec::with_capacity(world);
-    match sel.resolve() {
-        DeviceKind::Cuda => {
+    match sel.kind {
+        ResolvedKind::Cuda => {
             let ordinals = crate::backend::cuda::group_devices(sel.cuda_ordinal, world)?;
             for comm in crate::backend::cuda::nccl_group(&ordinals)? {
                 let (bundle, opts) =
@@ -282,7 +349,7 @@ pub fn rank_backend_makers(
                 }));
             }
         }
-        _ => {
+        ResolvedKind::Cpu => {
             let total = if sel.threads == 0 {
                 std::thread::available_parallelism().map_or(1, |n| n.get())
             } else {
@@ -531,5 +598,84 @@ impl<B: Backend> Runner<B> {
             logits = self.backend.forward(&[step])?.data;
             pos += 1;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Resolves `sel` with a probe that counts its calls and reports `devices`.
+    fn resolve_counted(sel: DeviceSelection, devices: Result<usize, String>) -> (ResolvedDevice, usize) {
+        let mut calls = 0;
+        let resolved = sel.resolve_with(|| {
+            calls += 1;
+            devices
+        });
+        (resolved, calls)
+    }
+
+    #[test]
+    fn auto_probes_the_driver_exactly_once_and_explicit_kinds_never() {
+        let auto = DeviceSelection { kind: DeviceKind::Auto, ..Default::default() };
+        assert_eq!(resolve_counted(auto, Ok(2)), (ResolvedDevice { kind: ResolvedKind::Cuda, ..resolved_cpu() }, 1));
+        assert_eq!(resolve_counted(auto, Ok(0)).0.kind, ResolvedKind::Cpu);
+        assert_eq!(resolve_counted(auto, Err("no libcuda".into())), (resolved_cpu(), 1));
+        // The device asked for must exist: cuda:1 on a one-device machine is the CPU.
+        let second = DeviceSelection { cuda_ordinal: 1, ..auto };
+        assert_eq!(resolve_counted(second, Ok(1)).0.kind, ResolvedKind::Cpu);
+        assert_eq!(resolve_counted(second, Ok(2)).0.kind, ResolvedKind::Cuda);
+        for (kind, want) in [(DeviceKind::Cpu, ResolvedKind::Cpu), (DeviceKind::Cuda, ResolvedKind::Cuda)] {
+            let (r, calls) = resolve_counted(DeviceSelection { kind, ..Default::default() }, Ok(8));
+            assert_eq!((r.kind, calls), (want, 0), "{kind:?} needs no probe");
+        }
+    }
+
+    fn resolved_cpu() -> ResolvedDevice {
+        ResolvedDevice::cpu(0)
+    }
+
+    #[test]
+    fn the_resolution_carries_every_other_knob_unchanged() {
+        let sel = DeviceSelection {
+            kind: DeviceKind::Auto,
+            threads: 3,
+            cuda_ordinal: 0,
+            cuda_precision: Precision::F32,
+            tensor_parallel: 2,
+        };
+        let (r, _) = resolve_counted(sel, Ok(1));
+        assert_eq!(
+            r,
+            ResolvedDevice {
+                kind: ResolvedKind::Cuda,
+                threads: 3,
+                cuda_ordinal: 0,
+                cuda_precision: Precision::F32,
+                tensor_parallel: 2
+            }
+        );
+        // The settled kind is what the drafter's verification price reads.
+        use crate::spec::adaptive::{verify_row_cost_for, CPU_VERIFY_ROW_COST, CUDA_VERIFY_ROW_COST};
+        assert_eq!(verify_row_cost_for(r.kind), CUDA_VERIFY_ROW_COST);
+        assert_eq!(verify_row_cost_for(resolve_counted(sel, Ok(0)).0.kind), CPU_VERIFY_ROW_COST);
+    }
+
+    #[test]
+    fn kv_layout_names_what_decides_the_block_bytes() {
+        let cpu = ResolvedDevice::cpu(2);
+        let cuda_bf16 = ResolvedDevice { kind: ResolvedKind::Cuda, ..cpu };
+        let cuda_f32 = ResolvedDevice { cuda_precision: Precision::F32, ..cuda_bf16 };
+        let layouts: Vec<String> = [cpu, cuda_bf16, cuda_f32].iter().map(|d| d.kv_layout(16)).collect();
+        assert_eq!(layouts, ["cpu/block16", "cuda/bf16/block16", "cuda/f32/block16"]);
+        // Same configuration, same identity; the CUDA precision knob does not change CPU bytes.
+        assert_eq!(cpu.kv_layout(16), ResolvedDevice::cpu(8).kv_layout(16));
+        assert_eq!(cpu.kv_layout(16), ResolvedDevice { cuda_precision: Precision::F32, ..cpu }.kv_layout(16));
+        assert_ne!(cpu.kv_layout(16), cpu.kv_layout(32), "block size");
+        assert_eq!(ResolvedDevice { tensor_parallel: 2, ..cuda_bf16 }.kv_layout(16), "cuda/bf16/block16/tp2");
+        // `auto` gets the identity of the device it settled on, not one shared by both.
+        let auto = DeviceSelection { kind: DeviceKind::Auto, ..Default::default() };
+        assert_eq!(auto.resolve_with(|| Ok(0)).kv_layout(16), "cpu/block16");
+        assert_eq!(auto.resolve_with(|| Ok(1)).kv_layout(16), "cuda/bf16/block16");
     }
 }

@@ -177,6 +177,7 @@ fn lane() -> LaneConfig {
         speculative: Default::default(),
         num_speculative_tokens: 7,
         speculative_row_cost: None,
+        speculative_draft_cost: None,
     }
 }
 

@@ -1,9 +1,10 @@
 //! The draft-model drafter (`--speculative draft:PATH`) on the CPU backend: a drafted greedy reply
 //! equals the un-drafted one bitwise, whatever the draft model proposes; a draft that is the target
-//! itself is accepted (nearly) always, a different draft model is partly rejected; drafted streams
-//! running together equal their solo runs; a draft whose vocabulary differs, a missing path and a
-//! hybrid draft are refused at startup with a clear message; a cancelled stream leaves no draft
-//! state behind.
+//! itself is accepted (nearly) always and drafts near the lane's cap, a different draft model is
+//! partly rejected and drafts short (the adaptive draft length), an unpriced target-sized draft
+//! does not draft at all; drafted streams running together equal their solo runs; a draft whose
+//! vocabulary differs, a missing path and a hybrid draft are refused at startup with a clear
+//! message; a cancelled stream leaves no draft state behind.
 //!
 //! Targets and drafts are the tiny HF llama-family fixtures (`tests/fixtures/hf`), which share a
 //! 512-id vocabulary with BOS 1 and EOS 2 and have no tokenizer (`llama3-tiny-draft` is
@@ -30,10 +31,21 @@ fn hf(name: &str) -> String {
     common::fixture(&format!("hf/{name}")).to_str().unwrap().to_string()
 }
 
-/// Lane `k0` does not draft; lanes `k1`, `k3`, `k7` draft with `method`.
+/// Lane `k0` does not draft; lanes `k1`, `k3`, `k7` draft with `method`, up to k tokens as the
+/// adaptive policy sees fit. The fixtures' drafts are as large as their targets, so the price by
+/// weight bytes (a whole decode step per draft token) would turn drafting off: these lanes price
+/// verification only, so that drafting happens and its exactness is tested.
 fn config(method: SpeculativeMethod) -> EngineConfig {
+    config_priced(method, Some(0.0))
+}
+
+/// [`config`] with the drafting lanes' `speculative_draft_cost` (`None`: the weight-byte price).
+fn config_priced(method: SpeculativeMethod, draft_cost: Option<f64>) -> EngineConfig {
     let mut cfg = EngineConfig::builtin();
     cfg.lanes = common::engine::draft_length_lanes(&cfg, [0].into_iter().chain(KS), &method);
+    for l in &mut cfg.lanes {
+        l.speculative_draft_cost = draft_cost;
+    }
     cfg.scheduler.max_num_seqs = 32;
     cfg.scheduler.max_num_batched_tokens = 1024;
     cfg.scheduler.kv_pool_tokens = 16_384;
@@ -107,6 +119,23 @@ async fn check_drafted_equals_undrafted(engine: &Arc<Engine>, want: &[Vec<u32>])
     }
 }
 
+/// Draft tokens per decode step on `lane`, over every prompt run alone, each reply checked
+/// against the un-drafted one in `want`. A fixed draft length gives about k; the adaptive one
+/// follows the draft's acceptance.
+async fn mean_draft_length(engine: &Engine, lane: &str, want: &[Vec<u32>]) -> f64 {
+    let (mut drafted, mut steps) = (0, 0);
+    for (i, p) in prompts().iter().enumerate() {
+        let before = engine.stats().await.unwrap();
+        assert_eq!(generate(engine, lane, p).await, want[i], "prompt {i} on {lane}");
+        let after = engine.stats().await.unwrap();
+        drafted += after.drafted_tokens - before.drafted_tokens;
+        // The first token comes from the prefill; each decode step emits its accepted drafts
+        // plus one.
+        steps += want[i].len() as u64 - 1 - (after.accepted_tokens - before.accepted_tokens);
+    }
+    drafted as f64 / steps as f64
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn draft_equal_to_target_is_accepted_and_exact() {
     let target = hf("llama3-tiny");
@@ -118,6 +147,10 @@ async fn draft_equal_to_target_is_accepted_and_exact() {
     eprintln!("draft = target: drafted {} accepted {} ({:.1} %)", s.drafted_tokens, s.accepted_tokens, 100.0 * rate);
     assert!(s.drafted_tokens > 200, "drafting hardly happened: {s:?}");
     assert!(rate >= 0.95, "a draft equal to the target must be accepted: {s:?}");
+    // Drafts that are always accepted grow to the lane's cap within a few steps.
+    let mean = mean_draft_length(&engine, "k7", &want).await;
+    eprintln!("draft = target: {mean:.2} draft tokens per step on k7");
+    assert!(mean > 4.5, "{mean}");
     assert_eq!(engine.drafter_sequences().await, Some(vec![0, 0, 0, 0]), "finished sequences leave no draft state");
     assert_eq!((s.running, s.waiting, s.blocks_used), (0, 0, 0), "pages back to idle: {s:?}");
     engine.shutdown();
@@ -136,7 +169,26 @@ async fn a_different_draft_model_is_partly_rejected_and_output_stays_exact() {
     eprintln!("noisy draft: drafted {} accepted {} ({:.1} %)", s.drafted_tokens, s.accepted_tokens, 100.0 * rate);
     assert!(s.drafted_tokens > 200, "drafting hardly happened: {s:?}");
     assert!(rate > 0.2 && rate < 0.95, "expected partial acceptance: {s:?}");
+    // Partly rejected drafts are kept short: far below the lane's 7, yet drafting goes on.
+    let mean = mean_draft_length(&engine, "k7", &want).await;
+    eprintln!("noisy draft: {mean:.2} draft tokens per step on k7");
+    assert!(mean > 0.3 && mean < 3.5, "{mean}");
     assert_eq!(engine.drafter_sequences().await, Some(vec![0, 0, 0, 0]));
+    engine.shutdown();
+}
+
+/// Unpriced, a draft as large as its target costs a whole decode step per token, so the adaptive
+/// policy never drafts with it: the reply is the un-drafted one and no draft is verified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_sized_draft_is_priced_out_by_its_weight_bytes() {
+    let target = hf("llama3-tiny");
+    let engine = start(&target, config_priced(SpeculativeMethod::DraftModel(hf("llama3-tiny-draft")), None))
+        .await
+        .expect("start");
+    let want = reference(&engine).await;
+    assert_eq!(mean_draft_length(&engine, "k7", &want).await, 0.0);
+    let s = engine.stats().await.unwrap();
+    assert_eq!((s.drafted_tokens, s.accepted_tokens), (0, 0), "{s:?}");
     engine.shutdown();
 }
 

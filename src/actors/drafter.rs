@@ -6,13 +6,14 @@
 //!
 //! A `draft:PATH` lane's source is a draft model on the CPU backend with its own KV store
 //! (`spec::draft_model`); each lane's requests go to its source in one `propose_batch` call, so the
-//! draft model runs one batched forward per draft position. That compute runs on the blocking
-//! pool, never on the actor's async thread.
+//! draft model runs one batched forward per draft position. Every source runs under the adaptive
+//! draft length (`spec::adaptive`), so a request's `k` is the most a sequence may get. That
+//! compute runs on the blocking pool, never on the actor's async thread.
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use crate::sched::SeqId;
-use crate::spec::adaptive::{Adaptive, AdaptiveConfig};
+use crate::spec::adaptive::{draft_cost_from_weights, Adaptive, AdaptiveConfig};
 use crate::spec::draft_model::{DraftModel, DraftModelOptions, VocabIdentity};
 use crate::spec::ngram::{NgramConfig, NgramDrafter};
 use crate::spec::{DraftError, DraftRequest, DraftSource, SpeculativeMethod};
@@ -45,40 +46,55 @@ pub struct DrafterState {
 
 pub type LaneSources = Vec<Option<Box<dyn DraftSource>>>;
 
-/// Build the source for each lane's method. The n-gram drafter runs under the adaptive draft
-/// length (`spec::adaptive`): long drafts where they are being accepted, none where they fail.
-/// A draft model is opened with the target's loaders and refused unless it shares the target's
-/// vocabulary (`target`); each drafting lane gets its own instance and KV store. Loading is
-/// blocking work.
-///
-/// `row_costs[i]` is lane `i`'s verification cost per draft token (see
-/// [`AdaptiveConfig::row_cost`]).
+/// How a lane prices drafting for the adaptive draft length (`spec::adaptive`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LanePricing {
+    /// Verification cost per draft token ([`AdaptiveConfig::row_cost`]).
+    pub row_cost: f64,
+    /// A draft model's cost per proposed token ([`AdaptiveConfig::draft_cost`]); `None`:
+    /// estimated from the draft's and the target's weight bytes.
+    pub draft_cost: Option<f64>,
+}
+
+/// Build the source for each lane's method, each under the adaptive draft length
+/// (`spec::adaptive`): long drafts where they are being accepted, none where they fail or do not
+/// pay. A draft model is opened with the target's loaders and refused unless it shares the
+/// target's vocabulary (`target_vocab`); each drafting lane gets its own instance and KV store,
+/// and unless the lane sets its cost, its proposals are priced by its weight bytes over
+/// `target_weight_bytes`. Loading is blocking work.
 pub fn sources_for(
     methods: &[SpeculativeMethod],
-    row_costs: &[f64],
+    pricing: &[LanePricing],
     target_vocab: &VocabIdentity,
+    target_weight_bytes: u64,
     draft_opts: DraftModelOptions,
 ) -> Result<LaneSources, DraftError> {
-    if row_costs.len() != methods.len() {
-        return Err(DraftError::InvalidConfig(format!("{} row costs for {} lanes", row_costs.len(), methods.len())));
+    if pricing.len() != methods.len() {
+        return Err(DraftError::InvalidConfig(format!("{} lane prices for {} lanes", pricing.len(), methods.len())));
     }
     methods
         .iter()
-        .zip(row_costs)
-        .map(|(m, &row_cost)| match m {
+        .zip(pricing)
+        .map(|(m, price)| match m {
             SpeculativeMethod::None => Ok(None),
             SpeculativeMethod::Ngram => {
                 let ngram = NgramDrafter::new(NgramConfig::default())?;
-                Ok(
-                    Some(
-                        Box::new(Adaptive::new(ngram, AdaptiveConfig::with_row_cost(row_cost))) as Box<dyn DraftSource>
-                    ),
-                )
+                let cfg = AdaptiveConfig::with_row_cost(price.row_cost);
+                Ok(Some(Box::new(Adaptive::new(ngram, cfg)) as Box<dyn DraftSource>))
             }
             SpeculativeMethod::DraftModel(path) => {
                 let model = DraftModel::open(path, target_vocab, draft_opts)?;
-                tracing::info!(path = %path, "draft model loaded on the CPU backend");
-                Ok(Some(Box::new(model) as Box<dyn DraftSource>))
+                let estimate = draft_cost_from_weights(model.weight_bytes(), target_weight_bytes);
+                let draft_cost = price.draft_cost.unwrap_or(estimate);
+                tracing::info!(
+                    path = %path,
+                    draft_cost = format!("{draft_cost:.3}"),
+                    weight_ratio = format!("{estimate:.3}"),
+                    row_cost = price.row_cost,
+                    "draft model loaded on the CPU backend (draft length adapts to acceptance and cost)"
+                );
+                let cfg = AdaptiveConfig::with_costs(price.row_cost, draft_cost);
+                Ok(Some(Box::new(Adaptive::new(model, cfg)) as Box<dyn DraftSource>))
             }
         })
         .collect()

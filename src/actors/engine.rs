@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use ractor::{Actor, ActorRef};
 
-use super::drafter::{sources_for, DrafterActor, DrafterMsg};
+use super::drafter::{sources_for, DrafterActor, DrafterMsg, LanePricing};
 use super::executor::{ExecutorActor, ExecutorArgs, ExecutorMsg};
 use super::handle::{EngineError, EventStream, GenerationRequest, InferenceEngine, ModelInfo};
 use super::kvpool::PoolStats;
@@ -95,13 +95,7 @@ pub struct CapacityCard {
 impl CapacityCard {
     pub fn new(bundle: &ModelBundle, pool_tokens: usize, page_tokens: usize, spill_budget: u64) -> Self {
         let c = &bundle.config;
-        let weight_bytes = bundle
-            .weights
-            .tensor_names()
-            .iter()
-            .filter_map(|n| bundle.weights.tensor(n))
-            .map(|t| t.data.len() as u64)
-            .sum();
+        let weight_bytes = bundle.stored_weight_bytes();
         let kv_bytes_per_token = (2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4) as u64;
         // The CPU backend's slot image: f32 KDA states and conv windows.
         let snapshot_bytes_per_page = if crate::model::glm5_next::MODEL_TYPES.contains(&c.model_type.as_str()) {
@@ -209,6 +203,9 @@ pub async fn start_engine(
     opts: EngineOptions,
 ) -> Result<Arc<Engine>, EngineError> {
     config.validate().map_err(EngineError::Invalid)?;
+    // The one place `auto` is settled (probing the driver once): the drafter's verification
+    // price, the pool's KV layout and every rank's backend read this.
+    let device = opts.device.resolve();
     let s = &config.scheduler;
     let model_ctx = bundle.config.max_position_embeddings;
     let pool = pool_tokens(&config, model_ctx);
@@ -258,13 +255,8 @@ pub async fn start_engine(
     let spill = crate::spill::open_store(spill_dir.as_ref(), s.spill_budget, &fingerprint);
     let pool_identity = PoolIdentity {
         model_fingerprint: fingerprint,
-        // The device and its precision decide the image layout (CPU f16/f32 follows the weights,
-        // which the fingerprint covers).
-        kv_layout: match opts.device.tensor_parallel {
-            0 | 1 => format!("{:?}/{:?}/block{}", opts.device.kind, opts.device.cuda_precision, kv.block_size),
-            // Each rank's blocks hold its own kv heads.
-            tp => format!("{:?}/{:?}/block{}/tp{tp}", opts.device.kind, opts.device.cuda_precision, kv.block_size),
-        },
+        // The resolved device and its precision decide the bytes of a block image.
+        kv_layout: device.kv_layout(kv.block_size),
         rank: 0,
     };
     // Unnamed actors: ractor's registry is process-wide, and tests run several engines.
@@ -274,13 +266,22 @@ pub async fn start_engine(
         // a KV store as large as the target's pool, and loads on the blocking pool.
         let target_vocab = VocabIdentity::of(&bundle);
         let draft_opts = DraftModelOptions { threads: opts.device.threads, pool_tokens: pool };
-        let device_row_cost = crate::spec::adaptive::verify_row_cost_for(opts.device.resolve());
-        let row_costs: Vec<f64> =
-            config.lanes.iter().map(|l| l.speculative_row_cost.unwrap_or(device_row_cost)).collect();
-        let sources = tokio::task::spawn_blocking(move || sources_for(&methods, &row_costs, &target_vocab, draft_opts))
-            .await
-            .map_err(|e| EngineError::Executor(format!("loading the draft model: {e}")))?
-            .map_err(|e| EngineError::Invalid(e.to_string()))?;
+        let device_row_cost = crate::spec::adaptive::verify_row_cost_for(device.kind);
+        let pricing: Vec<LanePricing> = config
+            .lanes
+            .iter()
+            .map(|l| LanePricing {
+                row_cost: l.speculative_row_cost.unwrap_or(device_row_cost),
+                draft_cost: l.speculative_draft_cost,
+            })
+            .collect();
+        let target_weight_bytes = card.weight_bytes;
+        let sources = tokio::task::spawn_blocking(move || {
+            sources_for(&methods, &pricing, &target_vocab, target_weight_bytes, draft_opts)
+        })
+        .await
+        .map_err(|e| EngineError::Executor(format!("loading the draft model: {e}")))?
+        .map_err(|e| EngineError::Invalid(e.to_string()))?;
         let (d, _) =
             Actor::spawn(None, DrafterActor, sources).await.map_err(|e| EngineError::Executor(e.to_string()))?;
         for l in config.lanes.iter().filter(|l| l.speculative != SpeculativeMethod::None) {
@@ -292,8 +293,7 @@ pub async fn start_engine(
     };
     // One executor per tensor-parallel rank, each loading its shard on its own thread; the
     // scheduler learns them from their ready reports and sends every step to all of them.
-    let makers =
-        rank_backend_makers(Arc::new(bundle), &opts.device, kv).map_err(|e| EngineError::Invalid(e.to_string()))?;
+    let makers = rank_backend_makers(Arc::new(bundle), &device, kv).map_err(|e| EngineError::Invalid(e.to_string()))?;
     let (scheduler, _) = Actor::spawn(
         None,
         SchedulerActor,

@@ -276,6 +276,7 @@ mod tests {
             speculative: Default::default(),
             num_speculative_tokens: 7,
             speculative_row_cost: None,
+            speculative_draft_cost: None,
         }
     }
 

@@ -11,13 +11,13 @@ use clap::{Args, Parser, Subcommand};
 pub mod bench;
 pub mod serve;
 
-use crate::actors::drafter::sources_for;
+use crate::actors::drafter::{sources_for, LanePricing};
 use crate::backend::cuda::Precision;
 use crate::backend::{Backend, KvGeometry};
 use crate::fidelity::{compare, LogitsFile};
 use crate::generate::{
-    make_backend, single_sequence_geometry, DeviceKind, DeviceSelection, GenerateError, GenerateOptions, Runner,
-    DEFAULT_PREFILL_CHUNK,
+    make_backend, single_sequence_geometry, DeviceKind, DeviceSelection, GenerateError, GenerateOptions,
+    ResolvedDevice, Runner, DEFAULT_PREFILL_CHUNK,
 };
 use crate::model::default_model::{fetch_default, CacheDir};
 use crate::model::ModelBundle;
@@ -196,9 +196,15 @@ impl ModelArgs {
         })
     }
 
-    fn runner(&self, bundle: &ModelBundle, tokens: usize) -> Result<Runner<Box<dyn Backend>>, CliError> {
+    /// A one-sequence runner for `tokens` positions on `device` (resolved once by the command).
+    fn runner(
+        &self,
+        bundle: &ModelBundle,
+        device: &ResolvedDevice,
+        tokens: usize,
+    ) -> Result<Runner<Box<dyn Backend>>, CliError> {
         let geom: KvGeometry = single_sequence_geometry(tokens, self.block_size);
-        let backend = make_backend(bundle, &self.device_selection()?, geom).map_err(GenerateError::from)?;
+        let backend = make_backend(bundle, device, geom).map_err(GenerateError::from)?;
         Ok(Runner::new(backend))
     }
 }
@@ -254,12 +260,16 @@ pub fn run_generate(args: &GenerateArgs) -> Result<(), CliError> {
         threads: args.model.threads,
         pool_tokens: prompt.len() + args.max_tokens + MAX_SPECULATIVE_TOKENS,
     };
-    let row_cost = crate::spec::adaptive::verify_row_cost_for(args.model.device_selection()?.resolve());
-    let mut drafter = sources_for(std::slice::from_ref(&method), &[row_cost], &VocabIdentity::of(&bundle), draft_opts)
+    // Resolved once: the verification price and the backend both follow it.
+    let device = args.model.device_selection()?.resolve();
+    let row_cost = crate::spec::adaptive::verify_row_cost_for(device.kind);
+    let pricing = LanePricing { row_cost, draft_cost: None };
+    let target = VocabIdentity::of(&bundle);
+    let mut drafter = sources_for(&[method], &[pricing], &target, bundle.stored_weight_bytes(), draft_opts)
         .map_err(|e| CliError::Usage(format!("--speculative: {e}")))?
         .pop()
         .flatten();
-    let mut runner = args.model.runner(&bundle, prompt.len() + args.max_tokens)?;
+    let mut runner = args.model.runner(&bundle, &device, prompt.len() + args.max_tokens)?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let print_ids = args.print_ids || tok.is_none();
@@ -317,7 +327,8 @@ fn no_tokenizer(bundle: &ModelBundle, flag: &str) -> CliError {
 
 pub fn run_score(args: &ScoreArgs) -> Result<(), CliError> {
     let bundle = args.model.open()?;
-    let mut runner = args.model.runner(&bundle, args.input_ids.len())?;
+    let device = args.model.device_selection()?.resolve();
+    let mut runner = args.model.runner(&bundle, &device, args.input_ids.len())?;
     let logits = runner.score(&args.input_ids, args.model.prefill_chunk)?;
     let file = LogitsFile { input_ids: args.input_ids.clone(), vocab: bundle.config.vocab_size, logits };
     file.write(&args.output)?;
@@ -342,7 +353,8 @@ pub fn run_kld(args: &KldArgs) -> Result<(), CliError> {
             bundle.config.vocab_size
         )));
     }
-    let mut runner = args.model.runner(&bundle, reference.input_ids.len())?;
+    let device = args.model.device_selection()?.resolve();
+    let mut runner = args.model.runner(&bundle, &device, reference.input_ids.len())?;
     let ours = runner.score(&reference.input_ids, args.model.prefill_chunk)?;
     compare(&reference.logits, &ours, reference.vocab).print(std::io::stdout().lock())?;
     Ok(())

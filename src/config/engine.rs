@@ -37,6 +37,12 @@ pub struct LaneConfig {
     /// longer and more often.
     #[serde(default)]
     pub speculative_row_cost: Option<f64>,
+    /// Cost of one token proposed by a `draft:PATH` model, in target decode steps, for the
+    /// adaptive draft length. Unset: the draft's weight bytes over the target's (right when both
+    /// run on the CPU; set a measured step-time ratio for a CUDA target). 0 prices verification
+    /// only.
+    #[serde(default)]
+    pub speculative_draft_cost: Option<f64>,
 }
 
 fn default_num_speculative_tokens() -> usize {
@@ -131,9 +137,11 @@ impl EngineConfig {
             }
             crate::spec::validate_num_tokens(l.num_speculative_tokens)
                 .map_err(|e| format!("lane `{}`: {e}", l.name))?;
-            if let Some(c) = l.speculative_row_cost {
-                if !(0.0..=4.0).contains(&c) {
-                    return Err(format!("lane `{}`: speculative_row_cost ({c}) must be in 0..=4", l.name));
+            for (knob, value) in
+                [("speculative_row_cost", l.speculative_row_cost), ("speculative_draft_cost", l.speculative_draft_cost)]
+            {
+                if let Some(c) = value.filter(|c| !(0.0..=4.0).contains(c)) {
+                    return Err(format!("lane `{}`: {knob} ({c}) must be in 0..=4", l.name));
                 }
             }
         }
@@ -181,6 +189,10 @@ mod tests {
         c.lanes[0].speculative_row_cost = Some(-0.5);
         assert!(c.validate().unwrap_err().contains("speculative_row_cost (-0.5)"));
         c.lanes[0].speculative_row_cost = Some(0.05);
+        assert!(c.validate().is_ok());
+        c.lanes[0].speculative_draft_cost = Some(f64::NAN);
+        assert!(c.validate().unwrap_err().contains("speculative_draft_cost (NaN) must be in 0..=4"));
+        c.lanes[0].speculative_draft_cost = Some(0.0);
         assert!(c.validate().is_ok());
         let e = EngineConfig::from_toml("host = 1", "x.toml").unwrap_err().to_string();
         assert!(e.starts_with("x.toml"), "{e}");

@@ -103,6 +103,12 @@ pub struct ModelBundle {
 }
 
 impl ModelBundle {
+    /// Bytes of every tensor as stored (quantized where the file is): what a decode step reads,
+    /// for the capacity card and for pricing a draft model against its target.
+    pub fn stored_weight_bytes(&self) -> u64 {
+        self.weights.tensor_names().iter().filter_map(|n| self.weights.tensor(n)).map(|t| t.data.len() as u64).sum()
+    }
+
     /// Ids that end generation: the tokenizer's end-of-generation set, else the config's.
     pub fn eos_token_ids(&self) -> Vec<u32> {
         let mut ids = self.generation.eos_token_ids.clone();

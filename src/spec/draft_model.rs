@@ -1,7 +1,8 @@
 //! The draft-model drafter (`--speculative draft:PATH`): a smaller checkpoint with the target's
 //! tokenizer proposes each sequence's next `k` tokens greedily, one batched forward per draft
 //! position across every sequence asking for drafts (the first forward also feeds each sequence
-//! the tokens the target accepted since last time).
+//! the tokens the target accepted since last time). How many it is asked for is the adaptive
+//! policy's call (`spec::adaptive`, which wraps it and prices its forwards by its weight bytes).
 //!
 //! The draft model runs on the CPU backend with its own paged KV store, sized for the draft model
 //! and owned here (the target's KV pool is never touched). Its cache follows the accepted tokens:
@@ -183,6 +184,9 @@ pub struct DraftModel {
     max_positions: usize,
     blocks: DraftBlocks,
     seqs: HashMap<SeqId, DraftSeq>,
+    /// Stored bytes of the draft's weights (0 when built from a bare backend): what pricing its
+    /// proposals against the target reads.
+    weight_bytes: u64,
 }
 
 /// How to build a draft model: its CPU threads and how many tokens its KV store holds.
@@ -228,7 +232,9 @@ impl DraftModel {
         let geometry = KvGeometry { block_size: DRAFT_BLOCK_TOKENS, num_blocks, state_slots: 1 };
         let (backend, _) =
             crate::generate::any_cpu_backend(bundle, opts.threads, geometry).map_err(|e| fail(e.to_string()))?;
-        Self::with_backend(backend, max_positions).map_err(fail)
+        let mut model = Self::with_backend(backend, max_positions).map_err(fail)?;
+        model.weight_bytes = bundle.stored_weight_bytes();
+        Ok(model)
     }
 
     /// Wrap a built backend (attention-only) whose model addresses `max_positions` positions.
@@ -243,7 +249,13 @@ impl DraftModel {
             max_positions,
             blocks: DraftBlocks::new(geometry.num_blocks),
             seqs: HashMap::new(),
+            weight_bytes: 0,
         })
+    }
+
+    /// Stored bytes of the draft's weights (0 when built by [`DraftModel::with_backend`]).
+    pub fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
     }
 
     /// Blocks of the draft store in use (for tests: 0 once every sequence is forgotten).

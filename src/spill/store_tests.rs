@@ -133,3 +133,62 @@ fn an_unwritable_directory_is_a_disk_error() {
 fn is_root() -> bool {
     std::process::Command::new("id").arg("-u").output().map(|o| o.stdout.starts_with(b"0")).unwrap_or(false)
 }
+
+/// Pages spilled by a CPU engine, then the same model directory opened by engines whose resolved
+/// device differs (`--device auto` on a CUDA machine, CUDA in another precision): their page
+/// hashes differ, so the spilled files are a clean miss (never read, never restored), while the
+/// same configuration restores them.
+#[test]
+fn a_page_spilled_under_one_kv_layout_is_a_clean_miss_under_another() {
+    use crate::backend::cuda::Precision;
+    use crate::generate::{DeviceKind, DeviceSelection, ResolvedDevice};
+    use crate::kv::{KvPool, KvPoolConfig, PageHasher, PoolIdentity};
+
+    let identity = |device: ResolvedDevice| PoolIdentity {
+        model_fingerprint: "model-x".into(),
+        kv_layout: device.kv_layout(4),
+        rank: 0,
+    };
+    let auto = DeviceSelection { kind: DeviceKind::Auto, ..Default::default() };
+    let on_cpu = identity(auto.resolve_with(|| Err("no libcuda".into())));
+    let on_cuda = identity(auto.resolve_with(|| Ok(1)));
+    let on_cuda_f32 = identity(DeviceSelection { cuda_precision: Precision::F32, ..auto }.resolve_with(|| Ok(1)));
+    assert_eq!(on_cpu, identity(DeviceSelection::default().resolve_with(|| unreachable!("cpu needs no probe"))));
+    assert_ne!(on_cpu, on_cuda);
+    assert_ne!(on_cuda, on_cuda_f32);
+
+    // Two 8-token pages (4-token blocks) of one conversation, spilled by the CPU engine.
+    let tokens: Vec<u32> = (100..117).collect();
+    let tmp = tempfile::tempdir().expect("tmp");
+    {
+        let mut s = store(tmp.path(), 1 << 20);
+        let chain = PageHasher::new(&on_cpu).chain(&tokens, 8);
+        s.store(chain[0], None, &[1; 64]).expect("store");
+        s.store(chain[1], Some(chain[0]), &[2; 64]).expect("store");
+    }
+    // A restart: each engine's pool learns the spilled pages from the index, as the scheduler
+    // does at startup, and asks which pages of the conversation it could restore.
+    let restorable = |id: &PoolIdentity| {
+        let mut s = store(tmp.path(), 1 << 20);
+        let cfg = KvPoolConfig { num_blocks: 16, block_size: 4, page_tokens: 8, state_slots: 1, snapshot_bytes: 0 };
+        let mut pool = KvPool::new(cfg, id).expect("pool");
+        for p in s.pages() {
+            pool.note_spilled(p.hash, p.parent);
+        }
+        pool.register(1, tokens.clone()).expect("register");
+        let (candidates, _) = pool.restore_candidates(1);
+        let chain = pool.hasher().chain(&tokens, 8);
+        let loads: Vec<Result<Vec<u8>, LoadError>> = chain.iter().map(|h| s.load(h)).collect();
+        (candidates.len(), loads)
+    };
+    let (n, loads) = restorable(&on_cpu);
+    assert_eq!(n, 2, "the same configuration restores both pages");
+    assert_eq!(loads, vec![Ok(vec![1; 64]), Ok(vec![2; 64])]);
+    for other in [&on_cuda, &on_cuda_f32] {
+        let (n, loads) = restorable(other);
+        assert_eq!(n, 0, "{other:?} restores nothing");
+        assert!(loads.iter().all(|l| matches!(l, Err(LoadError::NotSpilled(_)))), "{other:?}: {loads:?}");
+    }
+    // The miss left the CPU engine's files alone.
+    assert_eq!(store(tmp.path(), 1 << 20).len(), 2);
+}
