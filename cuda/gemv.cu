@@ -127,8 +127,8 @@ __device__ void gemv_impl(const GemvArgs a) {
         wr[j] = w + (i64)(row < a.n ? row : 0) * k;
     }
     // Weights do not depend on the previous kernel: the first sweep's are loaded while that
-    // kernel drains (programmatic dependent launch) and before the norm's reduction. (Asking L2
-    // for later sweeps here as well measured slower on the H200.)
+    // kernel drains (programmatic dependent launch) and before the norm's reduction. (Loading a
+    // second sweep here as well, into registers or into L2, measured slower on the H200.)
     pdl_launch_dependents();
     Raw8<T> first[GEMV_COLS];
     const int c0 = tid * 8;
@@ -178,16 +178,8 @@ __device__ void gemv_impl(const GemvArgs a) {
 #pragma unroll
         for (int j = 0; j < GEMV_COLS; ++j) acc[r][j] = 0.f;
 
-#pragma unroll 2
-    for (int c = c0; c < k; c += GEMV_SWEEP) {
-        Raw8<T> wv[GEMV_COLS];
-        if (c == c0) {
-#pragma unroll
-            for (int j = 0; j < GEMV_COLS; ++j) wv[j] = first[j];
-        } else {
-#pragma unroll
-            for (int j = 0; j < GEMV_COLS; ++j) wv[j].load(wr[j] + c);
-        }
+    // acc += this sweep's weights (columns c..c+7 of every row) · the block's input rows.
+    auto fma_sweep = [&](const Raw8<T>* wv, int c) {
 #pragma unroll
         for (int r = 0; r < MAXR; ++r) {
             if (r >= m) break;
@@ -206,6 +198,14 @@ __device__ void gemv_impl(const GemvArgs a) {
 #pragma unroll
                 for (int e = 0; e < 8; ++e) acc[r][j] = fmaf(wv[j].get(e), xv[e], acc[r][j]);
         }
+    };
+    if (c0 < k) fma_sweep(first, c0);
+#pragma unroll 2
+    for (int c = c0 + GEMV_SWEEP; c < k; c += GEMV_SWEEP) {
+        Raw8<T> wv[GEMV_COLS];
+#pragma unroll
+        for (int j = 0; j < GEMV_COLS; ++j) wv[j].load(wr[j] + c);
+        fma_sweep(wv, c);
     }
 
     // Reduce each output over the block in a fixed order.
@@ -271,13 +271,18 @@ __device__ void gemv_impl(const GemvArgs a) {
     }
 }
 
-// name_r{1,4}_{f32,bf16}: the 1-row build fits two blocks per SM (≤ 128 registers: two sweeps
-// of 8 × 16 weight bytes in flight per thread); the 4-row one holds 4× the accumulators.
+// name_r{1,2,4}_{f32,bf16}: one, two, or three-four token rows; each fits two blocks per SM
+// (≤ 128 registers; the 4-row build spills a few bytes, and still ran batch 4 1.32× faster on
+// the H200 than at one block per SM). The 1-row build has two sweeps of 8 × 16 weight bytes in
+// flight per thread.
 #define GEMV_KERNEL(T, S, NAME, IN, OUT)                                                                  \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 2) NAME##_r1_##S(const GemvArgs a) {     \
         gemv_impl<T, 1, IN, OUT>(a);                                                                     \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 1) NAME##_r4_##S(const GemvArgs a) {     \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 2) NAME##_r2_##S(const GemvArgs a) {     \
+        gemv_impl<T, 2, IN, OUT>(a);                                                                     \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 2) NAME##_r4_##S(const GemvArgs a) {     \
         gemv_impl<T, 4, IN, OUT>(a);                                                                     \
     }
 #define GEMV_KERNELS(T, S)                                        \

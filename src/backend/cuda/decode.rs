@@ -93,9 +93,14 @@ impl GemvKind {
     }
 }
 
-/// Kernel name for `rows` token rows: the 1-row build keeps registers low; 2-4 rows share one.
+/// Kernel name for `rows` token rows: builds for 1, 2 and 3-4 rows, each holding only its rows'
+/// accumulators so two blocks fit per SM.
 pub fn gemv_kernel_name(kind: GemvKind, rows: usize, prec: Precision) -> String {
-    let r = if rows <= 1 { 1 } else { 4 };
+    let r = match rows {
+        0 | 1 => 1,
+        2 => 2,
+        _ => 4,
+    };
     format!("{}_r{r}_{}", kind.prefix(), prec.suffix())
 }
 
@@ -239,6 +244,7 @@ mod tests {
     #[test]
     fn kernel_names_pick_the_row_build() {
         assert_eq!(gemv_kernel_name(GemvKind::NormRope, 1, Precision::Bf16), "gemv_norm_rope_r1_bf16");
+        assert_eq!(gemv_kernel_name(GemvKind::Norm, 2, Precision::Bf16), "gemv_norm_r2_bf16");
         assert_eq!(gemv_kernel_name(GemvKind::Add, 3, Precision::F32), "gemv_add_r4_f32");
         assert_eq!(gemv_kernel_name(GemvKind::NormSwiglu, 4, Precision::Bf16), "gemv_norm_swiglu_r4_bf16");
     }

@@ -132,7 +132,9 @@ impl Drop for DevBuf {
 /// Most token rows a step may have to run on the fused decode GEMVs (`cuda/gemv.cu`, compiled
 /// for up to 4 rows). Measured on the H200 (8B shapes, session 2's skinny kernel): at 8 rows
 /// a GEMV re-reads the activations once per row and loses to cuBLAS (16.3 ms/step at batch 8
-/// vs 13.3 ms for cuBLAS at batch 32), so steps of more than 4 rows go to cuBLAS.
+/// vs 13.3 ms for cuBLAS at batch 32), so steps of more than 4 rows go to cuBLAS. Session 5:
+/// 3-4 rows (7.5 ms/step at batch 4) are slower than cuBLAS at batch 8 (6.3 ms), but they keep
+/// a row's result independent of the batch (`concurrent = solo` bitwise), which cuBLAS does not.
 pub const GEMV_MAX_ROWS: usize = 4;
 
 /// Launch dimensions.
