@@ -5,7 +5,6 @@
 
 use super::gpu::{cfg, kernel_param, DeviceRepr, Gpu, Precision, GEMV_MAX_ROWS};
 use crate::backend::BackendError;
-use crate::launch_dependent;
 
 /// Weight rows (output columns) one GEMV block computes (`GEMV_COLS` in cuda/gemv.cu).
 pub const GEMV_COLS: usize = 8;
@@ -116,8 +115,11 @@ pub fn launch_gemv(gpu: &mut Gpu, kind: GemvKind, prec: Precision, a: &GemvArgs)
     debug_assert!(!matches!(kind, GemvKind::NormSwiglu | GemvKind::NormRope) || a.n % 2 == 0);
     let f = gpu.func("gemv", &gemv_kernel_name(kind, a.m as usize, prec))?;
     let blocks = (a.n as usize).div_ceil(GEMV_COLS) as u32;
-    // The GEMVs load weights before `pdl_wait()` and touch activations only after it.
-    launch_dependent!(gpu, f, cfg((blocks, 1), GEMV_THREADS, 0), a)
+    let mut params = [kernel_param(a)];
+    // SAFETY: every GEMV kernel takes one `GemvArgs` by value (cuda/gemv.cu), and `a` outlives
+    // the call. They load weights before `pdl_wait()` and touch activations only after it, so
+    // they may start as dependents.
+    unsafe { gpu.launch_params(&f, cfg((blocks, 1), GEMV_THREADS, 0), &mut params, true) }
 }
 
 /// Dynamic shared memory of the tensor-core prefill attention kernel for head size `hd`: two

@@ -423,19 +423,6 @@ macro_rules! launch {
     }};
 }
 
-/// Launch `f` as a programmatic dependent of the kernel before it (see [`Gpu::launch_params`]):
-/// only for kernels that call `pdl_wait()` before reading what earlier kernels wrote.
-#[macro_export]
-macro_rules! launch_dependent {
-    ($gpu:expr, $f:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
-        // SAFETY: every kernel's parameter list matches the arguments listed here (see cuda/*.cu);
-        // the argument temporaries live until the end of this statement, past the launch.
-        unsafe {
-            $gpu.launch_params(&$f, $cfg, &mut [$($crate::backend::cuda::gpu::kernel_param($arg)),+], true)
-        }
-    }};
-}
-
 pub use cudarc::driver::DeviceRepr;
 
 #[cfg(test)]
