@@ -27,12 +27,27 @@ __device__ void rmsnorm_impl(const float* x, const int* rows, const float* w, T*
 }
 
 // silu(gate) · up, gate and up side by side in each row of `gu` ([rows, 2·inter]).
+// Rows by blockIdx.y (grid-stride), columns by x; four columns per thread with 16-byte loads
+// when `inter` allows (a 64-bit divide per element made this kernel 3× its bandwidth time).
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 template <typename T>
-__device__ void swiglu_impl(const float* gu, T* out, int inter, i64 n) {
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        const i64 r = i / inter, c = i % inter;
-        const float g = gu[r * 2 * inter + c], u = gu[r * 2 * inter + inter + c];
-        out[i] = from_f<T>(g / (1.0f + expf(-g)) * u);
+__device__ void swiglu_impl(const float* gu, T* out, int inter, int rows) {
+    const int vec = inter % 4 == 0 ? 4 : 1, cols = inter / vec;
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+        const float* g = gu + (i64)r * 2 * inter;
+        const float* u = g + inter;
+        T* o = out + (i64)r * inter;
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
+            if (vec == 4) {
+                const float4 gv = reinterpret_cast<const float4*>(g)[c], uv = reinterpret_cast<const float4*>(u)[c];
+                o[4 * c] = from_f<T>(silu_mul(gv.x, uv.x));
+                o[4 * c + 1] = from_f<T>(silu_mul(gv.y, uv.y));
+                o[4 * c + 2] = from_f<T>(silu_mul(gv.z, uv.z));
+                o[4 * c + 3] = from_f<T>(silu_mul(gv.w, uv.w));
+            } else {
+                o[c] = from_f<T>(silu_mul(g[c], u[c]));
+            }
+        }
     }
 }
 
@@ -103,8 +118,8 @@ __device__ void fill_uniform_impl(T* p, i64 n, unsigned long long seed, float ce
                                            float eps) {                                                      \
         rmsnorm_impl<T>(x, rows, w, out, h, eps);                                                            \
     }                                                                                                        \
-    extern "C" __global__ void swiglu_##S(const float* gu, T* out, int inter, i64 n) {                       \
-        swiglu_impl<T>(gu, out, inter, n);                                                                   \
+    extern "C" __global__ void swiglu_##S(const float* gu, T* out, int inter, int rows) {                    \
+        swiglu_impl<T>(gu, out, inter, rows);                                                                \
     }                                                                                                        \
     extern "C" __global__ void qkv_rope_store_##S(const float* qkv, float* q_out, T* k_cache, T* v_cache,    \
                                                   const i64* row_off, const int* pos, const float* q_norm,     \

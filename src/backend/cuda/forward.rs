@@ -362,8 +362,10 @@ impl CudaBackend {
                 )?;
                 gpu.gemm(prec, t, 2 * inter, h, xn, lw.gate_up.ptr(), gu, false)?;
                 add_bias(gpu, gu, &lw.gate_up_bias, 2 * inter)?;
-                let n = (t * inter) as i64;
-                launch!(gpu, swiglu_f.clone(), cfg((grid_for(t * inter, 256), 1), 256, 0), &gu, &act, &inter32, &n)?;
+                // One row per grid row (up to 65 535, then grid-stride), four columns per thread.
+                let (rows, col_blocks) = (t as i32, inter.div_ceil(4 * 256) as u32);
+                let grid = (col_blocks, t.min(65_535) as u32);
+                launch!(gpu, swiglu_f.clone(), cfg(grid, 256, 0), &gu, &act, &inter32, &rows)?;
                 gpu.gemm(prec, t, h, inter, act, lw.down.ptr(), x, accumulate)?;
                 add_bias(gpu, x, &lw.down_bias, h)?;
                 shard::all_reduce(&self.tp, x, t * h)?;
