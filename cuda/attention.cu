@@ -20,6 +20,12 @@ struct AttnDims {
     float scale;
 };
 
+// Element offset of key `p`'s K (or V) row in this layer's paged cache: its block from the
+// sequence's block table, then its slot (rows of `kvd` elements).
+__device__ __forceinline__ i64 kv_row_offset(int p, const int* table, const AttnDims& d, int kvd) {
+    return table[p / d.block_size] * d.block_stride + (i64)(p % d.block_size) * kvd;
+}
+
 __device__ __forceinline__ void load8(const bf16* p, float* o) {
     const uint4 u = *reinterpret_cast<const uint4*>(p);
     const unsigned w[4] = {u.x, u.y, u.z, u.w};
@@ -87,7 +93,7 @@ __device__ void attn_partial_impl(const int* items, const float* q, const T* k_c
             __syncthreads();
             if (threadIdx.x < KT) {
                 const int p = kt0 + threadIdx.x;
-                off_s[threadIdx.x] = p < key1 ? table[p / d.block_size] * d.block_stride + (i64)(p % d.block_size) * kvd : -1;
+                off_s[threadIdx.x] = p < key1 ? kv_row_offset(p, table, d, kvd) : -1;
             }
             __syncthreads();
             if ((hd & 7) == 0) {
@@ -322,7 +328,7 @@ __device__ __forceinline__ void fetch_keys(int kb, int stream, int key1, const i
     for (int u = 0; u < U; ++u) {
         kp[u] = kb + u * NS + stream;
         if (kp[u] < key1) {
-            const i64 off = (i64)table[kp[u] / d.block_size] * d.block_stride + (i64)(kp[u] % d.block_size) * kvd + kv_col;
+            const i64 off = kv_row_offset(kp[u], table, d, kvd) + kv_col;
             kr[u].load(k_cache + off);
             vr[u].load(v_cache + off);
         } else {
@@ -369,7 +375,7 @@ __device__ void attn_decode_impl(const int* items, const float* q, const T* k_ca
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         if (kp[u] >= settled && kp[u] < key1) {
-            const i64 off = (i64)table[kp[u] / d.block_size] * d.block_stride + (i64)(kp[u] % d.block_size) * kvd + kv_col;
+            const i64 off = kv_row_offset(kp[u], table, d, kvd) + kv_col;
             kr[u].load(k_cache + off);
             vr[u].load(v_cache + off);
         }

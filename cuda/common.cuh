@@ -50,7 +50,7 @@ __device__ float block_sum(float v) {
 // Programmatic dependent launch (sm_90 and later; no-ops before). A kernel the host launches
 // as a dependent (`Gpu::launch_params` with `dependent`) may start while the kernel before it
 // drains. Before `pdl_wait()` it may only read what no kernel of the step writes (weights, the
-// host-uploaded item lists and block tables) and must write nothing; after it, everything its
+// host-uploaded item lists and block tables, K/V rows of earlier steps) and must write nothing; after it, everything its
 // predecessors wrote is visible. `pdl_launch_dependents()` lets the next dependent kernel start
 // as soon as every block of this one is running.
 __device__ __forceinline__ void pdl_launch_dependents() {
@@ -63,9 +63,6 @@ __device__ __forceinline__ void pdl_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
-// Ask L2 for the 128-byte line holding `p` (a hint: L2 is where every SM's writes meet, so a
-// prefetched line never hides a later write).
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // Instantiate `name_f32` and `name_bf16` from a template `name_impl<T>` whose storage type is T.
 #define FOR_STORAGE_TYPES(X) X(float, f32) X(bf16, bf16)

@@ -8,18 +8,15 @@
 //       swiglu: the block's columns are gate rows c and up rows inter + c; writes silu(g)·u in T.
 //       rope : the block's columns are rotation pairs (j, j + hd/2) of one head of the stacked
 //              q/k/v matrix; rotates q and k, writes q (f32) and k/v into the paged cache.
-// One block of 256 threads computes GEMV_COLS (8 unless the host says 4) weight rows for all m
-// token rows: each thread holds 16 bytes of each of its rows per sweep (128 bytes in flight at 8
-// rows, reused for every token row), weights are streamed past L1 so x and the norm weights
-// stay there. Each output is
+// One block of 256 threads computes GEMV_COLS weight rows for all m token rows: each thread
+// holds 16 bytes of each of the 8 rows per sweep (128 bytes in flight, reused for every token
+// row), weights are streamed past L1 so x and the norm weights stay there. Each output is
 // reduced in an order fixed by k alone (per-thread chunks, warp tree, then warps in order), so
 // a row's result never depends on m or on the rest of the batch.
 
 #define GEMV_THREADS 256
 #define GEMV_WARPS (GEMV_THREADS / 32)
-#ifndef GEMV_COLS  // the host may compile another width (`LaunchTuning::gemv_cols`)
 #define GEMV_COLS 8
-#endif
 #define GEMV_SWEEP (GEMV_THREADS * 8)
 
 #define IN_PLAIN 0
