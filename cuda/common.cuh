@@ -84,10 +84,11 @@ __device__ __forceinline__ float rope_angle(RopeParams rp, const float* freqs, f
     return rp.freq_scale * (freqs ? theta / freqs[j] : theta);
 }
 
-// Rotate the pair (a, b) by `ang`: a' = a·cos − b·sin, b' = a·sin + b·cos.
-__device__ __forceinline__ void rope_rotate(float ang, float& a, float& b) {
-    const float c = cosf(ang), s = sinf(ang);
+// Rotate the pair (a, b) by the angle whose cosine and sine are `c` and `s`:
+// a' = a·cos − b·sin, b' = a·sin + b·cos.
+__device__ __forceinline__ void rope_rotate_cs(float c, float s, float& a, float& b) {
     const float na = fmaf(a, c, -(b * s)), nb = fmaf(a, s, b * c);
     a = na;
     b = nb;
 }
+__device__ __forceinline__ void rope_rotate(float ang, float& a, float& b) { rope_rotate_cs(cosf(ang), sinf(ang), a, b); }

@@ -14,6 +14,12 @@
 // reduced in an order fixed by k alone (per-thread chunks, warp tree, then warps in order), so
 // a row's result never depends on m or on the rest of the batch.
 
+// GEMV_PRELOAD=0 (SHELFSERVE_CUDA_DEFINES) moves the norm weights' first sweep and the RoPE
+// angles back after `pdl_wait()`, for comparison.
+#ifndef GEMV_PRELOAD
+#define GEMV_PRELOAD 1
+#endif
+
 #define GEMV_THREADS 256
 #define GEMV_WARPS (GEMV_THREADS / 32)
 #define GEMV_COLS 8
@@ -133,11 +139,23 @@ __device__ void gemv_impl(const GemvArgs a) {
 #pragma unroll
         for (int j = 0; j < GEMV_COLS; ++j) first[j].load(wr[j] + c0);
     }
-    pdl_wait();
-
+    // Also independent of the previous kernel, so read before the wait as well: the first sweep
+    // of the norm weights, the logits rows and positions (uploaded by the host), and from those
+    // the cosine and sine of this thread's RoPE pair (the epilogue's threads, see below).
+    float g_first[8];
+    if (IN == IN_NORM && GEMV_PRELOAD && c0 < k) load8f(a.norm_w + c0, g_first);
     int src[MAXR];
 #pragma unroll
     for (int r = 0; r < MAXR; ++r) src[r] = r < m ? (IN == IN_NORM && a.rows ? a.rows[r] : r) : 0;
+    float rope_c = 1.f, rope_s = 0.f;
+    const bool rope_thread = OUT == OUT_ROPE && tid < m * (GEMV_COLS / 2);
+    if (rope_thread && GEMV_PRELOAD) {
+        const int p = blockIdx.x * (GEMV_COLS / 2) + tid % (GEMV_COLS / 2), half = a.hd / 2;
+        const float ang = rope_angle(a.rp, a.freqs, (float)a.pos[tid / (GEMV_COLS / 2)], p % half);
+        rope_c = cosf(ang);
+        rope_s = sinf(ang);
+    }
+    pdl_wait();
     float inv[MAXR];
     if (IN == IN_NORM) {
         float ss[MAXR];
@@ -175,8 +193,9 @@ __device__ void gemv_impl(const GemvArgs a) {
 #pragma unroll
         for (int j = 0; j < GEMV_COLS; ++j) acc[r][j] = 0.f;
 
-    // acc += this sweep's weights (columns c..c+7 of every row) · the block's input rows.
-    auto fma_sweep = [&](const Raw8<T>* wv, int c) {
+    // acc += this sweep's weights (columns c..c+7 of every row) · the block's input rows
+    // (`g_pre`: the norm weights of these columns, if already loaded).
+    auto fma_sweep = [&](const Raw8<T>* wv, int c, const float* g_pre) {
 #pragma unroll
         for (int r = 0; r < MAXR; ++r) {
             if (r >= m) break;
@@ -184,7 +203,12 @@ __device__ void gemv_impl(const GemvArgs a) {
             if (IN == IN_NORM) {
                 float g[8];
                 load8f(xf + (i64)src[r] * k + c, xv);
-                load8f(a.norm_w + c, g);
+                if (g_pre) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) g[e] = g_pre[e];
+                } else {
+                    load8f(a.norm_w + c, g);
+                }
 #pragma unroll
                 for (int e = 0; e < 8; ++e) xv[e] = to_f(from_f<T>(g[e] * (xv[e] * inv[r])));
             } else {
@@ -196,13 +220,13 @@ __device__ void gemv_impl(const GemvArgs a) {
                 for (int e = 0; e < 8; ++e) acc[r][j] = fmaf(wv[j].get(e), xv[e], acc[r][j]);
         }
     };
-    if (c0 < k) fma_sweep(first, c0);
+    if (c0 < k) fma_sweep(first, c0, IN == IN_NORM && GEMV_PRELOAD ? g_first : nullptr);
 #pragma unroll 2
     for (int c = c0 + GEMV_SWEEP; c < k; c += GEMV_SWEEP) {
         Raw8<T> wv[GEMV_COLS];
 #pragma unroll
         for (int j = 0; j < GEMV_COLS; ++j) wv[j].load(wr[j] + c);
-        fma_sweep(wv, c);
+        fma_sweep(wv, c, nullptr);
     }
 
     // Reduce each output over the block in a fixed order.
@@ -255,7 +279,10 @@ __device__ void gemv_impl(const GemvArgs a) {
     }
     // OUT_ROPE: head `head` of the stacked q | k | v rows, pair (jp, jp + half).
     const int half = a.hd / 2, head = p / half, jp = p % half;
-    if (head < a.nh + a.nkv) rope_rotate(rope_angle(a.rp, a.freqs, (float)a.pos[r], jp), va, vb);
+    if (head < a.nh + a.nkv) {
+        if (GEMV_PRELOAD) rope_rotate_cs(rope_c, rope_s, va, vb);
+        else rope_rotate(rope_angle(a.rp, a.freqs, (float)a.pos[r], jp), va, vb);
+    }
     if (head < a.nh) {
         float* q = (float*)a.y + (i64)r * a.nh * a.hd + head * a.hd;
         q[jp] = va;

@@ -2,7 +2,9 @@
 # On the GPU machine, after scripts/gpu_build.sh: the same `shelfserve bench` points under several
 # launch tunings, one bench per variant, then one table. A variant is a comma-separated list of
 # SHELFSERVE_CUDA_* settings without the prefix ("-" for the defaults), e.g.
-#   VARIANTS="- PDL=0 ATTN_WEIGHTS_L2=0,ATTN_KV_L2=0" gpu_ab.sh configs/llama-8b.json
+#   VARIANTS="- PDL=0 GRAPHS=0,PDL=0 DEFINES=GEMV_PRELOAD=0+OTHER=1" gpu_ab.sh configs/llama-8b.json
+# A `BIN=name` entry runs $HERE/name instead of $HERE/shelfserve (another build of the engine
+# copied next to it), e.g. VARIANTS="BIN=shelfserve_base -".
 # BENCH_ARGS overrides the points (default: batch 1 and 8 at 1k and 8k, prefill 2k).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -13,9 +15,12 @@ i=0
 for v in ${VARIANTS:--}; do
   i=$((i + 1))
   envs=()
-  [ "$v" != "-" ] && for kv in ${v//,/ }; do envs+=("SHELFSERVE_CUDA_$kv"); done
+  bin="$HERE/shelfserve"
+  [ "$v" != "-" ] && for kv in ${v//,/ }; do
+    case "$kv" in BIN=*) bin="$HERE/${kv#BIN=}" ;; *) envs+=("SHELFSERVE_CUDA_$kv") ;; esac
+  done
   echo "=== variant $i: ${v}" >&2
-  env "${envs[@]}" "$HERE/shelfserve" bench --config "$config" ${BENCH_ARGS:---batches 1,8 --contexts 1024,8192 --prefill 2048} \
+  env "${envs[@]}" "$bin" bench --config "$config" ${BENCH_ARGS:---batches 1,8 --contexts 1024,8192 --prefill 2048} \
     --json "$OUTDIR/ab-$i.jsonl" >&2 || echo "variant $i failed" >&2
   echo "$v" > "$OUTDIR/ab-$i.name"
 done

@@ -115,7 +115,7 @@ fn upload_layout(gpu: &Gpu, scratch: &mut Scratch, l: &StepLayout) -> Result<[u6
         words.extend_from_slice(p);
     }
     let base = scratch.get(gpu, "layout", words.len().max(1) * 4)?;
-    gpu.copy_htod(base, &words)?;
+    gpu.copy_htod_in_order(base, &words)?;
     let mut ptrs = [0u64; 10];
     for (p, s) in ptrs.iter_mut().zip(starts) {
         *p = base + 4 * s as u64;

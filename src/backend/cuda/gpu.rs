@@ -87,14 +87,37 @@ pub fn device_memory(ordinal: usize) -> Result<(usize, usize), BackendError> {
 }
 
 /// Compile one kernel module (with the shared header prepended) to PTX for `sm_{major}{minor}`.
-pub fn compile_module(module: &str, src: &str, (major, minor): (i32, i32)) -> Result<cudarc::nvrtc::Ptx, BackendError> {
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: vec![format!("--gpu-architecture=sm_{major}{minor}"), "--std=c++17".into()],
-        name: Some(format!("{module}.cu")),
-        ..Default::default()
-    };
+pub fn compile_module(
+    module: &str,
+    src: &str,
+    (major, minor): (i32, i32),
+    defines: &[String],
+) -> Result<cudarc::nvrtc::Ptx, BackendError> {
+    let mut options = vec![format!("--gpu-architecture=sm_{major}{minor}"), "--std=c++17".into()];
+    options.extend(defines.iter().map(|d| format!("--define-macro={d}")));
+    let opts = cudarc::nvrtc::CompileOptions { options, name: Some(format!("{module}.cu")), ..Default::default() };
     cudarc::nvrtc::compile_ptx_with_opts(format!("{COMMON}\n{src}"), opts)
         .map_err(|e| BackendError::Device(format!("NVRTC failed on cuda/{module}.cu: {e}")))
+}
+
+/// Macro definitions for every kernel module, from `SHELFSERVE_CUDA_DEFINES` (`NAME=VALUE` or
+/// `NAME`, separated by `,` or `+`): the kernels' compile-time switches (e.g. `GEMV_PRELOAD=0`), so a
+/// variant can be compared with the default in one run without a rebuild.
+pub fn parse_kernel_defines(value: &str) -> Result<Vec<String>, BackendError> {
+    let bad = || BackendError::Device(format!("SHELFSERVE_CUDA_DEFINES={value:?}: expected NAME[=VALUE],..."));
+    let word = |s: &str, first_alpha: bool| {
+        !s.is_empty()
+            && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || (!first_alpha && c == '.'))
+            && !(first_alpha && s.starts_with(|c: char| c.is_ascii_digit()))
+    };
+    value
+        .split([',', '+'])
+        .map(|d| {
+            let (name, val) = d.trim().split_once('=').map_or((d.trim(), None), |(n, v)| (n, Some(v)));
+            let ok = word(name, true) && val.is_none_or(|v| word(v, false));
+            ok.then(|| d.trim().to_string()).ok_or_else(bad)
+        })
+        .collect()
 }
 
 /// A device allocation, freed on drop.
@@ -188,6 +211,8 @@ pub struct Gpu {
     pub ordinal: usize,
     pub compute_capability: (i32, i32),
     pub tuning: LaunchTuning,
+    /// `SHELFSERVE_CUDA_DEFINES`, passed to NVRTC for every module.
+    kernel_defines: Vec<String>,
 }
 
 impl Gpu {
@@ -210,6 +235,13 @@ impl Gpu {
         let compute_capability = ctx.compute_capability().map_err(|e| dev_err("reading compute capability", e))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
         let tuning = LaunchTuning::from_env(compute_capability)?;
+        let kernel_defines = match std::env::var("SHELFSERVE_CUDA_DEFINES") {
+            Ok(v) if !v.is_empty() => parse_kernel_defines(&v)?,
+            _ => Vec::new(),
+        };
+        if !kernel_defines.is_empty() {
+            tracing::info!(defines = kernel_defines.join(","), "kernel modules compiled with extra definitions");
+        }
         let mut gpu = Gpu {
             ctx,
             stream,
@@ -220,6 +252,7 @@ impl Gpu {
             ordinal,
             compute_capability,
             tuning,
+            kernel_defines,
         };
         for (module, src) in MODULES {
             gpu.compile(module, src)?;
@@ -235,7 +268,7 @@ impl Gpu {
     fn compile(&mut self, module: &'static str, src: &str) -> Result<(), BackendError> {
         let (major, minor) = self.compute_capability;
         let started = std::time::Instant::now();
-        let ptx = compile_module(module, src, self.compute_capability)?;
+        let ptx = compile_module(module, src, self.compute_capability, &self.kernel_defines)?;
         let m = self.ctx.load_module(ptx).map_err(|e| dev_err(&format!("loading module {module}"), e))?;
         tracing::debug!(
             module,
@@ -334,6 +367,20 @@ impl Gpu {
             drv::memcpy_htod_async(dst, data, self.stream.cu_stream()).map_err(|e| dev_err("host→device copy", e))?;
         }
         self.sync()
+    }
+
+    /// Host→device copy of a step's small inputs, without waiting for it: `data` is ordinary
+    /// (pageable) host memory, which the driver has copied into its own staging buffer by the
+    /// time the call returns, so `data` may go; the transfer runs in stream order before
+    /// anything launched after it. Saves a round trip between decode steps.
+    pub fn copy_htod_in_order<T: Copy>(&self, dst: u64, data: &[T]) -> Result<(), BackendError> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `dst` points to at least `size_of_val(data)` bytes (callers size buffers);
+        // `data` is pageable (a Rust slice never registered with the driver), so the call
+        // returns only after the driver has staged it.
+        unsafe { drv::memcpy_htod_async(dst, data, self.stream.cu_stream()) }.map_err(|e| dev_err("host→device copy", e))
     }
 
     pub fn copy_dtoh<T: Copy>(&self, dst: &mut [T], src: u64) -> Result<(), BackendError> {
@@ -446,6 +493,16 @@ mod tests {
         }
     }
 
+    #[test]
+    fn kernel_defines_are_names_with_optional_values() {
+        assert_eq!(parse_kernel_defines("GEMV_PRELOAD=0").unwrap(), ["GEMV_PRELOAD=0"]);
+        assert_eq!(parse_kernel_defines("A=1, B_2+C=0.5").unwrap(), ["A=1", "B_2", "C=0.5"]);
+        for bad in ["", "A=", "1A", "A B", "A=1;B", "A,,B", "A=\"x\""] {
+            let e = parse_kernel_defines(bad).unwrap_err().to_string();
+            assert!(e.contains("SHELFSERVE_CUDA_DEFINES"), "{bad}: {e}");
+        }
+    }
+
     // No GPU needed, only the library: the NVIDIA wheels of a torch install ship it
     // (`site-packages/nvidia/cu13/lib`). gpu_validate.sh runs the integration tests, not this one.
     #[test]
@@ -453,7 +510,7 @@ mod tests {
     fn every_kernel_module_compiles_for_hopper_and_ampere() {
         for cc in [(9, 0), (8, 0)] {
             for (module, src) in MODULES.iter().chain([&("gemv", GEMV_SOURCE)]) {
-                let ptx = compile_module(module, src, cc).unwrap_or_else(|e| panic!("{e}"));
+                let ptx = compile_module(module, src, cc, &[]).unwrap_or_else(|e| panic!("{e}"));
                 assert!(ptx.to_src().contains(".entry"), "{module}: no kernels in the PTX");
             }
         }

@@ -155,7 +155,7 @@ impl DeviceSampler {
         let mut words = packed.words.clone();
         words.extend_from_slice(&packed.history);
         let inputs = ensure(gpu, &mut self.inputs, words.len() * 4)?;
-        gpu.copy_htod(inputs, &words)?;
+        gpu.copy_htod_in_order(inputs, &words)?;
         let out_words = m * 2 + 2 * m * mt;
         let outputs = ensure(gpu, &mut self.outputs, out_words * 4)?;
         let (specs, history) = (inputs, inputs + 4 * packed.words.len() as u64);
