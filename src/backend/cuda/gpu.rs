@@ -380,7 +380,8 @@ impl Gpu {
         // SAFETY: `dst` points to at least `size_of_val(data)` bytes (callers size buffers);
         // `data` is pageable (a Rust slice never registered with the driver), so the call
         // returns only after the driver has staged it.
-        unsafe { drv::memcpy_htod_async(dst, data, self.stream.cu_stream()) }.map_err(|e| dev_err("host→device copy", e))
+        unsafe { drv::memcpy_htod_async(dst, data, self.stream.cu_stream()) }
+            .map_err(|e| dev_err("host→device copy", e))
     }
 
     pub fn copy_dtoh<T: Copy>(&self, dst: &mut [T], src: u64) -> Result<(), BackendError> {
