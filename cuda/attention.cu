@@ -13,19 +13,6 @@
 #define WARPS 4
 #define ROWS_PER_PASS (ROWS_PER_WARP * WARPS)
 
-struct AttnDims {
-    i64 block_stride;  // elements from one KV block to the next (all layers' K and V)
-    int nh, nkv, hd, block_size, window;  // window 0 = no sliding window
-    int total_tokens;
-    float scale;
-};
-
-// Element offset of key `p`'s K (or V) row in this layer's paged cache: its block from the
-// sequence's block table, then its slot (rows of `kvd` elements).
-__device__ __forceinline__ i64 kv_row_offset(int p, const int* table, const AttnDims& d, int kvd) {
-    return table[p / d.block_size] * d.block_stride + (i64)(p % d.block_size) * kvd;
-}
-
 __device__ __forceinline__ void load8(const bf16* p, float* o) {
     const uint4 u = *reinterpret_cast<const uint4*>(p);
     const unsigned w[4] = {u.x, u.y, u.z, u.w};

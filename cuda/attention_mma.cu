@@ -16,13 +16,6 @@
 #define ITEM_INTS 8
 #define LOG2E 1.4426950408889634f
 
-struct AttnDims {
-    i64 block_stride;
-    int nh, nkv, hd, block_size, window;
-    int total_tokens;
-    float scale;
-};
-
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return (unsigned)from_f<bf16>(lo) | ((unsigned)from_f<bf16>(hi) << 16);
 }
@@ -87,7 +80,7 @@ __device__ void attn_prefill_mma_impl(const int* items, const float* q, const bf
             const int k = i / (HD / 8), c = (i % (HD / 8)) * 8;
             const int p = kt0 + k;
             const bool ok = p < key1;
-            const i64 off = ok ? table[p / d.block_size] * d.block_stride + (i64)(p % d.block_size) * kvd + kvh * HD + c : 0;
+            const i64 off = ok ? kv_row_offset(p, table, d, kvd) + kvh * HD + c : 0;
             cp_async16(ks + (stage * MKT + k) * LD + c, k_cache + off, ok);
             cp_async16(vs + (stage * MKT + k) * LD + c, v_cache + off, ok);
         }

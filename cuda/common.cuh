@@ -64,6 +64,21 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// Dimensions of a paged attention launch (both attention modules; `AttnDims` in
+// src/backend/cuda/decode.rs).
+struct AttnDims {
+    i64 block_stride;  // elements from one KV block to the next (all layers' K and V)
+    int nh, nkv, hd, block_size, window;  // window 0 = no sliding window
+    int total_tokens;
+    float scale;
+};
+
+// Element offset of key `p`'s K (or V) row in this layer's paged cache: its block from the
+// sequence's block table, then its slot (rows of `kvd` elements).
+__device__ __forceinline__ i64 kv_row_offset(int p, const int* table, const AttnDims& d, int kvd) {
+    return table[p / d.block_size] * d.block_stride + (i64)(p % d.block_size) * kvd;
+}
+
 // Instantiate `name_f32` and `name_bf16` from a template `name_impl<T>` whose storage type is T.
 #define FOR_STORAGE_TYPES(X) X(float, f32) X(bf16, bf16)
 

@@ -7,6 +7,7 @@ changes occupancy, which the bench then shows as a slowdown.
 
   python scripts/kernel_regs.py gemv --define GEMV_STORAGE_bf16 --only _r1_
   python scripts/kernel_regs.py attention --only attn_decode
+  python scripts/kernel_regs.py attention_mma --cubin /tmp/after.cubin   # then cmp with a stash's
 
 Needs libnvrtc (the NVIDIA wheels of a torch install ship it: site-packages/nvidia/cu13/lib)
 and a ptxas (triton ships one). NVRTC may emit a newer PTX ISA than that ptxas reads; the
@@ -20,6 +21,7 @@ ap.add_argument("module", help="cuda/<module>.cu")
 ap.add_argument("--define", action="append", default=[], help="NAME or NAME=VALUE, prepended as #define")
 ap.add_argument("--only", default="", help="report kernels whose name contains this")
 ap.add_argument("--arch", default="sm_90")
+ap.add_argument("--cubin", help="also keep the assembled cubin here (to compare two trees byte for byte)")
 ap.add_argument("--nvrtc", default=next(iter(sorted(glob.glob(f"{site}/nvidia/cu*/lib/libnvrtc.so.*[0-9]"))), None))
 ap.add_argument("--ptxas", default=next(iter(glob.glob(f"{site}/triton/backends/nvidia/bin/ptxas")), None))
 args = ap.parse_args()
@@ -53,6 +55,9 @@ with tempfile.TemporaryDirectory() as tmp:
         f.write(re.sub(rb"\.version \d+\.\d+", f".version {isa}".encode(), ptx.value, count=1))
     out = subprocess.run([args.ptxas, f"-arch={args.arch}", "-v", path, "-o", os.path.join(tmp, "m.cubin")],
                          capture_output=True, text=True)
+    if args.cubin and not out.returncode:
+        import shutil
+        shutil.copyfile(os.path.join(tmp, "m.cubin"), args.cubin)
 if out.returncode:
     sys.exit(out.stderr)
 rows, kernel, spill = [], None, ""

@@ -33,7 +33,7 @@ pub struct AttnDims {
     pub total_tokens: i32,
     pub scale: f32,
 }
-// SAFETY: plain `#[repr(C)]` data matching `AttnDims` in cuda/attention.cu and attention_mma.cu.
+// SAFETY: plain `#[repr(C)]` data matching `AttnDims` in cuda/common.cuh.
 unsafe impl DeviceRepr for AttnDims {}
 
 /// What a fused GEMV reads and writes (`GemvArgs` in cuda/gemv.cu; device addresses as u64,

@@ -251,6 +251,10 @@ impl CudaBackend {
                 eps,
                 ..Default::default()
             };
+            // The residual's RMSNorm with weights `w` into `xn`, the GEMM input of the cuBLAS path.
+            let rmsnorm = |gpu: &Gpu, w: u64| -> Result<(), BackendError> {
+                launch!(gpu, norm_f.clone(), cfg((t as u32, 1), NORM_THREADS, 0), &x, &null, &w, &xn, &h32, &eps)
+            };
             for (li, lw) in self.weights.layers.iter().enumerate() {
                 let kbase = self.kv.at(self.kv_layout.layer_offset(li) * eb);
                 let vbase = kbase + (self.kv_layout.plane_elems() * eb) as u64;
@@ -298,17 +302,7 @@ impl CudaBackend {
                     launch_gemv(gpu, GemvKind::Norm, prec, &a)?;
                     rope(gpu)?;
                 } else {
-                    launch!(
-                        gpu,
-                        norm_f.clone(),
-                        cfg((t as u32, 1), NORM_THREADS, 0),
-                        &x,
-                        &null,
-                        &norm_in,
-                        &xn,
-                        &h32,
-                        &eps
-                    )?;
+                    rmsnorm(gpu, norm_in)?;
                     gpu.gemm(prec, t, qd + 2 * kvd, h, xn, lw.qkv.ptr(), qkv, false)?;
                     add_bias(gpu, qkv, &lw.qkv_bias, qd + 2 * kvd)?;
                     rope(gpu)?;
@@ -349,17 +343,7 @@ impl CudaBackend {
                 gpu.gemm(prec, t, h, qd, attn, lw.o.ptr(), x, accumulate)?;
                 add_bias(gpu, x, &lw.o_bias, h)?;
                 shard::all_reduce(&self.tp, x, t * h)?;
-                launch!(
-                    gpu,
-                    norm_f.clone(),
-                    cfg((t as u32, 1), NORM_THREADS, 0),
-                    &x,
-                    &null,
-                    &norm_post,
-                    &xn,
-                    &h32,
-                    &eps
-                )?;
+                rmsnorm(gpu, norm_post)?;
                 gpu.gemm(prec, t, 2 * inter, h, xn, lw.gate_up.ptr(), gu, false)?;
                 add_bias(gpu, gu, &lw.gate_up_bias, 2 * inter)?;
                 // One row per grid row (up to 65 535, then grid-stride), four columns per thread.
