@@ -14,12 +14,6 @@
 // reduced in an order fixed by k alone (per-thread chunks, warp tree, then warps in order), so
 // a row's result never depends on m or on the rest of the batch.
 
-// GEMV_PRELOAD=0 (SHELFSERVE_CUDA_DEFINES) moves the norm weights' first sweep and the RoPE
-// angles back after `pdl_wait()`, for comparison.
-#ifndef GEMV_PRELOAD
-#define GEMV_PRELOAD 1
-#endif
-
 // Blocks per SM the 1-row builds are compiled for, per fusion (2: ≤ 128 registers; 3: ≤ 80,
 // with a few bytes of spills in some), switchable through SHELFSERVE_CUDA_DEFINES. Measured on
 // the H200 (8B, batch-1 decode, A/B in one run): q/k/v at three per SM +1.5-2 % (80 registers,
@@ -161,13 +155,13 @@ __device__ void gemv_impl(const GemvArgs a) {
     // of the norm weights, the logits rows and positions (uploaded by the host), and from those
     // the cosine and sine of this thread's RoPE pair (the epilogue's threads, see below).
     float g_first[8];
-    if (IN == IN_NORM && GEMV_PRELOAD && c0 < k) load8f(a.norm_w + c0, g_first);
+    if (IN == IN_NORM && c0 < k) load8f(a.norm_w + c0, g_first);
     int src[MAXR];
 #pragma unroll
     for (int r = 0; r < MAXR; ++r) src[r] = r < m ? (IN == IN_NORM && a.rows ? a.rows[r] : r) : 0;
     float rope_c = 1.f, rope_s = 0.f;
     const bool rope_thread = OUT == OUT_ROPE && tid < m * (GEMV_COLS / 2);
-    if (rope_thread && GEMV_PRELOAD) {
+    if (rope_thread) {
         const int p = blockIdx.x * (GEMV_COLS / 2) + tid % (GEMV_COLS / 2), half = a.hd / 2;
         const float ang = rope_angle(a.rp, a.freqs, (float)a.pos[tid / (GEMV_COLS / 2)], p % half);
         rope_c = cosf(ang);
@@ -238,7 +232,7 @@ __device__ void gemv_impl(const GemvArgs a) {
                 for (int e = 0; e < 8; ++e) acc[r][j] = fmaf(wv[j].get(e), xv[e], acc[r][j]);
         }
     };
-    if (c0 < k) fma_sweep(first, c0, IN == IN_NORM && GEMV_PRELOAD ? g_first : nullptr);
+    if (c0 < k) fma_sweep(first, c0, IN == IN_NORM ? g_first : nullptr);
 #pragma unroll 2
     for (int c = c0 + GEMV_SWEEP; c < k; c += GEMV_SWEEP) {
         Raw8<T> wv[GEMV_COLS];
@@ -297,10 +291,7 @@ __device__ void gemv_impl(const GemvArgs a) {
     }
     // OUT_ROPE: head `head` of the stacked q | k | v rows, pair (jp, jp + half).
     const int half = a.hd / 2, head = p / half, jp = p % half;
-    if (head < a.nh + a.nkv) {
-        if (GEMV_PRELOAD) rope_rotate_cs(rope_c, rope_s, va, vb);
-        else rope_rotate(rope_angle(a.rp, a.freqs, (float)a.pos[r], jp), va, vb);
-    }
+    if (head < a.nh + a.nkv) rope_rotate_cs(rope_c, rope_s, va, vb);
     if (head < a.nh) {
         float* q = (float*)a.y + (i64)r * a.nh * a.hd + head * a.hd;
         q[jp] = va;
@@ -313,10 +304,10 @@ __device__ void gemv_impl(const GemvArgs a) {
     }
 }
 
-// name_r{1,2,4}_{f32,bf16}: one, two, or three-four token rows; each fits two blocks per SM
-// (≤ 128 registers; the 4-row build spills a few bytes, and still ran batch 4 1.32× faster on
-// the H200 than at one block per SM). The 1-row build has two sweeps of 8 × 16 weight bytes in
-// flight per thread.
+// name_r{1,2,4}_{f32,bf16}: one, two, or three-four token rows. The 2- and 4-row builds fit two
+// blocks per SM (≤ 128 registers; the 4-row build spills a few bytes, and still ran batch 4
+// 1.32× faster on the H200 than at one block per SM); the 1-row builds as GEMV_R1_BLOCKS_*
+// says per fusion.
 #define GEMV_KERNEL(T, S, NAME, IN, OUT, R1_BLOCKS)                                                       \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, R1_BLOCKS) NAME##_r1_##S(const GemvArgs a) {\
         gemv_impl<T, 1, IN, OUT>(a);                                                                     \

@@ -2,7 +2,7 @@
 # On the GPU machine, after scripts/gpu_build.sh: the same `shelfserve bench` points under several
 # launch tunings, one bench per variant, then one table. A variant is a comma-separated list of
 # SHELFSERVE_CUDA_* settings without the prefix ("-" for the defaults), e.g.
-#   VARIANTS="- PDL=0 GRAPHS=0,PDL=0 DEFINES=GEMV_PRELOAD=0+OTHER=1" gpu_ab.sh configs/llama-8b.json
+#   VARIANTS="- PDL=0 GRAPHS=0,PDL=0 DEFINES=GEMV_R1_BLOCKS_ROPE=2+GEMV_R1_BLOCKS_SWIGLU=2" gpu_ab.sh configs/llama-8b.json
 # A `BIN=name` entry runs $HERE/name instead of $HERE/shelfserve (another build of the engine
 # copied next to it), e.g. VARIANTS="BIN=shelfserve_base -".
 # BENCH_ARGS overrides the points (default: batch 1 and 8 at 1k and 8k, prefill 2k).

@@ -93,7 +93,7 @@ impl GemvKind {
 }
 
 /// Kernel name for `rows` token rows: builds for 1, 2 and 3-4 rows, each holding only its rows'
-/// accumulators so two blocks fit per SM.
+/// accumulators (two or three blocks per SM, as cuda/gemv.cu says per build).
 pub fn gemv_kernel_name(kind: GemvKind, rows: usize, prec: Precision) -> String {
     let r = match rows {
         0 | 1 => 1,

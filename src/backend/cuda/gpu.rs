@@ -101,7 +101,7 @@ pub fn compile_module(
 }
 
 /// Macro definitions for every kernel module, from `SHELFSERVE_CUDA_DEFINES` (`NAME=VALUE` or
-/// `NAME`, separated by `,` or `+`): the kernels' compile-time switches (e.g. `GEMV_PRELOAD=0`), so a
+/// `NAME`, separated by `,` or `+`): the kernels' compile-time switches (e.g. `GEMV_R1_BLOCKS_ROPE=2`), so a
 /// variant can be compared with the default in one run without a rebuild.
 pub fn parse_kernel_defines(value: &str) -> Result<Vec<String>, BackendError> {
     let bad = || BackendError::Device(format!("SHELFSERVE_CUDA_DEFINES={value:?}: expected NAME[=VALUE],..."));
@@ -361,11 +361,8 @@ impl Gpu {
         if data.is_empty() {
             return Ok(());
         }
-        // SAFETY: `dst` points to at least `size_of_val(data)` bytes (callers size buffers); the
-        // copy completes before we return, so `data` outlives it.
-        unsafe {
-            drv::memcpy_htod_async(dst, data, self.stream.cu_stream()).map_err(|e| dev_err("host→device copy", e))?;
-        }
+        // Waits for the transfer, so a failed copy is reported here, not by a later call.
+        self.copy_htod_in_order(dst, data)?;
         self.sync()
     }
 
