@@ -16,6 +16,7 @@ use shelfserve::actors::handle::{
     EngineError, EventStream, FinishReason, GenerationRequest, InferenceEngine, ModelInfo, StreamEvent, TokenInfo,
     Usage,
 };
+use shelfserve::api::auth::AuthPolicy;
 use shelfserve::api::{bind_lane, ApiOptions};
 use shelfserve::config::engine::LaneConfig;
 use shelfserve::tokenizer::TokenizerBundle;
@@ -212,7 +213,7 @@ impl TestServer {
             signals: tx,
         });
         let mut opts = ApiOptions::new("shelf-test").with_prometheus(metrics_handle());
-        opts.api_key = api_key.map(str::to_owned);
+        opts.auth = AuthPolicy::new(api_key.map(str::to_owned), false);
         opts.max_body_bytes = MAX_BODY;
         opts.workers = 1;
         let dyn_engine: Arc<dyn InferenceEngine> = engine.clone();
@@ -541,8 +542,15 @@ fn malformed_cases() -> Vec<Case> {
         Case {
             method: "GET",
             key: None,
-            code: Some("not_found"),
-            ..case("unknown route", "/nope", json!(null), 404, None)
+            code: Some("invalid_api_key"),
+            ..case("unknown route without a key", "/nope", json!(null), 401, None)
+        },
+        Case { method: "GET", code: Some("not_found"), ..case("unknown route", "/nope", json!(null), 404, None) },
+        Case {
+            method: "GET",
+            key: None,
+            code: Some("invalid_api_key"),
+            ..case("metrics without a key", "/metrics", json!(null), 401, None)
         },
         Case {
             method: "GET",
@@ -882,6 +890,87 @@ fn raw_post(addr: SocketAddr, path: &str, body: &Value) -> TcpStream {
     );
     s.write_all(head.as_bytes()).and_then(|_| s.write_all(body.as_bytes())).expect("send request");
     s
+}
+
+/// One request over a fresh socket, the path sent byte for byte as given (an HTTP client would
+/// normalize it); returns the status and the body.
+fn raw_request(addr: SocketAddr, method: &str, path: &str, key: Option<&str>) -> (u16, String) {
+    let body = if method == "POST" { user("hi").to_string() } else { String::new() };
+    let auth = key.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(PATIENCE)).expect("read timeout");
+    s.write_all(head.as_bytes()).and_then(|_| s.write_all(body.as_bytes())).expect("send request");
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).expect("read the response");
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("no status: {text}"));
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+    (status, body)
+}
+
+/// Spellings of a path that a router may decode or that a normalizer may fold, none of which
+/// may reach a handler without the key.
+fn path_variants(path: &str) -> Vec<String> {
+    let encoded_all: String =
+        path.bytes().map(|b| if b == b'/' { "/".to_owned() } else { format!("%{b:02X}") }).collect();
+    let mut v = vec![
+        path.to_owned(),
+        path.replacen("/v1", "/%76%31", 1),
+        path.replacen("/v1", "/%76%31", 1).to_lowercase(),
+        encoded_all,
+        path.replace('/', "//"),
+        format!("/{path}"),
+        path.replacen("/v1/", "/v1/./", 1),
+        path.replacen("/v1/", "/x/../v1/", 1),
+        format!("/health/..{path}"),
+        format!("/health/%2E%2E{path}"),
+        format!("{path}/"),
+        path.replacen("/v1", "/V1", 1),
+    ];
+    v.dedup();
+    v
+}
+
+#[actix_web::test]
+async fn no_spelling_of_a_protected_path_passes_without_the_key() {
+    let srv = TestServer::start(Some(KEY)).await;
+    let routes =
+        [("POST", CHAT), ("POST", COMPL), ("GET", "/v1/models"), ("GET", "/v1/models/shelf-test"), ("GET", "/metrics")];
+    let addr = srv.addr;
+    let mut leaks = Vec::new();
+    let checked = actix_web::web::block(move || {
+        let mut n = 0;
+        for (method, route) in routes {
+            let (status, _) = raw_request(addr, method, route, Some(KEY));
+            assert_eq!(status, 200, "{method} {route} with the key");
+            for path in path_variants(route) {
+                for key in [None, Some("sk-wrong")] {
+                    let (status, body) = raw_request(addr, method, &path, key);
+                    n += 1;
+                    if status != 401 || !body.contains("invalid_api_key") {
+                        leaks.push(format!("{method} {path} key={key:?}: {status} {body}"));
+                    }
+                }
+            }
+        }
+        // The one public route stays public under its spellings.
+        for path in ["/health", "//health", "/%68ealth", "/./health/"] {
+            let (status, body) = raw_request(addr, "GET", path, None);
+            assert_eq!(status, 200, "GET {path}: {body}");
+        }
+        (n, leaks)
+    })
+    .await
+    .expect("blocking pool");
+    let (n, leaks) = checked;
+    assert!(n >= 100, "only {n} requests checked");
+    assert!(leaks.is_empty(), "answered without the key:\n{}", leaks.join("\n"));
+    srv.stop().await;
 }
 
 #[actix_web::test]

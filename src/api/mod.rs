@@ -1,7 +1,8 @@
 //! The OpenAI-compatible HTTP API (actix-web): one server per lane port, speaking only to the
 //! engine boundary ([`InferenceEngine`]: submit, receive a stream, drop it to cancel).
 //!
-//! Owns: server construction and binding, routing, the optional API key, request-body limits,
+//! Owns: server construction and binding, routing, the API-key gate (`auth`: deny by default on
+//! the normalized path, before the body is read), request-body limits,
 //! `/health`, `/v1/models`, `/metrics`, and (in the submodules) request validation, prompt
 //! rendering and tokenization (on the blocking pool, never on the async runtime), response and
 //! SSE formatting, and the single error → HTTP mapping (`errors`). It holds no engine state: a
@@ -11,6 +12,7 @@
 //! Connections are served with HTTP/1 half-closure disabled: a client that closes its socket
 //! makes actix drop the handler future at once, which is what cancels a non-streaming request.
 
+pub mod auth;
 mod chat;
 mod completions;
 pub mod errors;
@@ -46,8 +48,9 @@ pub type MetricsRender = Arc<dyn Fn() -> String + Send + Sync>;
 /// Settings shared by every lane server.
 #[derive(Clone)]
 pub struct ApiOptions {
-    /// When set, `/v1/*` requires `Authorization: Bearer <key>`.
-    pub api_key: Option<String>,
+    /// With keys, every route but `/health` (and `/metrics` when public) requires
+    /// `Authorization: Bearer <key>`.
+    pub auth: auth::AuthPolicy,
     /// The model id clients see in `/v1/models` and may send as `model`.
     pub served_model_name: String,
     /// Larger request bodies get 413.
@@ -64,7 +67,7 @@ impl ApiOptions {
 
     pub fn new(served_model_name: impl Into<String>) -> Self {
         Self {
-            api_key: None,
+            auth: auth::AuthPolicy::default(),
             served_model_name: served_model_name.into(),
             max_body_bytes: Self::DEFAULT_MAX_BODY_BYTES,
             metrics: None,
@@ -86,7 +89,7 @@ impl ApiOptions {
 impl std::fmt::Debug for ApiOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ApiOptions")
-            .field("api_key", &self.api_key.as_ref().map(|_| "<set>"))
+            .field("auth", &self.auth)
             .field("served_model_name", &self.served_model_name)
             .field("max_body_bytes", &self.max_body_bytes)
             .field("metrics", &self.metrics.is_some())
@@ -188,13 +191,13 @@ fn app(
     >,
 > {
     let lane = state.lane.name.clone();
-    let api_key = state.shared.opts.api_key.clone();
+    let auth = state.shared.opts.auth.clone();
     App::new()
         .app_data(state)
         .wrap_fn(move |req: ServiceRequest, srv| {
             use actix_web::dev::Service as _;
             let lane = lane.clone();
-            let denied = needs_auth(req.path()) && !authorized(req.request(), api_key.as_deref());
+            let denied = !auth.admits(req.path(), req.request());
             let fut = if denied {
                 Either::Left(futures_util::future::ready(
                     Ok(req.into_response(ApiError::Unauthorized.error_response())),
@@ -220,31 +223,6 @@ fn app(
 
 fn resource(path: &str) -> actix_web::Resource {
     web::resource(path).default_service(web::to(method_not_allowed))
-}
-
-fn needs_auth(path: &str) -> bool {
-    path == "/v1" || path.starts_with("/v1/")
-}
-
-fn authorized(req: &HttpRequest, key: Option<&str>) -> bool {
-    let Some(key) = key else { return true };
-    let Some(value) = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) else {
-        return false;
-    };
-    let mut parts = value.trim().splitn(2, ' ');
-    let scheme_ok = parts.next().is_some_and(|s| s.eq_ignore_ascii_case("bearer"));
-    let given = parts.next().unwrap_or("").trim();
-    scheme_ok && constant_time_eq(given.as_bytes(), key.as_bytes())
-}
-
-/// Compare without an early exit, so response timing does not reveal how much of a guessed key
-/// was right.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = a.len() ^ b.len();
-    for (i, &x) in a.iter().enumerate() {
-        diff |= usize::from(x ^ b.get(i).copied().unwrap_or(!x));
-    }
-    diff == 0
 }
 
 /// Per-model assets, built on the first generation request (the model may still be loading
@@ -413,27 +391,4 @@ async fn not_found(req: HttpRequest) -> HttpResponse {
 
 async fn method_not_allowed(req: HttpRequest) -> HttpResponse {
     ApiError::MethodNotAllowed { method: req.method().to_string(), path: req.path().to_owned() }.error_response()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn key_comparison() {
-        assert!(constant_time_eq(b"sk-abc", b"sk-abc"));
-        assert!(!constant_time_eq(b"sk-abc", b"sk-abd"));
-        assert!(!constant_time_eq(b"sk-ab", b"sk-abc"));
-        assert!(!constant_time_eq(b"sk-abc", b"sk-ab"));
-        assert!(!constant_time_eq(b"", b"x"));
-    }
-
-    #[test]
-    fn auth_applies_to_v1_only() {
-        assert!(needs_auth("/v1/chat/completions"));
-        assert!(needs_auth("/v1"));
-        assert!(!needs_auth("/v10"));
-        assert!(!needs_auth("/health"));
-        assert!(!needs_auth("/metrics"));
-    }
 }

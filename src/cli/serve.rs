@@ -8,6 +8,7 @@ use clap::Args;
 
 use super::{CliError, ModelArgs};
 use crate::actors::{start_engine, EngineOptions, InferenceEngine};
+use crate::api::auth::{read_key_file, AuthPolicy};
 use crate::api::{bind_all, ApiOptions};
 use crate::config::engine::EngineConfig;
 
@@ -24,9 +25,16 @@ pub struct ServeArgs {
     /// Lane ports, e.g. `voice=8888,agent=8889` (0 = any free port).
     #[arg(long, env = "SHELFSERVE_LANE_PORTS", value_delimiter = ',')]
     pub lane_port: Vec<String>,
-    /// Require `Authorization: Bearer <key>` on /v1 routes.
+    /// Require `Authorization: Bearer <key>` on every route but /health (and /metrics with
+    /// --metrics-public).
     #[arg(long, env = "SHELFSERVE_API_KEY")]
     pub api_key: Option<String>,
+    /// A file of accepted keys, one per line (`#` starts a comment line); adds to --api-key.
+    #[arg(long, env = "SHELFSERVE_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Serve /metrics without a key even when keys are set.
+    #[arg(long, env = "SHELFSERVE_METRICS_PUBLIC")]
+    pub metrics_public: bool,
     /// Model id reported by /v1/models (default: the model's name).
     #[arg(long, env = "SHELFSERVE_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
@@ -108,6 +116,31 @@ impl ServeArgs {
     }
 }
 
+impl ServeArgs {
+    /// The keys of --api-key and --api-key-file.
+    pub fn auth_policy(&self) -> Result<AuthPolicy, CliError> {
+        let mut keys: Vec<String> = self.api_key.iter().cloned().collect();
+        if let Some(path) = &self.api_key_file {
+            let from_file =
+                read_key_file(path).map_err(|e| CliError::Usage(format!("--api-key-file {}: {e}", path.display())))?;
+            keys.extend(from_file);
+        }
+        Ok(AuthPolicy::new(keys, self.metrics_public))
+    }
+}
+
+/// Anyone who can reach a non-loopback address can use an unkeyed server.
+fn warn_if_exposed(host: &str, auth: &AuthPolicy) {
+    let loopback = host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+    if !loopback && !auth.enabled() {
+        tracing::warn!(
+            host,
+            "listening on a non-loopback address without an API key: anyone who can reach it can use the model \
+             (set --api-key or --api-key-file)"
+        );
+    }
+}
+
 pub fn run_serve(args: &ServeArgs) -> Result<(), CliError> {
     let cfg = args.engine_config()?;
     let bundle = args.model.open()?;
@@ -129,7 +162,8 @@ pub fn run_serve(args: &ServeArgs) -> Result<(), CliError> {
         .await
         .map_err(|e| CliError::Usage(e.to_string()))?;
         let mut opts = ApiOptions::new(served).with_prometheus(metrics);
-        opts.api_key = args.api_key.clone();
+        opts.auth = args.auth_policy()?;
+        warn_if_exposed(&cfg.host, &opts.auth);
         let dyn_engine: Arc<dyn InferenceEngine> = engine.clone();
         let servers = bind_all(dyn_engine, &cfg, opts)?;
         let ports: Vec<String> = servers.iter().map(|s| format!("{}:{}", s.lane, s.port())).collect();
