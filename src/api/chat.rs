@@ -28,6 +28,7 @@ use super::{blocking, metrics, read_body, response_id, unix_now, LaneState, Temp
 use crate::actors::handle::{FinishReason, GenerationRequest, StreamEvent, TokenInfo, Usage};
 use crate::config::engine::LaneConfig;
 use crate::sampling::MAX_LOGPROBS;
+use crate::tokenizer::bounded::proves_over;
 use crate::tokenizer::chat::ChatRender;
 use crate::tokenizer::TokenizerError;
 
@@ -145,16 +146,16 @@ fn prepare(state: &LaneState, body: &[u8]) -> Result<Prepared, ApiError> {
         add_generation_prompt: chat.add_generation_prompt.unwrap_or(true),
         kwargs: &kwargs,
     };
-    let text = template.render(&render).map_err(|e| match e {
-        // Template errors are usually `raise_exception` calls about the conversation
-        // ("roles must alternate"): the client's to fix.
-        TokenizerError::Template(m) => {
-            ApiError::invalid("messages", format!("the chat template rejected the conversation: {m}"))
-        }
-        TokenizerError::Tokenizer(m) => ApiError::Internal(m),
-    })?;
-    // The rendered template already holds its special tokens (BOS included), as in HF.
-    let ids = tokenizer.encode(&text, false).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let Some(encoder) = assets.chat_encoder.as_ref() else {
+        return Err(ApiError::Internal("the model's tokenizer cannot encode conversations safely".into()));
+    };
+    // Only the template's own markup becomes control tokens; text typed in a message stays text
+    // (`tokenizer::literal`). The rendered template holds its special tokens, BOS included.
+    let text = encoder.render(template, &render).map_err(template_error)?;
+    if let Some(at_least) = proves_over(tokenizer, text.text(), model.max_context).map_err(template_error)? {
+        return Err(ApiError::prompt_over_context(model.max_context, at_least, "messages"));
+    }
+    let ids = encoder.encode(tokenizer, &text).map_err(template_error)?;
     if ids.is_empty() {
         return Err(ApiError::invalid("messages", "the conversation renders to an empty prompt"));
     }
@@ -163,6 +164,17 @@ fn prepare(state: &LaneState, body: &[u8]) -> Result<Prepared, ApiError> {
     let requests = params::requests(&plan, ids, max_tokens, &state.lane.name);
     let pieces = if logprobs.is_some() { assets.pieces.clone() } else { None };
     Ok(Prepared { requests, plan, prompt_len, pieces })
+}
+
+fn template_error(e: TokenizerError) -> ApiError {
+    match e {
+        // Template errors are usually `raise_exception` calls about the conversation
+        // ("roles must alternate"): the client's to fix.
+        TokenizerError::Template(m) => {
+            ApiError::invalid("messages", format!("the chat template rejected the conversation: {m}"))
+        }
+        TokenizerError::Tokenizer(m) => ApiError::Internal(m),
+    }
 }
 
 fn check_response_format(v: Option<&Value>) -> Result<(), ApiError> {

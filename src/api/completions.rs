@@ -22,6 +22,7 @@ use super::types::{CommonParams, Completion, CompletionChoice, CompletionLogprob
 use super::{blocking, metrics, read_body, response_id, unix_now, LaneState};
 use crate::actors::handle::{FinishReason, GenerationRequest, ModelInfo, StreamEvent, TokenInfo, Usage};
 use crate::sampling::MAX_LOGPROBS;
+use crate::tokenizer::bounded::proves_over;
 
 enum PromptInput {
     Text(String),
@@ -126,7 +127,13 @@ fn prepare(state: &LaneState, body: &[u8]) -> Result<Prepared, ApiError> {
         let (ids, text) = match input {
             PromptInput::Text(t) => {
                 let tok = tokenizer.ok_or_else(|| no_tokenizer("prompt"))?;
-                (tok.encode(&t, true).map_err(|e| ApiError::Internal(e.to_string()))?, Some(t))
+                let internal = |e: crate::tokenizer::TokenizerError| ApiError::Internal(e.to_string());
+                if let Some(at_least) = proves_over(tok, &t, model.max_context).map_err(internal)? {
+                    return Err(ApiError::prompt_over_context(model.max_context, at_least, "prompt"));
+                }
+                // A raw prompt is not a conversation: special-token text in it is encoded as
+                // special tokens, as llama.cpp and vLLM do (chat messages never are).
+                (tok.encode(&t, true).map_err(internal)?, Some(t))
             }
             PromptInput::Tokens(ids) => (ids, None),
         };

@@ -4,7 +4,7 @@
 //! (`{"error":{"message","type","param","code"}}`) are decided here and nowhere else. The same body
 //! is what a stream carries as `data: {"error":…}` when the engine fails mid-generation.
 
-use actix_web::http::StatusCode;
+use actix_web::http::{Method, StatusCode};
 use actix_web::{HttpResponse, ResponseError};
 use serde::Serialize;
 
@@ -32,8 +32,13 @@ pub enum ApiError {
     ModelNotFound(String),
     #[error("no route for {method} {path}")]
     RouteNotFound { method: String, path: String },
+    /// `allow` goes out as the `Allow` header.
     #[error("method {method} is not allowed on {path}")]
-    MethodNotAllowed { method: String, path: String },
+    MethodNotAllowed { method: String, path: String, allow: &'static [Method] },
+    #[error("{}", media_type_message(.sent.as_deref()))]
+    UnsupportedMediaType { sent: Option<String> },
+    #[error("the request body did not arrive within {secs} s")]
+    BodyTimeout { secs: f64 },
     #[error("the request body exceeds the {limit}-byte limit")]
     PayloadTooLarge { limit: usize },
     /// The server cannot serve this request for a reason that is not the client's fault and is
@@ -72,6 +77,17 @@ impl ApiError {
         ApiError::Unsupported { param: param.into(), message: message.into() }
     }
 
+    /// A prompt proven to hold at least `at_least >= limit` tokens before it was fully tokenized.
+    pub fn prompt_over_context(limit: usize, at_least: usize, param: &'static str) -> Self {
+        ApiError::ContextLength {
+            param,
+            message: format!(
+                "This model's maximum context length is {limit} tokens. However, the prompt has at least \
+                 {at_least} tokens, which leaves no room for a completion. Please reduce the prompt."
+            ),
+        }
+    }
+
     pub fn engine(err: EngineError, param: Option<&'static str>) -> Self {
         ApiError::Engine { err, param }
     }
@@ -87,6 +103,8 @@ impl ApiError {
             ApiError::ModelNotFound(_) => "model_not_found",
             ApiError::RouteNotFound { .. } => "route_not_found",
             ApiError::MethodNotAllowed { .. } => "method_not_allowed",
+            ApiError::UnsupportedMediaType { .. } => "unsupported_media_type",
+            ApiError::BodyTimeout { .. } => "request_timeout",
             ApiError::PayloadTooLarge { .. } => "payload_too_large",
             ApiError::Internal(_) => "internal",
             ApiError::Engine { err, .. } => err.kind(),
@@ -102,6 +120,8 @@ impl ApiError {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::ModelNotFound(_) | ApiError::RouteNotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Engine { err, .. } => match err {
@@ -126,6 +146,8 @@ impl ApiError {
             ApiError::ModelNotFound(_) => (INVALID_REQUEST, Some("model_not_found"), Some("model")),
             ApiError::RouteNotFound { .. } => (INVALID_REQUEST, Some("not_found"), None),
             ApiError::MethodNotAllowed { .. } => (INVALID_REQUEST, Some("method_not_allowed"), None),
+            ApiError::UnsupportedMediaType { .. } => (INVALID_REQUEST, Some("unsupported_media_type"), None),
+            ApiError::BodyTimeout { .. } => (INVALID_REQUEST, Some("request_timeout"), None),
             ApiError::PayloadTooLarge { .. } => (INVALID_REQUEST, Some("request_too_large"), None),
             ApiError::Internal(_) => (SERVER_ERROR, Some("internal_error"), None),
             ApiError::Engine { err, param } => match err {
@@ -150,6 +172,13 @@ impl ApiError {
         serde_json::to_string(&ErrorEnvelope { error: self.body() }).unwrap_or_else(|_| {
             r#"{"error":{"message":"internal error","type":"server_error","param":null,"code":null}}"#.into()
         })
+    }
+}
+
+fn media_type_message(sent: Option<&str>) -> String {
+    match sent {
+        Some(ct) => format!("unsupported Content-Type `{ct}`: send the body as `Content-Type: application/json`"),
+        None => "missing Content-Type: send the body as `Content-Type: application/json`".into(),
     }
 }
 
@@ -180,8 +209,15 @@ impl ResponseError for ApiError {
             tracing::debug!(kind = self.kind(), status = status.as_u16(), "request rejected: {self}");
         }
         let mut resp = HttpResponse::build(status);
-        if matches!(self, ApiError::Unauthorized) {
-            resp.insert_header(("WWW-Authenticate", "Bearer"));
+        match self {
+            ApiError::Unauthorized => {
+                resp.insert_header(("WWW-Authenticate", "Bearer"));
+            }
+            ApiError::MethodNotAllowed { allow, .. } => {
+                let methods: Vec<&str> = allow.iter().map(Method::as_str).collect();
+                resp.insert_header((actix_web::http::header::ALLOW, methods.join(", ")));
+            }
+            _ => {}
         }
         resp.content_type("application/json").body(self.to_json())
     }
@@ -227,6 +263,18 @@ mod tests {
         }
         assert_eq!(v["error"]["param"], "messages");
         assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+
+    #[test]
+    fn strict_http_errors() {
+        let e = ApiError::MethodNotAllowed { method: "PUT".into(), path: "/v1/models".into(), allow: &[Method::GET] };
+        let resp = e.error_response();
+        assert_eq!(resp.status().as_u16(), 405);
+        assert_eq!(resp.headers().get("allow").unwrap(), "GET");
+        let e = ApiError::UnsupportedMediaType { sent: Some("text/plain".into()) };
+        assert_eq!(e.status().as_u16(), 415);
+        assert!(json(&e)["error"]["message"].as_str().unwrap().contains("text/plain"));
+        assert_eq!(ApiError::BodyTimeout { secs: 2.0 }.status().as_u16(), 408);
     }
 
     #[test]

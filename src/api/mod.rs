@@ -1,8 +1,10 @@
 //! The OpenAI-compatible HTTP API (actix-web): one server per lane port, speaking only to the
 //! engine boundary ([`InferenceEngine`]: submit, receive a stream, drop it to cancel).
 //!
-//! Owns: server construction and binding, routing, the API-key gate (`auth`: deny by default on
-//! the normalized path, before the body is read), request-body limits,
+//! Owns: server construction and binding (plain or TLS, `tls`), routing (405 with `Allow`), the
+//! API-key gate (`auth`: deny by default on the normalized path, before the body is read), CORS
+//! (off unless origins are configured), the strict body contract (`application/json` only, size
+//! limit, header and body read deadlines),
 //! `/health`, `/v1/models`, `/metrics`, and (in the submodules) request validation, prompt
 //! rendering and tokenization (on the blocking pool, never on the async runtime), response and
 //! SSE formatting, and the single error → HTTP mapping (`errors`). It holds no engine state: a
@@ -19,16 +21,19 @@ pub mod errors;
 pub mod metrics;
 pub mod params;
 mod sse;
+pub mod tls;
 mod tokens;
 pub mod types;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use actix_cors::Cors;
 use actix_web::body::MessageBody;
 use actix_web::dev::{Server, ServiceFactory, ServiceRequest, ServiceResponse};
-use actix_web::http::header;
+use actix_web::http::{header, Method};
+use actix_web::middleware::Condition;
 use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer, ResponseError};
 use bytes::{Bytes, BytesMut};
 use futures_util::future::Either;
@@ -38,6 +43,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use crate::actors::handle::{EngineError, EventStream, GenerationRequest, InferenceEngine};
 use crate::config::engine::{EngineConfig, LaneConfig};
 use crate::tokenizer::chat::ChatTemplate;
+use crate::tokenizer::literal::ChatEncoder;
 use crate::tokenizer::TokenizerBundle;
 use errors::ApiError;
 use tokens::TokenPieces;
@@ -59,11 +65,24 @@ pub struct ApiOptions {
     pub metrics: Option<MetricsRender>,
     /// Worker threads per lane server (0: actix's default, one per physical core).
     pub workers: usize,
+    /// A client must send its request line and headers within this time (else 408).
+    pub header_read_timeout: Duration,
+    /// A client must send its whole body within this time once the handler starts reading it
+    /// (else 408): a slow sender cannot hold a connection and a worker's buffer forever.
+    pub body_read_timeout: Duration,
+    /// Origins whose browser pages may call the API (CORS); empty: no CORS headers at all, so a
+    /// page on another origin can neither read replies nor pass a preflight.
+    pub allowed_origins: Vec<String>,
+    /// Serve HTTPS with this configuration instead of plain HTTP.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 impl ApiOptions {
     /// Room for a 1M-token prompt sent as a JSON list of ids.
     pub const DEFAULT_MAX_BODY_BYTES: usize = 32 << 20;
+    pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+    /// Enough for the largest body at a few hundred kB/s.
+    pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
 
     pub fn new(served_model_name: impl Into<String>) -> Self {
         Self {
@@ -72,6 +91,10 @@ impl ApiOptions {
             max_body_bytes: Self::DEFAULT_MAX_BODY_BYTES,
             metrics: None,
             workers: 0,
+            header_read_timeout: Self::DEFAULT_HEADER_READ_TIMEOUT,
+            body_read_timeout: Self::DEFAULT_BODY_READ_TIMEOUT,
+            allowed_origins: Vec::new(),
+            tls: None,
         }
     }
 
@@ -94,6 +117,10 @@ impl std::fmt::Debug for ApiOptions {
             .field("max_body_bytes", &self.max_body_bytes)
             .field("metrics", &self.metrics.is_some())
             .field("workers", &self.workers)
+            .field("header_read_timeout", &self.header_read_timeout)
+            .field("body_read_timeout", &self.body_read_timeout)
+            .field("allowed_origins", &self.allowed_origins)
+            .field("tls", &self.tls.is_some())
             .finish()
     }
 }
@@ -159,22 +186,29 @@ pub async fn serve_all(
 fn bind_with(shared: Arc<Shared>, lane: LaneConfig, host: &str) -> std::io::Result<LaneServer> {
     metrics::describe();
     let workers = shared.opts.workers;
+    let header_timeout = shared.opts.header_read_timeout;
+    let tls = shared.opts.tls.clone();
     let name = lane.name.clone();
     let port = lane.port;
     let state = web::Data::new(LaneState { shared, lane });
     // A client that closes its socket must make actix drop the handler future at once (that
     // drops the engine receivers, i.e. cancels); with half-closure allowed actix would keep
     // generating for a reader that is gone.
-    let mut server = HttpServer::new(move || app(state.clone())).h1_allow_half_closed(false);
+    let mut server =
+        HttpServer::new(move || app(state.clone())).h1_allow_half_closed(false).client_request_timeout(header_timeout);
     if workers > 0 {
         server = server.workers(workers);
     }
-    let server = server
-        .bind((host, port))
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let bound = match tls {
+        Some(config) => server.bind_rustls_0_23((host, port), (*config).clone()),
+        None => server.bind((host, port)),
+    };
+    let server = bound
         .map_err(|e| std::io::Error::new(e.kind(), format!("lane `{name}`: cannot listen on {host}:{port}: {e}")))?;
     let addrs = server.addrs();
     for a in &addrs {
-        tracing::info!(lane = %name, "serving the OpenAI API on http://{a}/v1");
+        tracing::info!(lane = %name, "serving the OpenAI API on {scheme}://{a}/v1");
     }
     Ok(LaneServer { lane: name, addrs, server: server.run() })
 }
@@ -192,6 +226,8 @@ fn app(
 > {
     let lane = state.lane.name.clone();
     let auth = state.shared.opts.auth.clone();
+    let origins = state.shared.opts.allowed_origins.clone();
+    let cors_on = !origins.is_empty();
     App::new()
         .app_data(state)
         .wrap_fn(move |req: ServiceRequest, srv| {
@@ -212,17 +248,35 @@ fn app(
                 Ok(res)
             }
         })
-        .service(resource("/v1/chat/completions").route(web::post().to(chat::handle)))
-        .service(resource("/v1/completions").route(web::post().to(completions::handle)))
-        .service(resource("/v1/models").route(web::get().to(list_models)))
-        .service(resource("/v1/models/{id}").route(web::get().to(get_model)))
-        .service(resource("/health").route(web::get().to(health)))
-        .service(resource("/metrics").route(web::get().to(render_metrics)))
+        // Outermost, so a browser's preflight (which carries no key) is answered before auth.
+        .wrap(Condition::new(cors_on, cors(&origins)))
+        .service(resource("/v1/chat/completions", &[Method::POST]).route(web::post().to(chat::handle)))
+        .service(resource("/v1/completions", &[Method::POST]).route(web::post().to(completions::handle)))
+        .service(resource("/v1/models", &[Method::GET]).route(web::get().to(list_models)))
+        .service(resource("/v1/models/{id}", &[Method::GET]).route(web::get().to(get_model)))
+        .service(resource("/health", &[Method::GET]).route(web::get().to(health)))
+        .service(resource("/metrics", &[Method::GET]).route(web::get().to(render_metrics)))
         .default_service(web::to(not_found))
 }
 
-fn resource(path: &str) -> actix_web::Resource {
-    web::resource(path).default_service(web::to(method_not_allowed))
+/// CORS for the configured origins only: preflights from them are answered (any route, the
+/// API's methods and headers); other origins get no CORS headers, so browsers refuse them.
+fn cors(origins: &[String]) -> Cors {
+    let allowed: Vec<String> = origins.to_vec();
+    Cors::default()
+        .allowed_origin_fn(move |origin, _| origin.to_str().is_ok_and(|o| allowed.iter().any(|a| a == o)))
+        .allowed_methods([Method::GET, Method::POST])
+        .allowed_headers([header::AUTHORIZATION, header::CONTENT_TYPE, header::ACCEPT])
+        .max_age(600)
+        .block_on_origin_mismatch(false)
+}
+
+/// A route whose other methods get 405 with an `Allow` header naming the ones it has.
+fn resource(path: &str, methods: &'static [Method]) -> actix_web::Resource {
+    web::resource(path).default_service(web::to(move |req: HttpRequest| async move {
+        ApiError::MethodNotAllowed { method: req.method().to_string(), path: req.path().to_owned(), allow: methods }
+            .error_response()
+    }))
 }
 
 /// Per-model assets, built on the first generation request (the model may still be loading
@@ -230,6 +284,8 @@ fn resource(path: &str) -> actix_web::Resource {
 pub(crate) struct ModelAssets {
     pub tokenizer: Option<Arc<TokenizerBundle>>,
     pub template: TemplateState,
+    /// Encodes rendered conversations so that only template markup becomes control tokens.
+    pub chat_encoder: Option<ChatEncoder>,
     pub pieces: Option<Arc<TokenPieces>>,
 }
 
@@ -272,7 +328,14 @@ impl Shared {
                 None => TemplateState::Missing,
             };
             let pieces = tokenizer.clone().map(|t| Arc::new(TokenPieces::new(t)));
-            ModelAssets { tokenizer, template, pieces }
+            let chat_encoder = tokenizer.as_deref().and_then(|t| match ChatEncoder::new(t) {
+                Ok(e) => Some(e),
+                Err(e) => {
+                    tracing::error!("cannot build the chat encoder: {e}");
+                    None
+                }
+            });
+            ModelAssets { tokenizer, template, chat_encoder, pieces }
         })
     }
 }
@@ -317,8 +380,12 @@ impl LaneState {
     }
 }
 
-/// Read the body, refusing more than `limit` bytes (413) before buffering them.
-pub(crate) async fn read_body(req: &HttpRequest, mut payload: web::Payload, limit: usize) -> Result<Bytes, ApiError> {
+/// Read a JSON body: `Content-Type: application/json` required (415 otherwise, before any byte
+/// is read: a browser page may POST `text/plain` cross-origin without a preflight, never JSON),
+/// at most `limit` bytes (413, refused before buffering), all of it within the body-read
+/// timeout (408).
+pub(crate) async fn read_body(req: &HttpRequest, payload: web::Payload, limit: usize) -> Result<Bytes, ApiError> {
+    require_json(req)?;
     let declared = req
         .headers()
         .get(header::CONTENT_LENGTH)
@@ -327,6 +394,16 @@ pub(crate) async fn read_body(req: &HttpRequest, mut payload: web::Payload, limi
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(ApiError::PayloadTooLarge { limit });
     }
+    let timeout = req
+        .app_data::<web::Data<LaneState>>()
+        .map_or(ApiOptions::DEFAULT_BODY_READ_TIMEOUT, |s| s.shared.opts.body_read_timeout);
+    match actix_web::rt::time::timeout(timeout, collect_body(payload, declared, limit)).await {
+        Ok(body) => body,
+        Err(_) => Err(ApiError::BodyTimeout { secs: timeout.as_secs_f64() }),
+    }
+}
+
+async fn collect_body(mut payload: web::Payload, declared: Option<u64>, limit: usize) -> Result<Bytes, ApiError> {
     let mut buf = BytesMut::with_capacity(declared.map_or(0, |d| d as usize));
     while let Some(chunk) = payload.next().await {
         let chunk = chunk.map_err(|e| ApiError::MalformedBody(format!("could not read the request body: {e}")))?;
@@ -336,6 +413,19 @@ pub(crate) async fn read_body(req: &HttpRequest, mut payload: web::Payload, limi
         buf.extend_from_slice(&chunk);
     }
     Ok(buf.freeze())
+}
+
+/// `application/json`, parameters (charset) allowed; anything else, or none, is 415.
+fn require_json(req: &HttpRequest) -> Result<(), ApiError> {
+    let sent = req.headers().get(header::CONTENT_TYPE).map(|v| v.to_str().unwrap_or("(not text)").to_owned());
+    let is_json = sent.as_deref().is_some_and(|ct| {
+        ct.split(';').next().is_some_and(|essence| essence.trim().eq_ignore_ascii_case("application/json"))
+    });
+    if is_json {
+        Ok(())
+    } else {
+        Err(ApiError::UnsupportedMediaType { sent })
+    }
 }
 
 /// Run `f` on the blocking pool (tokenization, template rendering, JSON parsing of big bodies).
@@ -387,8 +477,4 @@ async fn render_metrics(state: web::Data<LaneState>) -> HttpResponse {
 
 async fn not_found(req: HttpRequest) -> HttpResponse {
     ApiError::RouteNotFound { method: req.method().to_string(), path: req.path().to_owned() }.error_response()
-}
-
-async fn method_not_allowed(req: HttpRequest) -> HttpResponse {
-    ApiError::MethodNotAllowed { method: req.method().to_string(), path: req.path().to_owned() }.error_response()
 }

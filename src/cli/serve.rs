@@ -61,6 +61,48 @@ pub struct ServeArgs {
     /// Bytes the spill directory may hold (0 turns spill off).
     #[arg(long, env = "SHELFSERVE_SPILL_BUDGET")]
     pub spill_budget: Option<u64>,
+    #[command(flatten)]
+    pub http: HttpArgs,
+}
+
+/// How the HTTP edge is exposed: TLS, browser origins, client timeouts.
+#[derive(Args, Debug, Clone)]
+pub struct HttpArgs {
+    /// Serve HTTPS with this PEM certificate chain (needs --tls-key).
+    #[arg(long, env = "SHELFSERVE_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, env = "SHELFSERVE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Browser origins allowed to call the API (CORS), e.g. `https://app.example.com`; none by
+    /// default, so web pages on other origins cannot use the server.
+    #[arg(long, env = "SHELFSERVE_ALLOWED_ORIGINS", value_delimiter = ',')]
+    pub allowed_origins: Vec<String>,
+    /// Seconds a client has to send its request line and headers.
+    #[arg(long, env = "SHELFSERVE_HEADER_READ_TIMEOUT", default_value_t = ApiOptions::DEFAULT_HEADER_READ_TIMEOUT.as_secs_f64())]
+    pub header_read_timeout: f64,
+    /// Seconds a client has to send a request body.
+    #[arg(long, env = "SHELFSERVE_BODY_READ_TIMEOUT", default_value_t = ApiOptions::DEFAULT_BODY_READ_TIMEOUT.as_secs_f64())]
+    pub body_read_timeout: f64,
+}
+
+impl HttpArgs {
+    /// Fill `opts` with these settings; TLS files are read now, so a bad one stops startup.
+    pub fn apply(&self, opts: &mut ApiOptions) -> Result<(), CliError> {
+        let secs = |name: &str, v: f64| {
+            std::time::Duration::try_from_secs_f64(v)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| CliError::Usage(format!("--{name} must be a positive number of seconds, not {v}")))
+        };
+        opts.header_read_timeout = secs("header-read-timeout", self.header_read_timeout)?;
+        opts.body_read_timeout = secs("body-read-timeout", self.body_read_timeout)?;
+        opts.allowed_origins = self.allowed_origins.iter().map(|o| o.trim().trim_end_matches('/').to_owned()).collect();
+        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
+            opts.tls = Some(crate::api::tls::server_config(cert, key).map_err(|e| CliError::Usage(e.to_string()))?);
+        }
+        Ok(())
+    }
 }
 
 impl ServeArgs {
@@ -163,6 +205,7 @@ pub fn run_serve(args: &ServeArgs) -> Result<(), CliError> {
         .map_err(|e| CliError::Usage(e.to_string()))?;
         let mut opts = ApiOptions::new(served).with_prometheus(metrics);
         opts.auth = args.auth_policy()?;
+        args.http.apply(&mut opts)?;
         warn_if_exposed(&cfg.host, &opts.auth);
         let dyn_engine: Arc<dyn InferenceEngine> = engine.clone();
         let servers = bind_all(dyn_engine, &cfg, opts)?;

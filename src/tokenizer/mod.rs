@@ -1,10 +1,13 @@
 //! Text ↔ token ids: the HF `tokenizers` tokenizer (loaded from `tokenizer.json` or built from
 //! GGUF metadata), special tokens, end-of-generation ids, incremental detokenization and chat
-//! templates. Owns no model weights and no serving state.
+//! templates, and (`literal`) the encoding of conversations in which only the template's markup
+//! becomes control tokens. Owns no model weights and no serving state.
 
+pub mod bounded;
 pub mod chat;
 pub mod detok;
 pub mod gguf_vocab;
+pub mod literal;
 pub mod stop;
 
 use std::path::PathBuf;
