@@ -180,6 +180,7 @@ fn lane() -> LaneConfig {
         num_speculative_tokens: 7,
         speculative_row_cost: None,
         speculative_draft_cost: None,
+        loop_guard: Default::default(),
     }
 }
 

@@ -76,6 +76,7 @@ async fn generate_n(
         stop_token_ids: Vec::new(),
         ignore_eos,
         skip_special_tokens: true,
+        loop_guard: shelfserve::sampling::loop_guard::LoopGuardConfig::off(),
     };
     let mut events = engine.submit(req).expect("admitted");
     let mut ids = Vec::new();

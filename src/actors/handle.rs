@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use crate::sampling::loop_guard::LoopGuardConfig;
 use crate::sampling::SamplingParams;
 use crate::tokenizer::TokenizerBundle;
 
@@ -24,6 +25,8 @@ pub struct GenerationRequest {
     pub ignore_eos: bool,
     /// Drop special tokens from the text (OpenAI default).
     pub skip_special_tokens: bool,
+    /// Stop a generation that keeps repeating one span (the lane's setting).
+    pub loop_guard: LoopGuardConfig,
 }
 
 impl GenerationRequest {
@@ -39,6 +42,7 @@ impl GenerationRequest {
             stop_token_ids: Vec::new(),
             ignore_eos: true,
             skip_special_tokens: true,
+            loop_guard: LoopGuardConfig::off(),
         }
     }
 }
@@ -60,6 +64,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` or the context limit.
     Length,
+    /// The loop guard stopped a generation that kept repeating itself.
+    Repetition,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! `RequestActor`: one per request. Owns what is private to one client: the detokenizer, the
-//! stop-string matcher, usage counts and the event stream. Turns sampled tokens into text
-//! deltas, ends the request on a stop string, and cancels it in the scheduler when the client
+//! stop-string matcher, the loop guard, usage counts and the event stream. Turns sampled tokens
+//! into text deltas, ends the request on a stop string or a repeating output, and cancels it in the scheduler when the client
 //! goes away.
 
 use std::sync::Arc;
@@ -10,6 +10,7 @@ use tokio::sync::mpsc::Sender;
 
 use super::handle::{EngineError, FinishReason, StreamEvent, TokenInfo, Usage};
 use super::scheduler::SchedulerMsg;
+use crate::sampling::loop_guard::{LoopGuard, LoopGuardConfig};
 use crate::sched::SeqId;
 use crate::tokenizer::detok::IncrementalDetokenizer;
 use crate::tokenizer::stop::{StopMatcher, StopOutcome};
@@ -38,6 +39,7 @@ pub struct RequestArgs {
     pub tokenizer: Option<Arc<TokenizerBundle>>,
     pub skip_special_tokens: bool,
     pub stop_strings: Vec<String>,
+    pub loop_guard: LoopGuardConfig,
     pub events: Sender<StreamEvent>,
     pub scheduler: ActorRef<SchedulerMsg>,
 }
@@ -49,6 +51,7 @@ pub struct RequestState {
     usage: Usage,
     detok: Option<IncrementalDetokenizer>,
     stop: StopMatcher,
+    loop_guard: Option<LoopGuard>,
     events: Sender<StreamEvent>,
     scheduler: ActorRef<SchedulerMsg>,
 }
@@ -103,6 +106,7 @@ impl Actor for RequestActor {
             usage: Usage { prompt_tokens: a.prompt_tokens, completion_tokens: 0, cached_tokens: a.cached_tokens },
             detok: a.tokenizer.map(|t| IncrementalDetokenizer::new(t, a.skip_special_tokens)),
             stop: StopMatcher::new(a.stop_strings),
+            loop_guard: LoopGuard::new(a.loop_guard),
             events: a.events,
             scheduler: a.scheduler,
         })
@@ -132,6 +136,18 @@ impl Actor for RequestActor {
                             st.finish(&myself, FinishReason::Stop, String::new()).await;
                             return Ok(());
                         }
+                    }
+                    if st.loop_guard.as_mut().is_some_and(|g| g.push(t.id)) {
+                        tracing::info!(
+                            seq = st.seq,
+                            tokens = st.usage.completion_tokens,
+                            "loop guard: the output repeats itself; stopping"
+                        );
+                        let _ = st.scheduler.cast(SchedulerMsg::Cancel(st.seq));
+                        st.send(StreamEvent::Delta { text, tokens: tokens[..=i].to_vec() }).await;
+                        let tail = st.flush();
+                        st.finish(&myself, FinishReason::Repetition, tail).await;
+                        return Ok(());
                     }
                 }
                 if !st.send(StreamEvent::Delta { text, tokens }).await {

@@ -511,6 +511,7 @@ impl Actor for SchedulerActor {
                     tokenizer: st.args.tokenizer.clone(),
                     skip_special_tokens: req.skip_special_tokens,
                     stop_strings: req.stop_strings.clone(),
+                    loop_guard: req.loop_guard,
                     events,
                     scheduler: myself.clone(),
                 };

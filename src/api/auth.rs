@@ -50,15 +50,23 @@ impl AuthPolicy {
     }
 
     fn authorized(&self, req: &HttpRequest) -> bool {
+        // Anthropic's clients send the key as `x-api-key: <key>`.
+        if let Some(key) = req.headers().get("x-api-key").and_then(|v| v.to_str().ok()) {
+            return self.matches(key.trim().as_bytes());
+        }
         let Some(value) = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) else {
             return false;
         };
         let mut parts = value.trim().splitn(2, ' ');
         let scheme_ok = parts.next().is_some_and(|s| s.eq_ignore_ascii_case("bearer"));
         let given = parts.next().unwrap_or("").trim().as_bytes();
-        // Every key is compared in full, so timing reveals neither which key nor how much matched.
-        let matched = self.keys.iter().fold(false, |any, key| any | constant_time_eq(given, key));
+        let matched = self.matches(given);
         scheme_ok && matched
+    }
+
+    fn matches(&self, given: &[u8]) -> bool {
+        // Every key is compared in full, so timing reveals neither which key nor how much matched.
+        self.keys.iter().fold(false, |any, key| any | constant_time_eq(given, key))
     }
 }
 
@@ -191,6 +199,15 @@ mod tests {
         assert!(!policy.admits("/v1/models", &with("Bearer ")));
         assert!(!policy.admits("/v1/models", &TestRequest::default().to_http_request()));
         assert!(AuthPolicy::new([String::new()], false).admits("/v1/models", &TestRequest::default().to_http_request()));
+    }
+
+    #[test]
+    fn anthropic_x_api_key() {
+        let policy = AuthPolicy::new(["sk-one".to_owned()], false);
+        let with = |v: &str| TestRequest::default().insert_header(("x-api-key", v)).to_http_request();
+        assert!(policy.admits("/v1/messages", &with("sk-one")));
+        assert!(!policy.admits("/v1/messages", &with("sk-two")));
+        assert!(!policy.admits("/v1/messages", &with("")));
     }
 
     #[test]

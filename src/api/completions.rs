@@ -151,7 +151,7 @@ fn prepare(state: &LaneState, body: &[u8]) -> Result<Prepared, ApiError> {
         };
         let echo_ids = if echo && logprobs.is_some() { ids.clone() } else { Vec::new() };
         prompts.push(PromptPlan { len: ids.len(), echo_text, echo_ids });
-        requests.extend(params::requests(&plan, ids, max_tokens, &state.lane.name));
+        requests.extend(params::requests(&plan, ids, max_tokens, &state.lane));
     }
     let pieces = if logprobs.is_some() { assets.pieces.clone() } else { None };
     Ok(Prepared { requests, plan, prompts, pieces })

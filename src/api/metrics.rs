@@ -16,6 +16,7 @@ pub const PROMPT_TOKENS: &str = "shelfserve_prompt_tokens_total";
 pub const GENERATION_TOKENS: &str = "shelfserve_generation_tokens_total";
 pub const REQUESTS_CANCELLED: &str = "shelfserve_requests_cancelled_total";
 pub const REQUEST_ERRORS: &str = "shelfserve_request_errors_total";
+pub const LOOP_GUARD_STOPS: &str = "shelfserve_loop_guard_stops_total";
 
 /// Latency buckets (seconds) for every `*_seconds` histogram: from a fast decode step to a long
 /// queue wait.
@@ -45,6 +46,7 @@ pub fn describe() {
     describe_counter!(GENERATION_TOKENS, "Tokens generated and delivered to clients");
     describe_counter!(REQUESTS_CANCELLED, "Requests whose client went away before they finished");
     describe_counter!(REQUEST_ERRORS, "Requests that failed after submission, by engine error kind");
+    describe_counter!(LOOP_GUARD_STOPS, "Choices the loop guard stopped because their output kept repeating");
 }
 
 pub fn http_request(lane: &str, route: &str, status: u16) {
@@ -58,6 +60,10 @@ pub fn prompt_tokens(lane: &str, n: usize) {
 
 pub fn request_cancelled(lane: &str) {
     counter!(REQUESTS_CANCELLED, "lane" => lane.to_owned()).increment(1);
+}
+
+pub fn loop_guard_stop(lane: &str) {
+    counter!(LOOP_GUARD_STOPS, "lane" => lane.to_owned()).increment(1);
 }
 
 pub fn request_error(lane: &str, kind: &'static str) {

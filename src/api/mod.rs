@@ -14,15 +14,21 @@
 //! Connections are served with HTTP/1 half-closure disabled: a client that closes its socket
 //! makes actix drop the handler future at once, which is what cancels a non-streaming request.
 
+mod anthropic;
 pub mod auth;
 mod chat;
 mod completions;
+mod conversation;
 pub mod errors;
 pub mod metrics;
+mod output;
 pub mod params;
+pub mod reasoning;
 mod sse;
 pub mod tls;
+mod tokenize;
 mod tokens;
+pub mod tools;
 pub mod types;
 
 use std::net::SocketAddr;
@@ -235,9 +241,12 @@ fn app(
             let lane = lane.clone();
             let denied = !auth.admits(req.path(), req.request());
             let fut = if denied {
-                Either::Left(futures_util::future::ready(
-                    Ok(req.into_response(ApiError::Unauthorized.error_response())),
-                ))
+                let refusal = if anthropic::is_anthropic_path(req.path()) {
+                    anthropic::error_response(&ApiError::Unauthorized)
+                } else {
+                    ApiError::Unauthorized.error_response()
+                };
+                Either::Left(futures_util::future::ready(Ok(req.into_response(refusal))))
             } else {
                 Either::Right(srv.call(req))
             };
@@ -252,6 +261,10 @@ fn app(
         .wrap(Condition::new(cors_on, cors(&origins)))
         .service(resource("/v1/chat/completions", &[Method::POST]).route(web::post().to(chat::handle)))
         .service(resource("/v1/completions", &[Method::POST]).route(web::post().to(completions::handle)))
+        .service(resource("/v1/messages", &[Method::POST]).route(web::post().to(anthropic::messages)))
+        .service(resource("/v1/messages/count_tokens", &[Method::POST]).route(web::post().to(anthropic::count_tokens)))
+        .service(resource("/tokenize", &[Method::POST]).route(web::post().to(tokenize::tokenize)))
+        .service(resource("/detokenize", &[Method::POST]).route(web::post().to(tokenize::detokenize)))
         .service(resource("/v1/models", &[Method::GET]).route(web::get().to(list_models)))
         .service(resource("/v1/models/{id}", &[Method::GET]).route(web::get().to(get_model)))
         .service(resource("/health", &[Method::GET]).route(web::get().to(health)))

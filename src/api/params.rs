@@ -239,13 +239,13 @@ pub fn resolve_max_tokens(
 
 /// One engine request per choice; choice `i` samples with `seed + i` so `n` samples differ but
 /// each is reproducible.
-pub fn requests(plan: &Plan, prompt: Vec<u32>, max_tokens: usize, lane: &str) -> Vec<GenerationRequest> {
+pub fn requests(plan: &Plan, prompt: Vec<u32>, max_tokens: usize, lane: &LaneConfig) -> Vec<GenerationRequest> {
     (0..plan.n)
         .map(|i| {
             let mut sampling = plan.sampling.clone();
             sampling.seed = plan.sampling.seed.wrapping_add(i as u64);
             GenerationRequest {
-                lane: lane.to_owned(),
+                lane: lane.name.clone(),
                 prompt: prompt.clone(),
                 sampling,
                 max_tokens,
@@ -253,6 +253,7 @@ pub fn requests(plan: &Plan, prompt: Vec<u32>, max_tokens: usize, lane: &str) ->
                 stop_token_ids: plan.stop_token_ids.clone(),
                 ignore_eos: plan.ignore_eos,
                 skip_special_tokens: plan.skip_special_tokens,
+                loop_guard: lane.loop_guard,
             }
         })
         .collect()
@@ -277,6 +278,7 @@ mod tests {
             num_speculative_tokens: 7,
             speculative_row_cost: None,
             speculative_draft_cost: None,
+            loop_guard: Default::default(),
         }
     }
 
@@ -365,7 +367,7 @@ mod tests {
     #[test]
     fn n_requests_get_consecutive_seeds() {
         let p = plan_of(json!({"n": 3, "seed": -1})).unwrap();
-        let reqs = requests(&p, vec![1, 2], 5, "voice");
+        let reqs = requests(&p, vec![1, 2], 5, &lane());
         let seeds: Vec<u64> = reqs.iter().map(|r| r.sampling.seed).collect();
         assert_eq!(seeds, [u64::MAX, 0, 1]);
         assert!(reqs.iter().all(|r| r.lane == "voice" && r.max_tokens == 5 && r.prompt == [1, 2]));

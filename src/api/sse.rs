@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use super::errors::ApiError;
 use super::metrics::{self, TokenClock};
-use crate::actors::handle::{EngineError, EventStream, StreamEvent};
+use crate::actors::handle::{EngineError, EventStream, FinishReason, StreamEvent};
 
 /// The `n` event streams of one request, polled fairly. Dropping it drops every receiver that is
 /// still open, which is how the engine learns that the client went away.
@@ -37,8 +37,10 @@ impl Choices {
     /// either yields an `Error` so no client ever waits on a silent stream.
     pub async fn next(&mut self) -> Option<(usize, StreamEvent)> {
         let (i, event) = NextEvent { choices: self }.await?;
-        if let StreamEvent::Delta { tokens, .. } = &event {
-            self.clocks[i].tokens(&self.lane, tokens.len());
+        match &event {
+            StreamEvent::Delta { tokens, .. } => self.clocks[i].tokens(&self.lane, tokens.len()),
+            StreamEvent::Finished { reason: FinishReason::Repetition, .. } => metrics::loop_guard_stop(&self.lane),
+            _ => {}
         }
         Some((i, event))
     }
@@ -150,7 +152,7 @@ pub fn sse_response<S: SseSource>(source: S) -> HttpResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::actors::handle::{FinishReason, Usage};
+    use crate::actors::handle::Usage;
 
     fn delta(t: &str) -> StreamEvent {
         StreamEvent::Delta { text: t.into(), tokens: vec![] }

@@ -115,13 +115,75 @@ pub struct ChatChoice {
     pub index: usize,
     pub message: ChatMessageOut,
     pub logprobs: Option<ChatLogprobs>,
-    pub finish_reason: Option<FinishReason>,
+    pub finish_reason: Option<ChatFinishReason>,
+}
+
+/// A chat choice's `finish_reason`: the engine's reason, or `tool_calls` when the reply ended
+/// with calls.
+#[derive(Serialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ChatFinishReason {
+    Stop,
+    Length,
+    ToolCalls,
+    /// The loop guard stopped a reply that kept repeating itself.
+    Repetition,
+}
+
+impl ChatFinishReason {
+    pub fn new(reason: FinishReason, made_calls: bool) -> Self {
+        match reason {
+            FinishReason::Stop if made_calls => Self::ToolCalls,
+            FinishReason::Stop => Self::Stop,
+            FinishReason::Length => Self::Length,
+            FinishReason::Repetition => Self::Repetition,
+        }
+    }
 }
 
 #[derive(Serialize, Debug)]
 pub struct ChatMessageOut {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the reply is only tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallOut>,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct ToolCallOut {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionOut,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct FunctionOut {
+    pub name: String,
+    /// The arguments as a JSON text.
+    pub arguments: String,
+}
+
+/// One entry of a streamed `delta.tool_calls`: the first for a call carries `id`, `type` and the
+/// name; later ones carry pieces of `arguments` under the same `index`.
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct ToolCallDelta {
+    pub index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionDelta,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct FunctionDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }
 
 #[derive(Serialize, Debug, Default)]
@@ -160,7 +222,7 @@ pub struct ChatChunkChoice {
     pub index: usize,
     pub delta: ChatDelta,
     pub logprobs: Option<ChatLogprobs>,
-    pub finish_reason: Option<FinishReason>,
+    pub finish_reason: Option<ChatFinishReason>,
 }
 
 #[derive(Serialize, Debug, Default)]
@@ -169,6 +231,10 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 // ---- legacy completions ----

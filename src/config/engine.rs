@@ -3,6 +3,8 @@
 //! applied by the CLI. Parsing and validation only.
 
 use serde::{Deserialize, Serialize};
+
+use crate::sampling::loop_guard::LoopGuardConfig;
 use std::path::Path;
 
 /// A lane: one listen port with its own priority and request defaults.
@@ -43,6 +45,9 @@ pub struct LaneConfig {
     /// only.
     #[serde(default)]
     pub speculative_draft_cost: Option<f64>,
+    /// Stop generations that repeat one span (default on: 3 copies of >= 32 tokens).
+    #[serde(default)]
+    pub loop_guard: LoopGuardConfig,
 }
 
 fn default_num_speculative_tokens() -> usize {
@@ -135,6 +140,7 @@ impl EngineConfig {
             if l.max_queue == 0 {
                 return Err(format!("lane `{}`: max_queue must be positive", l.name));
             }
+            l.loop_guard.validate().map_err(|e| format!("lane `{}`: {e}", l.name))?;
             crate::spec::validate_num_tokens(l.num_speculative_tokens)
                 .map_err(|e| format!("lane `{}`: {e}", l.name))?;
             for (knob, value) in

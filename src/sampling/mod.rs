@@ -8,6 +8,7 @@
 //! penalties → (greedy: argmax) → temperature → top-k → top-p → min-p → softmax → inverse-CDF draw
 //! over token ids in ascending order with `uniform(seed, step)`.
 
+pub mod loop_guard;
 mod pipeline;
 #[cfg(test)]
 mod tests;

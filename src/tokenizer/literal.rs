@@ -232,6 +232,15 @@ impl EscapedText {
         }
     }
 
+    /// Append markup of the server's own (a forced tool-call opening, a closing `</think>`): it
+    /// becomes control tokens like the template's markup.
+    pub fn push_markup(&mut self, markup: &str) {
+        self.escaped.push_str(markup);
+        if !self.shifts.is_empty() {
+            self.restored.push_str(markup);
+        }
+    }
+
     fn restore(&mut self, originals: &[String]) -> Result<(), TokenizerError> {
         if originals.is_empty() {
             // Nothing was escaped, so nothing needs putting back.

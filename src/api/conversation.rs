@@ -1,0 +1,116 @@
+//! A validated conversation → prompt ids and the [`ReplySetup`] that reads the reply: shared by
+//! `/v1/chat/completions` and `/v1/messages`. Chooses how tools reach the model (the template's
+//! own syntax, or the default tool prompt), renders the template, opens a forced call for
+//! `tool_choice` required / named, and tokenizes. Runs on the blocking pool.
+
+use serde_json::{Map, Value};
+
+use super::errors::ApiError;
+use super::output::ReplySetup;
+use super::reasoning::{ReasoningStart, THINK_CLOSE};
+use super::tools::{self, TemplateTools, ToolChoice, ToolSpec};
+use super::{LaneState, TemplateState};
+use crate::tokenizer::bounded::proves_over;
+use crate::tokenizer::chat::ChatRender;
+use crate::tokenizer::TokenizerError;
+
+/// A conversation in the OpenAI message shape (already normalised: `developer` → `system`,
+/// text parts joined).
+pub(crate) struct Conversation {
+    pub messages: Vec<Value>,
+    pub tools: Vec<ToolSpec>,
+    pub tool_choice: ToolChoice,
+    pub kwargs: Map<String, Value>,
+    pub add_generation_prompt: bool,
+}
+
+pub(crate) struct RenderedPrompt {
+    pub ids: Vec<u32>,
+    pub reply: ReplySetup,
+    /// Special tokens must stay in the reply's text for its parsers (see `output`).
+    pub keep_special_tokens: bool,
+}
+
+/// `param` names the field the conversation came in, for errors.
+pub(crate) fn render(state: &LaneState, conv: Conversation, param: &'static str) -> Result<RenderedPrompt, ApiError> {
+    let assets = state.shared.assets();
+    let Some(tokenizer) = assets.tokenizer.as_ref() else {
+        return Err(ApiError::unsupported(
+            param,
+            "this model has no tokenizer, so chat is unavailable; use /v1/completions with a prompt of token ids",
+        ));
+    };
+    let template = match &assets.template {
+        TemplateState::Ready(t) => t,
+        TemplateState::Missing => {
+            return Err(ApiError::unsupported(
+                param,
+                "this model has no chat template; use /v1/completions with a plain prompt",
+            ))
+        }
+        TemplateState::Broken(e) => {
+            return Err(ApiError::Internal(format!("the model's chat template is unusable: {e}")))
+        }
+    };
+    let source = tokenizer.chat_template.as_deref().unwrap_or("");
+    let syntax = TemplateTools::detect(source);
+    let use_tools = !conv.tools.is_empty() && conv.tool_choice != ToolChoice::None;
+    let mut messages = conv.messages;
+    let template_tools = if syntax.native {
+        use_tools.then(|| tools::template_tools(&conv.tools))
+    } else {
+        // Earlier calls and results are rewritten even when no tools are offered now: the
+        // template has no way to show them otherwise.
+        tools::apply_default_prompt(&mut messages, if use_tools { &conv.tools[..] } else { &[] });
+        None
+    };
+    let messages = Value::Array(messages);
+    let request = ChatRender {
+        messages: &messages,
+        tools: template_tools.as_ref(),
+        add_generation_prompt: conv.add_generation_prompt,
+        kwargs: &conv.kwargs,
+    };
+    let Some(encoder) = assets.chat_encoder.as_ref() else {
+        return Err(ApiError::Internal("the model's tokenizer cannot encode conversations safely".into()));
+    };
+    // Only the template's own markup becomes control tokens; text typed in a message stays text
+    // (`tokenizer::literal`). The rendered template holds its special tokens, BOS included, as in HF.
+    let template_error = |e: TokenizerError| match e {
+        // Template errors are usually `raise_exception` calls about the conversation
+        // ("roles must alternate"): the client's to fix.
+        TokenizerError::Template(m) => {
+            ApiError::invalid(param, format!("the chat template rejected the conversation: {m}"))
+        }
+        TokenizerError::Tokenizer(m) => ApiError::Internal(m),
+    };
+    let mut text = encoder.render(template, &request).map_err(template_error)?;
+    let max_context = state.shared.engine.model().max_context;
+    if let Some(at_least) = proves_over(tokenizer, text.text(), max_context).map_err(template_error)? {
+        return Err(ApiError::prompt_over_context(max_context, at_least, param));
+    }
+    let mut reasoning = ReasoningStart::detect(source, text.text());
+    let forced_prefix = if use_tools { tools::forced_call_prefix(syntax.format, &conv.tool_choice) } else { None };
+    if let Some(prefix) = &forced_prefix {
+        // A forced call is the whole reply: close a reasoning block the template opened.
+        if reasoning == ReasoningStart::Inside {
+            text.push_markup(THINK_CLOSE);
+            text.push_markup("\n");
+        }
+        reasoning = ReasoningStart::Off;
+        text.push_markup(prefix);
+    }
+    let ids = encoder.encode(tokenizer, &text).map_err(template_error)?;
+    if ids.is_empty() {
+        return Err(ApiError::invalid(param, "the conversation renders to an empty prompt"));
+    }
+    let parse_tools = use_tools.then(|| (syntax.format, conv.tools));
+    let needs_markers = parse_tools.is_some() || reasoning != ReasoningStart::Off;
+    let (keep_special_tokens, strip) =
+        if needs_markers { ReplySetup::special_tokens(tokenizer) } else { (false, Vec::new()) };
+    Ok(RenderedPrompt {
+        ids,
+        reply: ReplySetup { reasoning, tools: parse_tools, forced_prefix, strip },
+        keep_special_tokens,
+    })
+}
