@@ -4,6 +4,7 @@
 pub mod actors;
 pub mod api;
 pub mod backend;
+pub mod capacity;
 pub mod cli;
 pub mod config;
 pub mod fidelity;

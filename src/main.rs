@@ -3,6 +3,7 @@
 
 use clap::Parser;
 use shelfserve::cli::bench::run_bench;
+use shelfserve::cli::bench_serve::run_bench_serve;
 use shelfserve::cli::serve::run_serve;
 use shelfserve::cli::{run_fetch_default, run_generate, run_kld, run_score, Cli, Command};
 
@@ -21,6 +22,7 @@ fn main() -> anyhow::Result<()> {
         Some(Command::FetchDefault) => run_fetch_default(),
         Some(Command::Serve(a)) => run_serve(a),
         Some(Command::Bench(a)) => run_bench(a),
+        Some(Command::BenchServe(a)) => run_bench_serve(a),
         // No command: serve the default model with flags taken from the environment.
         None => match Cli::parse_from(["shelfserve", "serve"]).command {
             Some(Command::Serve(a)) => run_serve(&a),

@@ -342,13 +342,18 @@ async fn a_disk_that_fills_during_a_spill_write_turns_spill_off_and_serving_cont
 /// backend's slot image, and refuses a pool whose snapshots would not fit, naming the knobs.
 #[test]
 fn the_capacity_card_counts_snapshot_memory() {
-    use shelfserve::actors::engine::CapacityCard;
-    let card = CapacityCard::new(&open_tiny(), 512, PAGE, 0);
-    assert_eq!(card.snapshot_bytes_per_page, slot_bytes() as u64, "the card's snapshot is the backend's slot");
+    use shelfserve::capacity::{plan, Memory};
+    use shelfserve::generate::ResolvedDevice;
+    let mut s = EngineConfig::builtin().scheduler;
+    (s.block_size, s.kv_pool_tokens, s.max_num_seqs) = (BLOCK, 512, 4);
+    let unchecked = Memory::Host { available: None };
+    let card = plan(&open_tiny(), &ResolvedDevice::cpu(1), &s, PAGE, unchecked).expect("card");
+    assert_eq!(card.snapshot_bytes_per_page(), slot_bytes() as u64, "the card's snapshot is the backend's slot");
     assert_eq!(card.max_snapshot_bytes(), (512 / PAGE) as u64 * slot_bytes() as u64);
-    let without = card.weight_bytes + card.kv_pool_bytes();
-    assert!(card.check_fits(Some(without + card.max_snapshot_bytes())).is_ok());
-    let err = card.check_fits(Some(without + card.max_snapshot_bytes() - 1)).expect_err("snapshots do not fit");
+    let without = card.weight_bytes + card.kv_pool_bytes() + card.state_bytes();
+    assert!(card.check_host_fits(Some(without + card.max_snapshot_bytes())).is_ok());
+    let err = card.check_host_fits(Some(without + card.max_snapshot_bytes() - 1)).expect_err("snapshots do not fit");
     assert!(err.contains("--kv-pool-tokens") && err.contains("--page-tokens"), "{err}");
-    assert_eq!(CapacityCard::new(&open_tiny(), 512, 0, 0).max_snapshot_bytes(), 0, "no pages, no snapshots");
+    let no_pages = plan(&open_tiny(), &ResolvedDevice::cpu(1), &s, 0, unchecked).expect("card");
+    assert_eq!(no_pages.max_snapshot_bytes(), 0, "no pages, no snapshots");
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use ractor::{Actor, ActorRef};
 
 use super::drafter::{sources_for, DrafterActor, DrafterMsg, LanePricing};
-use super::executor::{ExecutorActor, ExecutorArgs, ExecutorMsg};
+use super::executor::{ExecutorActor, ExecutorArgs, ExecutorMsg, WorkspaceProbe};
 use super::handle::{EngineError, EventStream, GenerationRequest, InferenceEngine, ModelInfo};
 use super::kvpool::PoolStats;
 use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg, SchedulerStats, SharedCounters};
@@ -73,127 +73,7 @@ pub struct Engine {
     drafter: Option<ActorRef<DrafterMsg>>,
 }
 
-/// What the startup capacity card reports. Computed before the weights are loaded.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CapacityCard {
-    pub weight_bytes: u64,
-    /// f32 K and V for every layer and KV head.
-    pub kv_bytes_per_token: u64,
-    pub pool_tokens: usize,
-    /// The longest prompt + reply one sequence can have: the model's context or the pool,
-    /// whichever is smaller.
-    pub max_context: usize,
-    pub page_tokens: usize,
-    pub spill_budget: u64,
-    /// Host bytes of one page's recurrent-state snapshot (hybrid models; 0 otherwise). Every
-    /// cached page of a hybrid model keeps one, so a pool full of cached pages holds
-    /// `pool_tokens / page_tokens` of them (for GLM-5.3-Flash 146 MiB each against 39 MiB of KV
-    /// per 3584-token page: the snapshots, not the KV, decide what fits).
-    pub snapshot_bytes_per_page: u64,
-}
-
-impl CapacityCard {
-    pub fn new(bundle: &ModelBundle, pool_tokens: usize, page_tokens: usize, spill_budget: u64) -> Self {
-        let c = &bundle.config;
-        let weight_bytes = bundle.stored_weight_bytes();
-        let kv_bytes_per_token = (2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4) as u64;
-        // The CPU backend's slot image: f32 KDA states and conv windows.
-        let snapshot_bytes_per_page = if crate::model::glm5_next::MODEL_TYPES.contains(&c.model_type.as_str()) {
-            crate::model::glm5_next::read_config(bundle.weights.origin())
-                .map(|g| crate::model::glm5_next::accounting::decode_cost(&g, 1, 4.0, 4).recurrent_state_bytes)
-                .unwrap_or(0)
-        } else {
-            0
-        };
-        Self {
-            weight_bytes,
-            kv_bytes_per_token,
-            pool_tokens,
-            max_context: c.max_position_embeddings.min(pool_tokens),
-            page_tokens,
-            spill_budget,
-            snapshot_bytes_per_page: if page_tokens > 0 { snapshot_bytes_per_page } else { 0 },
-        }
-    }
-
-    pub fn kv_pool_bytes(&self) -> u64 {
-        self.kv_bytes_per_token * self.pool_tokens as u64
-    }
-
-    /// Host bytes of recurrent-state snapshots when every page of the pool is a cached page.
-    pub fn max_snapshot_bytes(&self) -> u64 {
-        match self.page_tokens {
-            0 => 0,
-            p => (self.pool_tokens / p) as u64 * self.snapshot_bytes_per_page,
-        }
-    }
-
-    /// Refuses a configuration that cannot fit in `mem_available` bytes, naming the number to
-    /// change.
-    pub fn check_fits(&self, mem_available: Option<u64>) -> Result<(), String> {
-        let Some(avail) = mem_available else { return Ok(()) };
-        let need = self.weight_bytes + self.kv_pool_bytes();
-        let with_snapshots = need + self.max_snapshot_bytes();
-        if need <= avail && with_snapshots > avail {
-            let pages = avail.saturating_sub(need) / self.snapshot_bytes_per_page.max(1);
-            return Err(format!(
-                "weights and KV pool fit, but the recurrent-state snapshots of a pool full of cached pages ({} pages x \
-                 {} MiB = {} MiB) do not: {} MiB available. Lower --kv-pool-tokens (kv_pool_tokens) or raise \
-                 --page-tokens (page_tokens) so that at most {pages} pages fit",
-                self.pool_tokens / self.page_tokens.max(1),
-                self.snapshot_bytes_per_page >> 20,
-                self.max_snapshot_bytes() >> 20,
-                avail >> 20
-            ));
-        }
-        if need > avail {
-            let kv_room = avail.saturating_sub(self.weight_bytes) / self.kv_bytes_per_token.max(1);
-            return Err(format!(
-                "weights ({} MiB) + KV pool ({} tokens x {} bytes = {} MiB) need {} MiB but only {} MiB of memory \
-                 is available: lower --kv-pool-tokens (kv_pool_tokens) to at most {kv_room}",
-                self.weight_bytes >> 20,
-                self.pool_tokens,
-                self.kv_bytes_per_token,
-                self.kv_pool_bytes() >> 20,
-                need >> 20,
-                avail >> 20
-            ));
-        }
-        Ok(())
-    }
-
-    pub fn log(&self) {
-        tracing::info!(
-            weights_mib = self.weight_bytes >> 20,
-            kv_bytes_per_token = self.kv_bytes_per_token,
-            pool_tokens = self.pool_tokens,
-            kv_pool_mib = self.kv_pool_bytes() >> 20,
-            max_context = self.max_context,
-            page_tokens = self.page_tokens,
-            spill_budget_mib = self.spill_budget >> 20,
-            snapshot_mib_per_page = self.snapshot_bytes_per_page >> 20,
-            max_snapshot_mib = self.max_snapshot_bytes() >> 20,
-            "capacity"
-        );
-    }
-}
-
-/// `MemAvailable` from /proc/meminfo, in bytes (None where it cannot be read).
-fn mem_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
-/// KV pool size in tokens: the configured size, or room for a few full-context sequences.
-pub fn pool_tokens(cfg: &EngineConfig, context: usize) -> usize {
-    if cfg.scheduler.kv_pool_tokens > 0 {
-        cfg.scheduler.kv_pool_tokens
-    } else {
-        context.clamp(4096, 16384) * 2
-    }
-}
+pub use crate::capacity::CapacityCard;
 
 /// Spawn the actors and start loading the model on the executor thread. Returns at once;
 /// `is_ready()` turns true when the weights are loaded.
@@ -207,11 +87,15 @@ pub async fn start_engine(
     // price, the pool's KV layout and every rank's backend read this.
     let device = opts.device.resolve();
     let s = &config.scheduler;
-    let model_ctx = bundle.config.max_position_embeddings;
-    let pool = pool_tokens(&config, model_ctx);
+    let page_tokens = if s.page_tokens > 0 { s.page_tokens } else { DEFAULT_LLAMA_PAGE_TOKENS };
+    // The pool is sized and checked against the device's memory before any weight loads.
+    let memory = crate::capacity::probe(&device).map_err(EngineError::Invalid)?;
+    let card = crate::capacity::plan(&bundle, &device, s, page_tokens, memory).map_err(EngineError::Invalid)?;
+    card.log();
+    let pool = card.pool_tokens;
     let kv =
         KvGeometry { block_size: s.block_size, num_blocks: pool.div_ceil(s.block_size), state_slots: s.max_num_seqs };
-    let max_context = model_ctx.min(kv.capacity_tokens());
+    let max_context = card.max_context;
     let tokenizer = bundle.tokenizer.clone().map(Arc::new);
     let eos = bundle.eos_token_ids();
     let info = ModelInfo {
@@ -226,7 +110,6 @@ pub async fn start_engine(
         queued: config.lanes.iter().map(|_| AtomicUsize::new(0)).collect(),
         failed: parking_lot::Mutex::new(None),
     });
-    let page_tokens = if s.page_tokens > 0 { s.page_tokens } else { DEFAULT_LLAMA_PAGE_TOKENS };
     let budget =
         align_budget_to_pages(s.max_num_batched_tokens, page_tokens, s.max_num_seqs).map_err(EngineError::Invalid)?;
     if budget != s.max_num_batched_tokens {
@@ -247,9 +130,6 @@ pub async fn start_engine(
         // Known once the backend is built (`ExecutorReady` reports its state-slot size).
         recurrent_state: false,
     };
-    let card = CapacityCard::new(&bundle, kv.capacity_tokens(), page_tokens, s.spill_budget);
-    card.log();
-    card.check_fits(mem_available()).map_err(EngineError::Invalid)?;
     let fingerprint = model_fingerprint(&bundle);
     let spill_dir = s.spill_dir.as_ref().map(std::path::PathBuf::from);
     let spill = crate::spill::open_store(spill_dir.as_ref(), s.spill_budget, &fingerprint);
@@ -275,7 +155,7 @@ pub async fn start_engine(
                 draft_cost: l.speculative_draft_cost,
             })
             .collect();
-        let target_weight_bytes = card.weight_bytes;
+        let target_weight_bytes = bundle.stored_weight_bytes();
         let sources = tokio::task::spawn_blocking(move || {
             sources_for(&methods, &pricing, &target_vocab, target_weight_bytes, draft_opts)
         })
@@ -312,13 +192,19 @@ pub async fn start_engine(
     )
     .await
     .map_err(|e| EngineError::Executor(e.to_string()))?;
+    // One rank alone can run a profiling step; ranks joined by collectives would each have to.
+    let workspace_probe =
+        card.gpu.filter(|_| makers.len() == 1).map(|g| WorkspaceProbe { tokens: budget, reserved: g.workspace });
     let mut executors = Vec::with_capacity(makers.len());
     for (rank, make) in makers.into_iter().enumerate() {
         let make_backend = Box::new(move || make().map_err(|e| e.to_string()));
-        let (executor, _) =
-            Actor::spawn(None, ExecutorActor, ExecutorArgs { make_backend, scheduler: scheduler.clone(), rank })
-                .await
-                .map_err(|e| EngineError::Executor(e.to_string()))?;
+        let (executor, _) = Actor::spawn(
+            None,
+            ExecutorActor,
+            ExecutorArgs { make_backend, scheduler: scheduler.clone(), rank, workspace_probe },
+        )
+        .await
+        .map_err(|e| EngineError::Executor(e.to_string()))?;
         executors.push(executor);
     }
     Ok(Arc::new(Engine { info, config, counters, scheduler, executors, drafter }))

@@ -110,10 +110,53 @@ pub struct ExecutorArgs {
     pub make_backend: Box<dyn FnOnce() -> Result<Box<dyn Backend>, String> + Send>,
     pub scheduler: ActorRef<SchedulerMsg>,
     pub rank: usize,
+    /// A profiling step to run once the weights are loaded, before the rank reports ready
+    /// (CUDA, one rank): measures the step workspace the KV pool was sized around.
+    pub workspace_probe: Option<WorkspaceProbe>,
+}
+
+/// The largest step the scheduler may send, and the workspace the capacity card reserved for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkspaceProbe {
+    /// Tokens of the step (`max_num_batched_tokens`).
+    pub tokens: usize,
+    /// Bytes reserved for its activations and library workspaces.
+    pub reserved: u64,
+}
+
+/// Run one prefill of `probe.tokens` tokens (clamped to the pool) in fresh blocks and measure how
+/// much device memory the step's buffers took, against the reserve. The scratch stays allocated,
+/// so the measurement is the step's peak. Positions written here are overwritten by real work.
+fn measure_workspace(backend: &mut dyn Backend, probe: WorkspaceProbe, rank: usize) {
+    let Some(before) = backend.device_free_memory() else { return };
+    let geom = backend.kv_geometry();
+    let tokens = probe.tokens.min(geom.capacity_tokens()).max(1);
+    let ids = vec![0u32; tokens];
+    let table: Vec<u32> = (0..geom.blocks_for(tokens) as u32).collect();
+    let step = SeqStep { tokens: &ids, start_pos: 0, block_table: &table, logits_rows: 1, state_slot: 0 };
+    if let Err(e) = backend.forward(&[step]) {
+        tracing::warn!(rank, error = %e, tokens, "the profiling step failed; the step workspace is not measured");
+        return;
+    }
+    let used = before.saturating_sub(backend.device_free_memory().unwrap_or(before));
+    if used > probe.reserved {
+        tracing::warn!(
+            rank,
+            tokens,
+            measured_mib = used >> 20,
+            reserved_mib = probe.reserved >> 20,
+            "the step workspace measured above what the KV pool was sized around: if the device runs out of \
+             memory, lower --gpu-memory-utilization or --max-num-batched-tokens"
+        );
+    } else {
+        tracing::info!(rank, tokens, measured_mib = used >> 20, reserved_mib = probe.reserved >> 20, "step workspace");
+    }
 }
 
 pub struct ExecutorState {
-    jobs: Option<std::sync::mpsc::Sender<Job>>,
+    /// To the compute thread: flume, whose sender never blocks the actor and whose receiver
+    /// blocks the thread when idle (no polling).
+    jobs: Option<flume::Sender<Job>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -291,17 +334,21 @@ impl Actor for ExecutorActor {
         myself: ActorRef<Self::Msg>,
         args: ExecutorArgs,
     ) -> Result<ExecutorState, ActorProcessingErr> {
-        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let (tx, rx) = flume::unbounded::<Job>();
         let scheduler = args.scheduler.clone();
         // Sent with `ExecutorReady`: a model that loads quickly may be ready before the scheduler
         // was told which executor it has.
         let me = myself.clone();
         let rank = args.rank;
         let make = args.make_backend;
+        let probe = args.workspace_probe;
         // The compute thread blocks on its channel when idle: no polling.
         let thread = std::thread::Builder::new().name(format!("shelfserve-exec-{rank}")).spawn(move || {
             let mut backend = match make() {
-                Ok(b) => {
+                Ok(mut b) => {
+                    if let Some(p) = probe {
+                        measure_workspace(b.as_mut(), p, rank);
+                    }
                     let _ = scheduler.cast(SchedulerMsg::ExecutorReady {
                         rank,
                         kv: b.kv_geometry(),

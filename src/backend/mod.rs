@@ -187,6 +187,13 @@ pub trait Backend: Send {
     /// wait in (this rank failed outside `forward`'s own error handling, e.g. it panicked).
     /// Nothing to do for a backend that is not one rank of a group.
     fn abort_collectives(&self, _reason: &str) {}
+
+    /// Free bytes of the device memory this backend allocates from, the least over its ranks;
+    /// `None` on the CPU (the capacity card sizes against host memory there). Read before and
+    /// after a profiling step to measure the step workspace.
+    fn device_free_memory(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Check a KV image against the blocks it is meant for: the block ids in range and the image

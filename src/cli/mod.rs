@@ -1,5 +1,5 @@
 //! Command-line interface: argument definitions (every flag also an environment variable) and
-//! the one-shot commands (`generate`, `score`, `kld`, `fetch-default`). Owns argument parsing and
+//! the one-shot commands (`generate`, `score`, `kld`, `fetch-default`, `bench`, `bench-serve`). Owns argument parsing and
 //! terminal output only; all work is delegated to the library modules.
 
 use std::io::Write;
@@ -9,11 +9,13 @@ use std::sync::Arc;
 use clap::{Args, Parser, Subcommand};
 
 pub mod bench;
+pub mod bench_serve;
 pub mod serve;
 
 use crate::actors::drafter::{sources_for, LanePricing};
 use crate::backend::cuda::Precision;
 use crate::backend::{Backend, KvGeometry};
+use crate::config::layers::{family_defaults, ModelFamily};
 use crate::fidelity::{compare, LogitsFile};
 use crate::generate::{
     make_backend, single_sequence_geometry, DeviceKind, DeviceSelection, GenerateError, GenerateOptions,
@@ -49,6 +51,9 @@ pub enum Command {
     /// Benchmark the CUDA backend on seeded random weights for a config file, against the
     /// device's measured copy bandwidth and GEMM rate.
     Bench(bench::BenchArgs),
+    /// Load-test an OpenAI-compatible server (ours or another): fixed concurrency or Poisson
+    /// rate, streamed; reports throughput and TTFT/TPOT/ITL/E2E percentiles.
+    BenchServe(bench_serve::BenchServeArgs),
 }
 
 #[derive(Args, Debug, Clone)]
@@ -62,8 +67,8 @@ pub struct ModelArgs {
     /// CPU worker threads (0 = one per core).
     #[arg(long, env = "SHELFSERVE_THREADS", default_value_t = 0)]
     pub threads: usize,
-    /// Tensor-parallel ranks the model is split over (CPU: one thread group per rank; CUDA needs
-    /// the NCCL collective, not available yet).
+    /// Tensor-parallel ranks the model is split over (CPU: one thread group per rank; CUDA: one
+    /// GPU per rank, devices --cuda-device.., joined by NCCL). Llama family only.
     #[arg(
         long = "tensor-parallel-size",
         visible_alias = "tp",
@@ -77,9 +82,10 @@ pub struct ModelArgs {
     /// CUDA storage precision of weights and KV cache: bf16, or f32 (validation).
     #[arg(long, env = "SHELFSERVE_CUDA_PRECISION", default_value = "bf16")]
     pub cuda_precision: String,
-    /// Tokens per KV block.
-    #[arg(long, env = "SHELFSERVE_BLOCK_SIZE", default_value_t = 16)]
-    pub block_size: usize,
+    /// Tokens per KV block [default: the model family's: 16, glm5_next 64; `serve` also reads
+    /// the configuration file's block_size, which this flag overrides only when given].
+    #[arg(long, env = "SHELFSERVE_BLOCK_SIZE")]
+    pub block_size: Option<usize>,
     /// Prefill chunk size in tokens.
     #[arg(long, env = "SHELFSERVE_PREFILL_CHUNK", default_value_t = DEFAULT_PREFILL_CHUNK)]
     pub prefill_chunk: usize,
@@ -168,7 +174,7 @@ pub enum CliError {
 impl ModelArgs {
     pub fn open(&self) -> Result<ModelBundle, CliError> {
         self.device_selection()?;
-        if self.block_size == 0 {
+        if self.block_size == Some(0) {
             return Err(CliError::Usage("--block-size must be positive".into()));
         }
         let bundle = crate::model::open(&self.model, &CacheDir::from_env())?;
@@ -203,7 +209,9 @@ impl ModelArgs {
         device: &ResolvedDevice,
         tokens: usize,
     ) -> Result<Runner<Box<dyn Backend>>, CliError> {
-        let geom: KvGeometry = single_sequence_geometry(tokens, self.block_size);
+        let family = ModelFamily::of_model_type(&bundle.config.model_type);
+        let block_size = self.block_size.or(family_defaults(family).block_size).unwrap_or(16);
+        let geom: KvGeometry = single_sequence_geometry(tokens, block_size);
         let backend = make_backend(bundle, device, geom).map_err(GenerateError::from)?;
         Ok(Runner::new(backend))
     }

@@ -10,13 +10,17 @@ use super::{CliError, ModelArgs};
 use crate::actors::{start_engine, EngineOptions, InferenceEngine};
 use crate::api::auth::{read_key_file, AuthPolicy};
 use crate::api::{bind_all, ApiOptions};
-use crate::config::engine::EngineConfig;
+use crate::config::engine::{EngineConfig, DEFAULT_CONFIG_TOML};
+use crate::config::layers::{DeviceClass, EngineFile, ModelFamily, Provenance, SchedulerKnobs};
+use crate::generate::{DeviceKind, ResolvedKind};
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Serving configuration (lanes, budgets); the built-in `configs/default.toml` when absent.
+    /// Its keys beat the model family's and the device's defaults; flags and environment
+    /// variables beat it.
     #[arg(long, env = "SHELFSERVE_CONFIG")]
     pub config: Option<PathBuf>,
     /// Listen address for every lane.
@@ -38,13 +42,20 @@ pub struct ServeArgs {
     /// Model id reported by /v1/models (default: the model's name).
     #[arg(long, env = "SHELFSERVE_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
+    /// Sequences one step may carry [default: 32 on the CPU, 256 on CUDA].
     #[arg(long, env = "SHELFSERVE_MAX_NUM_SEQS")]
     pub max_num_seqs: Option<usize>,
+    /// Tokens one step may carry [default: 512 on the CPU, 8192 on CUDA; glm5_next 7168].
     #[arg(long, env = "SHELFSERVE_MAX_NUM_BATCHED_TOKENS")]
     pub max_num_batched_tokens: Option<usize>,
-    /// KV pool size in tokens.
+    /// KV pool size in tokens [default: on CUDA what --gpu-memory-utilization leaves after the
+    /// weights and the step workspace; on the CPU two full contexts, checked against host memory].
     #[arg(long, env = "SHELFSERVE_KV_POOL_TOKENS")]
     pub kv_pool_tokens: Option<usize>,
+    /// Share of each GPU's total memory the engine may use for weights, workspace and KV pool
+    /// [default: 0.90].
+    #[arg(long, env = "SHELFSERVE_GPU_MEMORY_UTILIZATION")]
+    pub gpu_memory_utilization: Option<f64>,
     /// Speculative decoding for every lane: `none`, `ngram` (model-free suffix match) or
     /// `draft:PATH`; overrides each lane's `speculative` in the configuration.
     #[arg(long, env = "SHELFSERVE_SPECULATIVE")]
@@ -52,7 +63,8 @@ pub struct ServeArgs {
     /// Draft tokens verified per step, 1..=7 (default 7); overrides every lane's setting.
     #[arg(long, env = "SHELFSERVE_NUM_SPECULATIVE_TOKENS")]
     pub num_speculative_tokens: Option<usize>,
-    /// Prefix-cache page size in tokens (a multiple of the block size; default 256 for llama).
+    /// Prefix-cache page size in tokens, a multiple of the block size [default: 256 for llama,
+    /// 3584 for glm5_next].
     #[arg(long, env = "SHELFSERVE_PAGE_TOKENS")]
     pub page_tokens: Option<usize>,
     /// Directory for evicted KV pages (spill tier).
@@ -63,6 +75,10 @@ pub struct ServeArgs {
     pub spill_budget: Option<u64>,
     #[command(flatten)]
     pub http: HttpArgs,
+    /// Print the resolved scheduler configuration (each knob with its source) and the capacity
+    /// card, then exit without loading the weights.
+    #[arg(long, env = "SHELFSERVE_DRY_RUN")]
+    pub dry_run: bool,
 }
 
 /// How the HTTP edge is exposed: TLS, browser origins, client timeouts.
@@ -106,15 +122,44 @@ impl HttpArgs {
 }
 
 impl ServeArgs {
-    /// The configuration file (or the built-in one) with flag/env overrides applied.
-    pub fn engine_config(&self) -> Result<EngineConfig, CliError> {
-        let mut cfg = match &self.config {
-            Some(p) => EngineConfig::load(p).map_err(|e| CliError::Usage(e.to_string()))?,
-            None => EngineConfig::builtin(),
-        };
-        if let Some(h) = &self.host {
-            cfg.host = h.clone();
+    /// The configuration file as written (`--config`, else the built-in one).
+    pub fn config_file(&self) -> Result<EngineFile, CliError> {
+        match &self.config {
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| CliError::Usage(format!("--config {}: {e}", p.display())))?;
+                EngineFile::from_toml(&text, &p.display().to_string()).map_err(|e| CliError::Usage(e.to_string()))
+            }
+            None => EngineFile::from_toml(DEFAULT_CONFIG_TOML, "configs/default.toml")
+                .map_err(|e| CliError::Usage(e.to_string())),
         }
+    }
+
+    /// The scheduler knobs given as flags or environment variables (`None` where neither is).
+    pub fn command_line_knobs(&self) -> SchedulerKnobs {
+        SchedulerKnobs {
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            block_size: self.model.block_size,
+            kv_pool_tokens: self.kv_pool_tokens,
+            page_tokens: self.page_tokens,
+            spill_dir: self.spill_dir.clone(),
+            spill_budget: self.spill_budget,
+            gpu_memory_utilization: self.gpu_memory_utilization,
+        }
+    }
+
+    /// The configuration: flags and environment over the file (or the built-in one) over the
+    /// model family's and the device's defaults; with where each scheduler knob came from.
+    pub fn engine_config(
+        &self,
+        family: ModelFamily,
+        device: DeviceClass,
+    ) -> Result<(EngineConfig, Provenance), CliError> {
+        let (mut cfg, provenance) = self
+            .config_file()?
+            .resolve(&self.command_line_knobs(), self.host.as_deref(), family, device)
+            .map_err(|e| CliError::Usage(format!("configuration: {e}")))?;
         for spec in &self.lane_port {
             let (name, port) = spec
                 .split_once('=')
@@ -133,28 +178,8 @@ impl ServeArgs {
         if let Some(k) = self.num_speculative_tokens {
             cfg.lanes.iter_mut().for_each(|l| l.num_speculative_tokens = k);
         }
-        let s = &mut cfg.scheduler;
-        s.block_size = self.model.block_size;
-        if let Some(v) = self.max_num_seqs {
-            s.max_num_seqs = v;
-        }
-        if let Some(v) = self.max_num_batched_tokens {
-            s.max_num_batched_tokens = v;
-        }
-        if let Some(v) = self.kv_pool_tokens {
-            s.kv_pool_tokens = v;
-        }
-        if let Some(v) = self.page_tokens {
-            s.page_tokens = v;
-        }
-        if let Some(v) = &self.spill_dir {
-            s.spill_dir = Some(v.clone());
-        }
-        if let Some(v) = self.spill_budget {
-            s.spill_budget = v;
-        }
         cfg.validate().map_err(CliError::Usage)?;
-        Ok(cfg)
+        Ok((cfg, provenance))
     }
 }
 
@@ -171,6 +196,43 @@ impl ServeArgs {
     }
 }
 
+/// `--dry-run`: the resolved knobs with their sources, and the capacity card, on stdout.
+fn print_dry_run(
+    bundle: &crate::model::ModelBundle,
+    device: &crate::generate::ResolvedDevice,
+    cfg: &EngineConfig,
+    provenance: &Provenance,
+) -> Result<(), CliError> {
+    let s = &cfg.scheduler;
+    let source = |knob: &str| provenance.of(knob).map_or("unset", |src| src.as_str());
+    for (knob, value) in [
+        ("max_num_seqs", s.max_num_seqs.to_string()),
+        ("max_num_batched_tokens", s.max_num_batched_tokens.to_string()),
+        ("block_size", s.block_size.to_string()),
+        ("page_tokens", s.page_tokens.to_string()),
+        ("kv_pool_tokens", s.kv_pool_tokens.to_string()),
+        ("gpu_memory_utilization", s.gpu_memory_utilization.to_string()),
+        ("spill_dir", s.spill_dir.clone().unwrap_or_default()),
+        ("spill_budget", s.spill_budget.to_string()),
+    ] {
+        println!("{knob} = {value} ({})", source(knob));
+    }
+    for l in &cfg.lanes {
+        println!("lane {} port = {} max_queue = {}", l.name, l.port, l.max_queue);
+    }
+    let memory = crate::capacity::probe(device).map_err(CliError::Usage)?;
+    let page = if s.page_tokens > 0 { s.page_tokens } else { crate::actors::engine::DEFAULT_LLAMA_PAGE_TOKENS };
+    let card = crate::capacity::plan(bundle, device, s, page, memory).map_err(CliError::Usage)?;
+    println!("weights_bytes = {}", card.weight_bytes);
+    println!("kv_dtype = {}", card.kv.dtype.as_str());
+    println!("kv_bytes_per_token = {}", card.kv.bytes_per_token);
+    println!("state_bytes_per_sequence = {}", card.kv.state_slot_bytes);
+    println!("pool_tokens = {} ({:?})", card.pool_tokens, card.pool_sized_by);
+    println!("kv_pool_bytes = {}", card.kv_pool_bytes());
+    println!("max_context = {}", card.max_context);
+    Ok(())
+}
+
 /// Anyone who can reach a non-loopback address can use an unkeyed server.
 fn warn_if_exposed(host: &str, auth: &AuthPolicy) {
     let loopback = host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
@@ -184,8 +246,20 @@ fn warn_if_exposed(host: &str, auth: &AuthPolicy) {
 }
 
 pub fn run_serve(args: &ServeArgs) -> Result<(), CliError> {
-    let cfg = args.engine_config()?;
+    // A broken file is reported before the model is opened (which may download it).
+    args.config_file()?;
     let bundle = args.model.open()?;
+    // Settle `auto` once: the defaults, the card and every rank's backend follow it.
+    let resolved = args.model.device_selection()?.resolve();
+    let (device_class, kind) = match resolved.kind {
+        ResolvedKind::Cpu => (DeviceClass::Cpu, DeviceKind::Cpu),
+        ResolvedKind::Cuda => (DeviceClass::Cuda, DeviceKind::Cuda),
+    };
+    let (cfg, provenance) = args.engine_config(ModelFamily::of_model_type(&bundle.config.model_type), device_class)?;
+    tracing::info!(sources = %provenance.summary(), "scheduler configuration");
+    if args.dry_run {
+        return print_dry_run(&bundle, &resolved, &cfg, &provenance);
+    }
     if bundle.tokenizer.is_none() {
         return Err(CliError::Usage(format!(
             "model `{}` has no tokenizer (tokenizer.json), so it cannot be served; use `generate --input-ids` or `score` with it",
@@ -199,7 +273,10 @@ pub fn run_serve(args: &ServeArgs) -> Result<(), CliError> {
         let engine = start_engine(
             bundle,
             cfg.clone(),
-            EngineOptions { device: args.model.device_selection()?, served_model_name: served.clone() },
+            EngineOptions {
+                device: crate::generate::DeviceSelection { kind, ..args.model.device_selection()? },
+                served_model_name: served.clone(),
+            },
         )
         .await
         .map_err(|e| CliError::Usage(e.to_string()))?;

@@ -1,6 +1,6 @@
 //! Serving configuration: lanes (port, priority, reasoning defaults, token limits, queue bound)
-//! and scheduler budgets, from a TOML file (`configs/default.toml`) with flag/env overrides
-//! applied by the CLI. Parsing and validation only.
+//! and scheduler budgets, resolved from a TOML file (`configs/default.toml`), flags and
+//! defaults by [`super::layers`]. Parsing and validation only.
 
 use serde::{Deserialize, Serialize};
 
@@ -25,7 +25,9 @@ pub struct LaneConfig {
     pub default_max_tokens: usize,
     /// Largest `max_tokens` a request may ask for (larger is a 400).
     pub max_tokens_limit: usize,
-    /// Waiting requests beyond this get HTTP 429.
+    /// Waiting requests beyond this get HTTP 429. Unset (0) in the file: twice `max_num_seqs`,
+    /// so a burst the scheduler can run at once is never refused.
+    #[serde(default)]
     pub max_queue: usize,
     /// Speculative decoding for this lane: `none`, `ngram` (model-free suffix match) or
     /// `draft:PATH`.
@@ -54,6 +56,8 @@ fn default_num_speculative_tokens() -> usize {
     crate::spec::MAX_SPECULATIVE_TOKENS
 }
 
+/// The scheduler knobs as resolved (every value settled; see [`super::layers`] for where each
+/// comes from and `SchedulerKnobs` for the file's form).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SchedulerConfig {
@@ -63,7 +67,9 @@ pub struct SchedulerConfig {
     pub max_num_seqs: usize,
     /// Tokens per KV block.
     pub block_size: usize,
-    /// KV pool size in tokens (0 = derive from the model's context length).
+    /// KV pool size in tokens (0 = sized by the engine: on CUDA what
+    /// `gpu_memory_utilization` leaves after weights and workspace, on the CPU room for a few
+    /// full contexts).
     pub kv_pool_tokens: usize,
     /// Prefix-cache page size in tokens, a multiple of `block_size` (0 = the model family's
     /// default: 256 for llama-family models).
@@ -75,6 +81,14 @@ pub struct SchedulerConfig {
     /// Bytes the spill directory may hold (0 = spill off).
     #[serde(default)]
     pub spill_budget: u64,
+    /// Share of the GPU's total memory the engine may use (weights + workspace + KV pool), per
+    /// rank; vLLM's `--gpu-memory-utilization`. Ignored on the CPU.
+    #[serde(default = "default_gpu_memory_utilization")]
+    pub gpu_memory_utilization: f64,
+}
+
+fn default_gpu_memory_utilization() -> f64 {
+    super::layers::DEFAULT_GPU_MEMORY_UTILIZATION
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -98,10 +112,14 @@ pub struct ConfigError {
 pub const DEFAULT_CONFIG_TOML: &str = include_str!("../../configs/default.toml");
 
 impl EngineConfig {
+    /// A configuration file resolved with no flags, for a llama-family model on the CPU (what
+    /// tests and tools that build an engine directly want).
     pub fn from_toml(text: &str, path: &str) -> Result<Self, ConfigError> {
-        let cfg: EngineConfig =
-            toml::from_str(text).map_err(|e| ConfigError { path: path.into(), msg: e.to_string() })?;
-        cfg.validate().map_err(|msg| ConfigError { path: path.into(), msg })?;
+        use super::layers::{DeviceClass, EngineFile, ModelFamily, SchedulerKnobs};
+        let file = EngineFile::from_toml(text, path)?;
+        let (cfg, _) = file
+            .resolve(&SchedulerKnobs::default(), None, ModelFamily::Llama, DeviceClass::Cpu)
+            .map_err(|msg| ConfigError { path: path.into(), msg })?;
         Ok(cfg)
     }
 
@@ -152,6 +170,9 @@ impl EngineConfig {
             }
         }
         let s = &self.scheduler;
+        if !(s.gpu_memory_utilization > 0.0 && s.gpu_memory_utilization <= 1.0) {
+            return Err(format!("scheduler: gpu_memory_utilization ({}) must be in (0, 1]", s.gpu_memory_utilization));
+        }
         if s.max_num_seqs == 0 || s.max_num_batched_tokens == 0 || s.block_size == 0 {
             return Err("scheduler: max_num_seqs, max_num_batched_tokens and block_size must be positive".into());
         }

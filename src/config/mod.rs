@@ -1,8 +1,10 @@
 //! Model configuration: the `llama` family hyper-parameters, read from an HF `config.json` or
-//! (by the GGUF reader) from GGUF metadata. Owns parsing and validation only; it knows nothing
-//! about weights, devices or serving.
+//! (by the GGUF reader) from GGUF metadata; the serving configuration (`engine`) and the
+//! precedence of its sources (`layers`: flag > environment > file > model family > device).
+//! Owns parsing, defaults and validation only; it knows nothing about weights or device memory.
 
 pub mod engine;
+pub mod layers;
 
 use serde::Deserialize;
 use serde_json::Value;

@@ -25,10 +25,17 @@ pub struct CpuLinear {
     pub bias: Option<Vec<f32>>,
 }
 
+/// Whether weights stored as `dtype` stay in that format in memory (the GGML blocks the dot
+/// kernels read); every other format is widened to f32 at load.
+pub fn stays_quantized(dtype: DType) -> bool {
+    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
+}
+
 fn to_rows(view: &TensorView<'_>) -> WeightRows {
-    match view.dtype {
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => WeightRows::Quant { dtype: view.dtype, data: view.data.to_vec() },
-        _ => WeightRows::F32(crate::model::tensor::to_f32(view)),
+    if stays_quantized(view.dtype) {
+        WeightRows::Quant { dtype: view.dtype, data: view.data.to_vec() }
+    } else {
+        WeightRows::F32(crate::model::tensor::to_f32(view))
     }
 }
 

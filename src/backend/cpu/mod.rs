@@ -279,6 +279,17 @@ fn proj_bytes(p: &Proj) -> usize {
     }
 }
 
+/// The KV precision the CPU backend gives a model unless told otherwise: f16 when its embedding
+/// stays quantized in memory (GGUF Q8_0/Q4_0/Q4_1, whose reference, llama.cpp, keeps an f16
+/// cache), f32 otherwise. The capacity card prices the pool with this before anything loads.
+pub fn default_kv_precision(cfg: &LlamaConfig, w: &dyn WeightSource) -> KvPrecision {
+    let embed = LlamaSpec::new(cfg).embed;
+    match w.tensor(&embed) {
+        Some(t) if linear::stays_quantized(t.dtype) => KvPrecision::F16,
+        _ => KvPrecision::F32,
+    }
+}
+
 impl CpuBackend {
     pub fn new(cfg: &LlamaConfig, w: &dyn WeightSource, opts: CpuOptions) -> Result<Self, ModelError> {
         Self::new_shard(cfg, w, opts, None)
@@ -362,8 +373,7 @@ impl CpuBackend {
                 .map(|l| proj_bytes(&l.qkv) + weight_bytes(&l.o) + proj_bytes(&l.gate_up) + weight_bytes(&l.down))
                 .sum::<usize>();
         let pool = std::sync::Arc::new(pool);
-        let quantized = matches!(embed.weight, linear::WeightRows::Quant { .. });
-        let kv_precision = opts.kv_precision.unwrap_or(if quantized { KvPrecision::F16 } else { KvPrecision::F32 });
+        let kv_precision = opts.kv_precision.unwrap_or_else(|| default_kv_precision(cfg, w));
         Ok(CpuBackend {
             cfg: cfg.clone(),
             tp,

@@ -437,6 +437,10 @@ impl Backend for CudaBackend {
     }
 
     // The inherent methods (forward.rs) do the device copies; these make them the trait's.
+    fn device_free_memory(&self) -> Option<u64> {
+        self.gpu.ctx.mem_get_info().ok().map(|(free, _)| free as u64)
+    }
+
     fn kv_block_bytes(&self) -> usize {
         CudaBackend::kv_block_bytes(self)
     }

@@ -185,6 +185,10 @@ impl Backend for TpCudaBackend {
         lockstep(&mut self.ranks, |r| r.forward_and_sample(batch, specs), |r| r.forward_follow(batch)).map(Some)
     }
 
+    fn device_free_memory(&self) -> Option<u64> {
+        self.ranks.iter().map(|r| r.device_free_memory()).min().flatten()
+    }
+
     fn kv_block_bytes(&self) -> usize {
         group_block_bytes(&self.ranks)
     }

@@ -62,36 +62,56 @@ pub struct StepCheckpoints {
     pub images: Vec<f32>,
 }
 
-impl Glm5Cache {
-    pub fn new(c: &Glm5Config, geom: KvGeometry) -> Self {
-        let (mut token_stride, mut slot_stride) = (0, 0);
-        let mut dsa = Vec::new();
-        let mut kda = Vec::new();
-        let q3 = 3 * c.linear_qkv_dim();
-        let hd = c.linear_head_dim;
-        for l in 0..c.num_hidden_layers {
-            match c.layer_types[l] {
-                MixerKind::Dsa => {
-                    let latent = token_stride;
-                    token_stride += c.kv_lora_rank;
-                    let indexer = c.has_indexer(l).then(|| {
-                        let o = token_stride;
-                        token_stride += 3 * c.index_head_dim;
-                        o
-                    });
-                    dsa.push(Some(DsaSlots { latent, indexer }));
-                    kda.push(None);
-                }
-                MixerKind::Kda => {
-                    let conv = slot_stride;
-                    slot_stride += (c.linear_conv_kernel_dim - 1) * q3;
-                    let state = slot_stride;
-                    slot_stride += c.linear_num_heads * hd * hd;
-                    kda.push(Some(KdaSlots { conv, state }));
-                    dsa.push(None);
-                }
+/// Per layer: where each field sits in a token record and in a state slot.
+struct Layout {
+    token_stride: usize,
+    dsa: Vec<Option<DsaSlots>>,
+    slot_stride: usize,
+    kda: Vec<Option<KdaSlots>>,
+}
+
+fn layout(c: &Glm5Config) -> Layout {
+    let (mut token_stride, mut slot_stride) = (0, 0);
+    let mut dsa = Vec::new();
+    let mut kda = Vec::new();
+    let q3 = 3 * c.linear_qkv_dim();
+    let hd = c.linear_head_dim;
+    for l in 0..c.num_hidden_layers {
+        match c.layer_types[l] {
+            MixerKind::Dsa => {
+                let latent = token_stride;
+                token_stride += c.kv_lora_rank;
+                let indexer = c.has_indexer(l).then(|| {
+                    let o = token_stride;
+                    token_stride += 3 * c.index_head_dim;
+                    o
+                });
+                dsa.push(Some(DsaSlots { latent, indexer }));
+                kda.push(None);
+            }
+            MixerKind::Kda => {
+                let conv = slot_stride;
+                slot_stride += (c.linear_conv_kernel_dim - 1) * q3;
+                let state = slot_stride;
+                slot_stride += c.linear_num_heads * hd * hd;
+                kda.push(Some(KdaSlots { conv, state }));
+                dsa.push(None);
             }
         }
+    }
+    Layout { token_stride, dsa, slot_stride, kda }
+}
+
+/// Bytes of one token's record and of one recurrent-state slot (both f32), as
+/// [`Glm5Cache::new`] lays them out: what the capacity card prices before anything is allocated.
+pub fn cache_bytes(c: &Glm5Config) -> (usize, usize) {
+    let l = layout(c);
+    (4 * l.token_stride, 4 * l.slot_stride)
+}
+
+impl Glm5Cache {
+    pub fn new(c: &Glm5Config, geom: KvGeometry) -> Self {
+        let Layout { token_stride, dsa, slot_stride, kda } = layout(c);
         Glm5Cache {
             geom,
             token_stride,
