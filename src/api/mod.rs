@@ -145,7 +145,8 @@ pub fn bind_all(
     config.lanes.iter().map(|lane| bind_with(shared.clone(), lane.clone(), &config.host)).collect()
 }
 
-/// Bind and run every lane server until all of them stop (or one fails).
+/// Bind and run every lane server until all of them stop (or one fails). Signals do not stop
+/// them (the servers leave them to their owner); `shelfserve serve` drains on SIGTERM/SIGINT.
 pub async fn serve_all(
     engine: Arc<dyn InferenceEngine>,
     config: &EngineConfig,
@@ -165,7 +166,8 @@ fn bind_with(shared: Arc<Shared>, lane: LaneConfig, host: &str) -> std::io::Resu
     // A client that closes its socket must make actix drop the handler future at once (that
     // drops the engine receivers, i.e. cancels); with half-closure allowed actix would keep
     // generating for a reader that is gone.
-    let mut server = HttpServer::new(move || app(state.clone())).h1_allow_half_closed(false);
+    // Signals are the binary's (`cli/serve.rs`: drained shutdown), not actix's own stop.
+    let mut server = HttpServer::new(move || app(state.clone())).h1_allow_half_closed(false).disable_signals();
     if workers > 0 {
         server = server.workers(workers);
     }
