@@ -145,7 +145,9 @@ fn sigterm_drains_in_flight_writes_the_cache_to_disk_and_a_restart_hits_it() {
     assert!(common::engine::spill_files(spill.path()).is_empty(), "nothing was evicted, so nothing is on disk yet");
 
     // A request streaming when the signal comes: it must finish whole.
-    let mut streaming = server.target().stream("/v1/completions", &completion("Count: one two", 48, true))
+    let mut streaming = server
+        .target()
+        .stream("/v1/completions", &completion("Count: one two", 48, true))
         .expect("send")
         .unwrap_or_else(|r| panic!("status {}", r.status));
     streaming.read_tokens(1).expect("first token");
@@ -186,7 +188,9 @@ fn a_request_past_the_shutdown_timeout_is_cancelled_and_a_second_signal_exits_at
 
     // Timeout: a long request is cut off cleanly, the process still exits 0.
     let mut server = Server::start(&model, spill.path(), "0.5", "timeout");
-    let mut long = server.target().stream("/v1/completions", &completion("Once upon a time", 4000, true))
+    let mut long = server
+        .target()
+        .stream("/v1/completions", &completion("Once upon a time", 4000, true))
         .expect("send")
         .unwrap_or_else(|r| panic!("status {}", r.status));
     long.read_tokens(1).expect("first token");
@@ -201,7 +205,9 @@ fn a_request_past_the_shutdown_timeout_is_cancelled_and_a_second_signal_exits_at
 
     // Second signal: no waiting for the long request.
     let mut server = Server::start(&model, spill.path(), "600", "second-signal");
-    let mut long = server.target().stream("/v1/completions", &completion("Once upon a time", 4000, true))
+    let mut long = server
+        .target()
+        .stream("/v1/completions", &completion("Once upon a time", 4000, true))
         .expect("send")
         .unwrap_or_else(|r| panic!("status {}", r.status));
     long.read_tokens(1).expect("first token");

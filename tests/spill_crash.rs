@@ -90,6 +90,7 @@ fn kill_9_during_spill_writes_loses_at_most_the_page_in_flight() {
             .filter(|n| n.ends_with(".tmp"))
             .collect();
         assert!(left_over.is_empty(), "round {round}: crash leftovers are swept: {left_over:?}");
-        next = s.pages().iter().map(|p| u32::from_le_bytes(p.hash.0[..4].try_into().expect("4"))).max().unwrap_or(0) + 1;
+        next =
+            s.pages().iter().map(|p| u32::from_le_bytes(p.hash.0[..4].try_into().expect("4"))).max().unwrap_or(0) + 1;
     }
 }

@@ -409,7 +409,11 @@ impl InferenceEngine for Engine {
     }
 
     fn is_ready(&self) -> bool {
-        self.counters.ready.load(Ordering::SeqCst) && !self.draining.load(Ordering::SeqCst)
+        self.counters.ready.load(Ordering::SeqCst) && !self.is_draining()
+    }
+
+    fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
     }
 
     fn submit(&self, req: GenerationRequest) -> Result<EventStream, EngineError> {

@@ -11,12 +11,12 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::scheduler::SchedulerMsg;
+use super::spill::SpillMsg;
 use crate::backend::{Backend, DeviceSampleSpec, SeqStep};
 use crate::kv::{EvictedPage, PageHash, SlotSnapshot};
 use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::SeqId;
 use crate::spec::step::{sample_with_drafts, StepTokens};
-use super::spill::SpillMsg;
 
 /// What to sample for a sequence whose chunk ends at its last known token.
 #[derive(Clone, Debug)]

@@ -10,8 +10,8 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::executor::ExecutorMsg;
 use super::scheduler::SchedulerMsg;
-use crate::kv::{apply_ops, view, KvPool, MissReason, PageHash, PoolCounters, PoolOp, PoolReply, SlotSnapshot};
 use super::spill::SpillMsg;
+use crate::kv::{apply_ops, view, KvPool, MissReason, PageHash, PoolCounters, PoolOp, PoolReply, SlotSnapshot};
 
 pub enum KvPoolMsg {
     /// Apply `ops` in order and answer the scheduler with `SchedulerMsg::PoolCommitted`.
@@ -155,7 +155,11 @@ impl Actor for KvPoolActor {
                     // Queued at the executor before the scheduler hears back, hence before any
                     // step that could write the evicted blocks.
                     if !evicted.is_empty() {
-                        st.executor.cast(ExecutorMsg::ReadPages { pages: evicted, spill: spill.clone(), sync: None })?;
+                        st.executor.cast(ExecutorMsg::ReadPages {
+                            pages: evicted,
+                            spill: spill.clone(),
+                            sync: None,
+                        })?;
                     }
                     for r in std::mem::take(&mut reply.restores) {
                         if spill.cast(SpillMsg::Load { hash: r.hash, blocks: r.blocks }).is_err() {

@@ -18,13 +18,13 @@ use super::handle::{EngineError, FinishReason, GenerationRequest, StreamEvent, T
 use super::kvpool::{KvPoolActor, KvPoolArgs, KvPoolMsg, PoolStats};
 use super::ranks::{RankBook, RankReady};
 use super::request::{RequestActor, RequestArgs, RequestMsg};
+use super::spill::{SpillActor, SpillArgs, SpillMsg, DEFAULT_READ_DEADLINE};
 use crate::backend::KvGeometry;
 use crate::config::engine::LaneConfig;
 use crate::kv::{KvPool, KvPoolConfig, PoolIdentity, PoolReply};
 use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::{NewSeq, Planner, PolicyConfig, SeqId, StepPlanOut};
 use crate::spec::stats::AcceptanceStats;
-use super::spill::{SpillActor, SpillArgs, SpillMsg, DEFAULT_READ_DEADLINE};
 use crate::tokenizer::TokenizerBundle;
 
 pub enum SchedulerMsg {

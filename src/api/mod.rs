@@ -287,7 +287,9 @@ pub(crate) struct LaneState {
 
 impl LaneState {
     pub fn ensure_ready(&self) -> Result<(), ApiError> {
-        if self.shared.engine.is_ready() {
+        if self.shared.engine.is_draining() {
+            Err(ApiError::engine(EngineError::ShuttingDown, None))
+        } else if self.shared.engine.is_ready() {
             Ok(())
         } else {
             Err(ApiError::engine(EngineError::NotReady("the model is still loading".into()), None))

@@ -251,8 +251,12 @@ mod tests {
     #[test]
     fn the_index_is_checksummed() {
         let image = vec![1u8; 10];
-        let index =
-            IndexFile { version: FORMAT_VERSION, fingerprint: "m".into(), kv_layout: "l".into(), pages: vec![header(&image)] };
+        let index = IndexFile {
+            version: FORMAT_VERSION,
+            fingerprint: "m".into(),
+            kv_layout: "l".into(),
+            pages: vec![header(&image)],
+        };
         let bytes = encode_index(&index);
         assert_eq!(decode_index(&bytes).expect("decode"), index);
         let mut bad = bytes.clone();

@@ -16,9 +16,16 @@ use crate::kv::PageHash;
 /// What became of a write (or a sync), reported in submission order.
 #[derive(Debug)]
 pub enum IoEvent {
-    Stored { hash: PageHash, parent: Option<PageHash>, bytes: u64, dropped: Vec<PageHash> },
+    Stored {
+        hash: PageHash,
+        parent: Option<PageHash>,
+        bytes: u64,
+        dropped: Vec<PageHash>,
+    },
     /// The image is larger than the whole budget: not stored.
-    TooLarge { hash: PageHash },
+    TooLarge {
+        hash: PageHash,
+    },
     /// A write failed (disk full or unwritable): spill should turn off; later writes are ignored.
     Failed(SpillError),
 }
@@ -30,7 +37,11 @@ struct LoadJob {
 }
 
 enum WriteJob {
-    Store { hash: PageHash, parent: Option<PageHash>, image: Vec<u8> },
+    Store {
+        hash: PageHash,
+        parent: Option<PageHash>,
+        image: Vec<u8>,
+    },
     /// Index and directory made durable; answered after every write queued before it.
     Sync(flume::Sender<Result<(), String>>),
 }

@@ -16,7 +16,7 @@ use std::path::PathBuf;
 
 pub use format::CHUNK_BYTES;
 pub use io::{IoEvent, SpillIo};
-pub use store::{LoadError, OpenReport, SpillError, SpilledPage, SpillStore};
+pub use store::{LoadError, OpenReport, SpillError, SpillStore, SpilledPage};
 
 /// Opens the spill store for a model and KV layout, or explains why spill is off (logged, never
 /// fatal). Publishes what the opening found: `shelfserve_spill_index_rebuilds_total` and

@@ -227,7 +227,8 @@ impl SpillStore {
 
     /// The index's pages, or why it cannot be used.
     fn read_index(&self) -> Result<HashMap<PageHash, Entry>, IndexProblem> {
-        self.read_index_inner().map_err(|why| if why.is_empty() { IndexProblem::Absent } else { IndexProblem::Damaged(why) })
+        self.read_index_inner()
+            .map_err(|why| if why.is_empty() { IndexProblem::Absent } else { IndexProblem::Damaged(why) })
     }
 
     /// The index's pages, or why it cannot be used (empty: there is none).
@@ -494,7 +495,8 @@ impl SpillStore {
         }
         let mut bytes = vec![0u8; got as usize];
         f.read_exact(&mut bytes).map_err(io)?;
-        let parsed = parse_page_prefix(&bytes).map_err(|e| LoadError::Header { page: page.clone(), msg: e.to_string() })?;
+        let parsed =
+            parse_page_prefix(&bytes).map_err(|e| LoadError::Header { page: page.clone(), msg: e.to_string() })?;
         self.check_header(hash, &parsed.header)?;
         if parsed.header != entry.header || parsed.image_at as u64 + parsed.header.len != got {
             return Err(LoadError::Header { page, msg: "it differs from the index".into() });

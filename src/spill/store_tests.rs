@@ -149,7 +149,10 @@ fn an_unwritable_directory_is_a_disk_error() {
     }
     let file_as_root = tmp.path().join("file");
     fs::write(&file_as_root, b"x").expect("file");
-    assert!(matches!(SpillStore::open(&file_as_root, "m", LAYOUT, 10), Err(SpillError::Disk { .. })), "a file is no directory");
+    assert!(
+        matches!(SpillStore::open(&file_as_root, "m", LAYOUT, 10), Err(SpillError::Disk { .. })),
+        "a file is no directory"
+    );
 }
 
 #[cfg(unix)]
