@@ -612,7 +612,8 @@ fn spill_phase(
         }
         let want = solo.get(&(1, prompt)).or(firsts.get(prompt));
         if let Some(w) = want.filter(|w| !(w.tokens.iter().map(|t| &t.bytes).eq(o.tokens.iter().map(|t| &t.bytes)))) {
-            violations.push(format!("{what}: differs from its solo run\n    solo: {:?}\n    now:  {:?}", w.text, o.text));
+            violations
+                .push(format!("{what}: differs from its solo run\n    solo: {:?}\n    now:  {:?}", w.text, o.text));
         }
     }
     let stats = local.rt.block_on(local.engine.pool_stats()).ok_or("the pool does not answer")?;
