@@ -19,7 +19,9 @@
 //! small KV pool (`--spill-pool-tokens`), 32-token pages and a temporary spill directory runs
 //! every agent prompt twice, round robin, so the first run's pages are evicted to disk before the
 //! second; the second runs must restore pages from disk and still equal the solo runs, and the
-//! pool must return to idle.
+//! pool must return to idle. Then a restart: the engine is drained (cached pages written to
+//! disk), a new engine opens the same directory, and every agent prompt must be served again with
+//! prefix hits from disk and the same replies.
 //!
 //! In-process, a drafted phase follows too (`--drafted-phase`, on by default): a third engine whose
 //! lanes both draft with the n-gram drafter (k = 7) runs every prompt that has a solo run, all at
@@ -589,6 +591,40 @@ fn spill_phase(
         "spill phase: {} agent prompts x 2 through a {}-token pool in {secs:.1} s; {} pages on disk, {} tokens \
          served from the cache, misses {:?}",
         n, args.spill_pool_tokens, stats.spilled_pages, stats.counters.hit_tokens, stats.counters.misses
+    );
+    // Restart: a drained shutdown writes what is only in RAM to disk; a new engine on the same
+    // directory must serve every agent prompt again, from disk, with the same replies.
+    let drained = local.rt.block_on(local.engine.drain(Duration::from_secs(30)));
+    if !drained.flushed || drained.cancelled > 0 {
+        violations.push(format!("restart phase: the drain did not end cleanly ({drained:?})"));
+    }
+    local.stop();
+    let started = Instant::now();
+    let (local, targets) = start_local(args, Some(dir.path()))?;
+    let restart_plan =
+        Plan { model: plan.model.clone(), prompts: plan.prompts.clone(), max_tokens: plan.max_tokens, targets };
+    for prompt in 0..n {
+        let o = run_one(&restart_plan, 1, prompt, None);
+        let what = format!("restart phase, agent prompt {prompt}");
+        if let Some(e) = &o.error {
+            violations.push(format!("{what}: {e}"));
+            continue;
+        }
+        let want = solo.get(&(1, prompt)).or(firsts.get(prompt));
+        if let Some(w) = want.filter(|w| !(w.tokens.iter().map(|t| &t.bytes).eq(o.tokens.iter().map(|t| &t.bytes)))) {
+            violations
+                .push(format!("{what}: differs from its solo run\n    solo: {:?}\n    now:  {:?}", w.text, o.text));
+        }
+    }
+    let stats = local.rt.block_on(local.engine.pool_stats()).ok_or("the pool does not answer")?;
+    if stats.counters.hit_tokens == 0 {
+        violations.push(format!("restart phase: nothing was served from disk after the restart ({stats:?})"));
+    }
+    println!(
+        "restart phase: drained ({drained:?}), restarted and served {n} agent prompts in {:.1} s; {} tokens from \
+         the cache",
+        started.elapsed().as_secs_f64(),
+        stats.counters.hit_tokens
     );
     local.stop();
     Ok(())

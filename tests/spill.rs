@@ -1,7 +1,8 @@
 //! The spill tier in the real engine (default model, CPU backend): pages evicted from a small KV
 //! pool go to disk and come back on a later prefix hit; the index survives an engine restart;
-//! flipped bytes, truncated and deleted files are detected, counted and recomputed; an unusable
-//! spill directory leaves serving untouched. Every reply is compared, token for token, with the
+//! flipped bytes, truncated and deleted files, a FIFO and a symlink at a page path are detected,
+//! counted and recomputed (the FIFO never hangs the request, the link's target is untouched); an
+//! unusable spill directory leaves serving untouched. Every reply is compared, token for token, with the
 //! reply of a fresh engine that has nothing cached (exactness rule 2).
 
 mod common;
@@ -81,7 +82,7 @@ async fn spilled_pages_restore_survive_restarts_and_corruption_is_recomputed() {
 
     // Corrupt every spill file one way per restart: each is detected, counted, recomputed.
     type Damage = fn(&Path);
-    let damages: [(&str, Damage); 3] = [
+    let damages: [(&str, Damage); 5] = [
         ("flipped byte", |p| {
             let mut b = std::fs::read(p).expect("read");
             let mid = b.len() / 2;
@@ -93,6 +94,19 @@ async fn spilled_pages_restore_survive_restarts_and_corruption_is_recomputed() {
             std::fs::write(p, &b[..b.len() - 7]).expect("write");
         }),
         ("deleted", |p| std::fs::remove_file(p).expect("delete")),
+        // A FIFO without a writer would block a plain open forever: the request must complete.
+        ("replaced by a FIFO", |p| {
+            std::fs::remove_file(p).expect("delete");
+            let c = std::ffi::CString::new(p.to_str().expect("utf-8")).expect("path");
+            // SAFETY: a valid NUL-terminated path.
+            assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+        }),
+        ("replaced by a symlink", |p| {
+            let target = victim_of(p);
+            std::fs::copy(p, &target).expect("copy aside");
+            std::fs::remove_file(p).expect("delete");
+            std::os::unix::fs::symlink(&target, p).expect("symlink");
+        }),
     ];
     for (what, damage) in damages {
         // Re-spill cleanly first (the previous round removed the damaged pages).
@@ -101,16 +115,33 @@ async fn spilled_pages_restore_survive_restarts_and_corruption_is_recomputed() {
         wait_spilled(&e, 4).await;
         e.shutdown();
         drop(e);
-        damage_spill_files(dir.path(), damage);
+        // Damaged while the next engine runs (its index still lists the pages): caught at read.
         let Some(e) = engine(Some(dir.path())).await else { return };
+        let damaged = common::engine::spill_files(dir.path());
+        damage_spill_files(dir.path(), damage);
         let (reply, usage) = run(&e, conv.follow_up.clone(), 12).await;
         assert_eq!(reply, reference, "{what}: the damaged pages are recomputed, output unchanged");
         assert_eq!(usage.cached_tokens, 0, "{what}: nothing damaged is served");
         let s = stats(&e).await;
         assert_spilled_corrupt_counted(&s, what);
+        if what == "replaced by a symlink" {
+            for f in &damaged {
+                // Links are removed unread when a restore meets them; their targets are untouched.
+                let victim = victim_of(f);
+                assert!(std::fs::metadata(&victim).expect("victim").len() > 0);
+                std::fs::remove_file(victim).expect("clean up");
+            }
+        }
         e.shutdown();
         drop(e);
     }
+}
+
+/// Where the symlink damage copies a page file before linking to it: outside the spill
+/// directory, as an attacker's target would be.
+fn victim_of(page: &Path) -> std::path::PathBuf {
+    let name = page.file_name().expect("name").to_string_lossy();
+    std::env::temp_dir().join(format!("shelfserve-spill-victim-{}-{name}", std::process::id()))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

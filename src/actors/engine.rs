@@ -71,6 +71,18 @@ pub struct Engine {
     /// One per tensor-parallel rank, rank 0 first.
     executors: Vec<ActorRef<ExecutorMsg>>,
     drafter: Option<ActorRef<DrafterMsg>>,
+    /// Set by [`Engine::drain`]: new requests are refused (`shutting_down`, 503), `/health` is 503.
+    draining: AtomicBool,
+}
+
+/// What a drained shutdown did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DrainReport {
+    /// Requests still live at the timeout, failed with `shutting_down`.
+    pub cancelled: usize,
+    /// Cached pages not yet on disk were written to the spill tier and synced (false: spill is
+    /// off, or it failed or ran out of time).
+    pub flushed: bool,
 }
 
 pub use crate::capacity::CapacityCard;
@@ -131,14 +143,19 @@ pub async fn start_engine(
         recurrent_state: false,
     };
     let fingerprint = model_fingerprint(&bundle);
-    let spill_dir = s.spill_dir.as_ref().map(std::path::PathBuf::from);
-    let spill = crate::spill::open_store(spill_dir.as_ref(), s.spill_budget, &fingerprint);
     let pool_identity = PoolIdentity {
         model_fingerprint: fingerprint,
         // The resolved device and its precision decide the bytes of a block image.
         kv_layout: device.kv_layout(kv.block_size),
         rank: 0,
     };
+    let spill_dir = s.spill_dir.as_ref().map(std::path::PathBuf::from);
+    let spill = crate::spill::open_store(
+        spill_dir.as_ref(),
+        s.spill_budget,
+        &pool_identity.model_fingerprint,
+        &pool_identity.kv_layout,
+    );
     // Unnamed actors: ractor's registry is process-wide, and tests run several engines.
     let methods: Vec<_> = config.lanes.iter().map(|l| l.speculative.clone()).collect();
     let drafter = if methods.iter().any(|m| *m != SpeculativeMethod::None) {
@@ -207,7 +224,7 @@ pub async fn start_engine(
         .map_err(|e| EngineError::Executor(e.to_string()))?;
         executors.push(executor);
     }
-    Ok(Arc::new(Engine { info, config, counters, scheduler, executors, drafter }))
+    Ok(Arc::new(Engine { info, config, counters, scheduler, executors, drafter, draining: AtomicBool::new(false) }))
 }
 
 impl Engine {
@@ -232,6 +249,34 @@ impl Engine {
         ractor::call_t!(d, |reply| DrafterMsg::Held { reply }, 5000).ok()
     }
 
+    /// Drained shutdown: refuse new requests from now on, let the live ones finish for up to
+    /// `timeout` (then fail them with `shutting_down`), and write the cached pages the spill tier
+    /// lacks to disk, synced, within another `timeout`. Call [`shutdown`](Self::shutdown) after.
+    pub async fn drain(&self, timeout: std::time::Duration) -> DrainReport {
+        use std::time::{Duration, Instant};
+        self.draining.store(true, Ordering::SeqCst);
+        let deadline = Instant::now() + timeout;
+        let mut cancelled = 0;
+        // Only while shutting down: the scheduler's counters are the one place that knows when
+        // the last live request ended, and a short poll keeps the scheduler free of drain state.
+        loop {
+            let live = self.stats().await.map(|s| s.waiting + s.running).unwrap_or(0);
+            if live == 0 {
+                break;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(live, "shutdown timeout: cancelling the requests still in flight");
+                cancelled = live;
+                let _ = self.scheduler.cast(SchedulerMsg::CancelAll);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let flush_ms = timeout.as_millis().clamp(1, u64::MAX as u128) as u64;
+        let flushed = ractor::call_t!(self.scheduler, SchedulerMsg::FlushToSpill, flush_ms).unwrap_or(false);
+        DrainReport { cancelled, flushed }
+    }
+
     /// Stop the actors; the executor thread ends after its current step and frees the weights
     /// and KV memory.
     pub fn shutdown(&self) {
@@ -250,7 +295,11 @@ impl InferenceEngine for Engine {
     }
 
     fn is_ready(&self) -> bool {
-        self.counters.ready.load(Ordering::SeqCst)
+        self.counters.ready.load(Ordering::SeqCst) && !self.is_draining()
+    }
+
+    fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
     }
 
     fn submit(&self, req: GenerationRequest) -> Result<EventStream, EngineError> {
@@ -260,6 +309,9 @@ impl InferenceEngine for Engine {
             .iter()
             .position(|l| l.name == req.lane)
             .ok_or_else(|| EngineError::UnknownLane(req.lane.clone()))?;
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(EngineError::ShuttingDown);
+        }
         if let Some(e) = self.counters.failed.lock().clone() {
             return Err(EngineError::NotReady(format!("the executor failed ({e}); restart the engine")));
         }

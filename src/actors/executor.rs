@@ -11,12 +11,12 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::scheduler::SchedulerMsg;
+use super::spill::SpillMsg;
 use crate::backend::{Backend, DeviceSampleSpec, SeqStep};
 use crate::kv::{EvictedPage, PageHash, SlotSnapshot};
 use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::SeqId;
 use crate::spec::step::{sample_with_drafts, StepTokens};
-use crate::spill::SpillMsg;
 
 /// What to sample for a sequence whose chunk ends at its last known token.
 #[derive(Clone, Debug)]
@@ -77,6 +77,9 @@ pub enum ExecutorMsg {
     ReadPages {
         pages: Vec<EvictedPage>,
         spill: ActorRef<SpillMsg>,
+        /// A drained shutdown's flush: after the pages, ask the spill tier to sync and answer
+        /// here (the spill tier gets the request after every page, from this same thread).
+        sync: Option<ractor::RpcReplyPort<bool>>,
     },
     /// A prefix hit on a hybrid model: put the last hit page's recurrent-state snapshot into the
     /// sequence's slot (sent by the KV pool before it answers the scheduler, so it runs before the
@@ -97,7 +100,7 @@ pub enum ExecutorMsg {
 /// Work for the compute thread, in arrival order.
 enum Job {
     Step(StepPlan),
-    Read(Vec<EvictedPage>, ActorRef<SpillMsg>),
+    Read(Vec<EvictedPage>, ActorRef<SpillMsg>, Option<ractor::RpcReplyPort<bool>>),
     Write(PageHash, Vec<u32>, Vec<u8>),
     WriteState(u32, Arc<[u8]>),
 }
@@ -388,7 +391,12 @@ impl Actor for ExecutorActor {
                             break;
                         }
                     }
-                    Job::Read(pages, spill) => read_pages(backend.as_mut(), pages, &spill),
+                    Job::Read(pages, spill, sync) => {
+                        read_pages(backend.as_mut(), pages, &spill);
+                        if let Some(reply) = sync {
+                            let _ = spill.cast(SpillMsg::Sync(reply));
+                        }
+                    }
                     Job::Write(hash, blocks, image) => {
                         if let Err(e) = backend.write_kv_blocks(&blocks, &image) {
                             // The spill tier checked the image's size; this is a device failure.
@@ -416,7 +424,7 @@ impl Actor for ExecutorActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             ExecutorMsg::Run(plan) => send(state, Job::Step(plan))?,
-            ExecutorMsg::ReadPages { pages, spill } => send(state, Job::Read(pages, spill))?,
+            ExecutorMsg::ReadPages { pages, spill, sync } => send(state, Job::Read(pages, spill, sync))?,
             ExecutorMsg::WritePage { hash, blocks, image } => send(state, Job::Write(hash, blocks, image))?,
             ExecutorMsg::WriteState { slot, image } => send(state, Job::WriteState(slot, image))?,
         }

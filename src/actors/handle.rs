@@ -139,8 +139,12 @@ pub struct ModelInfo {
 /// What the HTTP layer needs from the engine.
 pub trait InferenceEngine: Send + Sync + 'static {
     fn model(&self) -> &ModelInfo;
-    /// True once the model is loaded and the executors are up.
+    /// True once the model is loaded and the executors are up (and not draining).
     fn is_ready(&self) -> bool;
+    /// True once a drained shutdown began: new requests are refused with `shutting_down`.
+    fn is_draining(&self) -> bool {
+        false
+    }
     /// Queue a request. Errors that are known before queueing (unknown lane, full queue, too
     /// long, not ready) are returned here; later failures arrive as `StreamEvent::Error`.
     fn submit(&self, req: GenerationRequest) -> Result<EventStream, EngineError>;

@@ -10,8 +10,8 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::executor::ExecutorMsg;
 use super::scheduler::SchedulerMsg;
+use super::spill::SpillMsg;
 use crate::kv::{apply_ops, view, KvPool, MissReason, PageHash, PoolCounters, PoolOp, PoolReply, SlotSnapshot};
-use crate::spill::SpillMsg;
 
 pub enum KvPoolMsg {
     /// Apply `ops` in order and answer the scheduler with `SchedulerMsg::PoolCommitted`.
@@ -31,6 +31,9 @@ pub enum KvPoolMsg {
     /// Recurrent state read at page boundaries in the last step (from the scheduler, before the
     /// commit whose `Advance` publishes those pages).
     Snapshots(Vec<SlotSnapshot>),
+    /// Drained shutdown: write every cached page the spill tier lacks (the pages stay cached) and
+    /// answer once they are synced (`false`: spill is off or the sync failed).
+    FlushToSpill(RpcReplyPort<bool>),
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -152,7 +155,11 @@ impl Actor for KvPoolActor {
                     // Queued at the executor before the scheduler hears back, hence before any
                     // step that could write the evicted blocks.
                     if !evicted.is_empty() {
-                        st.executor.cast(ExecutorMsg::ReadPages { pages: evicted, spill: spill.clone() })?;
+                        st.executor.cast(ExecutorMsg::ReadPages {
+                            pages: evicted,
+                            spill: spill.clone(),
+                            sync: None,
+                        })?;
                     }
                     for r in std::mem::take(&mut reply.restores) {
                         if spill.cast(SpillMsg::Load { hash: r.hash, blocks: r.blocks }).is_err() {
@@ -184,6 +191,17 @@ impl Actor for KvPoolActor {
                     }
                 }
             }
+            KvPoolMsg::FlushToSpill(reply) => match &st.spill {
+                Some(spill) => {
+                    let pages = st.pool.unspilled_pages();
+                    tracing::info!(pages = pages.len(), "writing cached pages to the spill tier before exit");
+                    let sync = Some(reply);
+                    st.executor.cast(ExecutorMsg::ReadPages { pages, spill: spill.clone(), sync })?;
+                }
+                None => {
+                    let _ = reply.send(false);
+                }
+            },
             KvPoolMsg::Restored { hash, ok, snapshot } => {
                 st.pool.finish_restore(hash, ok, snapshot);
                 st.publish_metrics();

@@ -12,8 +12,9 @@ pub mod kvpool;
 pub mod ranks;
 pub mod request;
 pub mod scheduler;
+pub mod spill;
 
-pub use engine::{start_engine, Engine, EngineOptions};
+pub use engine::{start_engine, DrainReport, Engine, EngineOptions};
 pub use handle::{
     EngineError, FinishReason, GenerationRequest, InferenceEngine, ModelInfo, StreamEvent, TokenInfo, Usage,
 };

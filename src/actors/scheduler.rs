@@ -18,13 +18,13 @@ use super::handle::{EngineError, FinishReason, GenerationRequest, StreamEvent, T
 use super::kvpool::{KvPoolActor, KvPoolArgs, KvPoolMsg, PoolStats};
 use super::ranks::{RankBook, RankReady};
 use super::request::{RequestActor, RequestArgs, RequestMsg};
+use super::spill::{SpillActor, SpillArgs, SpillMsg, DEFAULT_READ_DEADLINE};
 use crate::backend::KvGeometry;
 use crate::config::engine::LaneConfig;
 use crate::kv::{KvPool, KvPoolConfig, PoolIdentity, PoolReply};
 use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::{NewSeq, Planner, PolicyConfig, SeqId, StepPlanOut};
 use crate::spec::stats::AcceptanceStats;
-use crate::spill::{SpillActor, SpillArgs, SpillMsg};
 use crate::tokenizer::TokenizerBundle;
 
 pub enum SchedulerMsg {
@@ -64,6 +64,11 @@ pub enum SchedulerMsg {
     Stats(RpcReplyPort<SchedulerStats>),
     /// The KV pool's occupancy and prefix-cache counters (forwarded to the pool actor).
     PoolStats(RpcReplyPort<PoolStats>),
+    /// Drained shutdown, past its timeout: fail every live request with `shutting_down`.
+    CancelAll,
+    /// Drained shutdown: cached pages not on disk yet go to the spill tier (forwarded to the pool
+    /// actor, after any commit this actor sent); answers once synced.
+    FlushToSpill(RpcReplyPort<bool>),
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -644,6 +649,7 @@ impl Actor for SchedulerActor {
                             executor: executor.clone(),
                             page_image_bytes,
                             snapshot_bytes: state_slot_bytes,
+                            read_deadline: DEFAULT_READ_DEADLINE,
                         };
                         // Not linked: a failing spill tier must not take serving down with it;
                         // the pool treats an unreachable spill actor as spill off.
@@ -684,6 +690,21 @@ impl Actor for SchedulerActor {
                     let _ = pool.cast(KvPoolMsg::Stats(reply));
                 }
             }
+            SchedulerMsg::CancelAll => {
+                let ids: Vec<SeqId> = st.live.keys().copied().collect();
+                for id in ids {
+                    st.fail(id, EngineError::ShuttingDown);
+                }
+                st.maybe_step();
+            }
+            SchedulerMsg::FlushToSpill(reply) => match &st.pool {
+                Some(pool) => {
+                    let _ = pool.cast(KvPoolMsg::FlushToSpill(reply));
+                }
+                None => {
+                    let _ = reply.send(false);
+                }
+            },
             SchedulerMsg::Stats(reply) => {
                 let mut s = st.stats;
                 if let Some(p) = &st.policy {

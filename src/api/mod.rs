@@ -178,7 +178,8 @@ pub fn bind_all(
     config.lanes.iter().map(|lane| bind_with(shared.clone(), lane.clone(), &config.host)).collect()
 }
 
-/// Bind and run every lane server until all of them stop (or one fails).
+/// Bind and run every lane server until all of them stop (or one fails). Signals do not stop
+/// them (the servers leave them to their owner); `shelfserve serve` drains on SIGTERM/SIGINT.
 pub async fn serve_all(
     engine: Arc<dyn InferenceEngine>,
     config: &EngineConfig,
@@ -200,8 +201,11 @@ fn bind_with(shared: Arc<Shared>, lane: LaneConfig, host: &str) -> std::io::Resu
     // A client that closes its socket must make actix drop the handler future at once (that
     // drops the engine receivers, i.e. cancels); with half-closure allowed actix would keep
     // generating for a reader that is gone.
-    let mut server =
-        HttpServer::new(move || app(state.clone())).h1_allow_half_closed(false).client_request_timeout(header_timeout);
+    // Signals are the binary's (`cli/serve.rs`: drained shutdown), not actix's own stop.
+    let mut server = HttpServer::new(move || app(state.clone()))
+        .h1_allow_half_closed(false)
+        .client_request_timeout(header_timeout)
+        .disable_signals();
     if workers > 0 {
         server = server.workers(workers);
     }
@@ -361,7 +365,9 @@ pub(crate) struct LaneState {
 
 impl LaneState {
     pub fn ensure_ready(&self) -> Result<(), ApiError> {
-        if self.shared.engine.is_ready() {
+        if self.shared.engine.is_draining() {
+            Err(ApiError::engine(EngineError::ShuttingDown, None))
+        } else if self.shared.engine.is_ready() {
             Ok(())
         } else {
             Err(ApiError::engine(EngineError::NotReady("the model is still loading".into()), None))

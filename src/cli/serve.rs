@@ -79,6 +79,10 @@ pub struct ServeArgs {
     /// card, then exit without loading the weights.
     #[arg(long, env = "SHELFSERVE_DRY_RUN")]
     pub dry_run: bool,
+    /// Seconds a SIGTERM/SIGINT waits for in-flight requests before cancelling them (then as
+    /// long again for writing cached pages to the spill tier); a second signal exits at once.
+    #[arg(long, env = "SHELFSERVE_SHUTDOWN_TIMEOUT", default_value_t = 30.0, value_name = "SECONDS")]
+    pub shutdown_timeout: f64,
 }
 
 /// How the HTTP edge is exposed: TLS, browser origins, client timeouts.
@@ -288,8 +292,60 @@ pub fn run_serve(args: &ServeArgs) -> Result<(), CliError> {
         let servers = bind_all(dyn_engine, &cfg, opts)?;
         let ports: Vec<String> = servers.iter().map(|s| format!("{}:{}", s.lane, s.port())).collect();
         tracing::info!(lanes = %ports.join(" "), "listening; /health answers 503 until the model is loaded");
-        futures_util::future::try_join_all(servers.into_iter().map(|s| s.server)).await?;
+        let handles: Vec<_> = servers.iter().map(|s| s.server.handle()).collect();
+        let mut serving = std::pin::pin!(futures_util::future::try_join_all(servers.into_iter().map(|s| s.server)));
+        let mut signals = shutdown_signals()?;
+        tokio::select! {
+            served = &mut serving => {
+                served?;
+                engine.shutdown();
+                return Ok(());
+            }
+            Some(signal) = signals.recv() => {
+                tracing::info!(signal, "draining: new requests get 503; a second signal exits at once")
+            }
+        }
+        tokio::spawn(async move {
+            if let Some(signal) = signals.recv().await {
+                tracing::warn!(signal, "second signal: exiting without draining");
+                std::process::exit(1);
+            }
+        });
+        // The servers keep running (answering 503) while the engine drains, then stop.
+        let timeout = std::time::Duration::from_secs_f64(args.shutdown_timeout.max(0.0));
+        let drained = async {
+            let report = engine.drain(timeout).await;
+            for h in &handles {
+                h.stop(true).await;
+            }
+            report
+        };
+        let (report, served) = tokio::join!(drained, serving);
+        served?;
         engine.shutdown();
+        tracing::info!(cancelled = report.cancelled, pages_on_disk = report.flushed, "drained; exiting");
         Ok(())
     })
+}
+
+/// Every SIGTERM and SIGINT from now on, by name (listened for once, so none is lost between
+/// the first and the second).
+fn shutdown_signals() -> std::io::Result<tokio::sync::mpsc::UnboundedReceiver<&'static str>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            let name = tokio::select! {
+                Some(()) = term.recv() => "SIGTERM",
+                Some(()) = int.recv() => "SIGINT",
+                else => break,
+            };
+            if tx.send(name).is_err() {
+                break;
+            }
+        }
+    });
+    Ok(rx)
 }

@@ -32,6 +32,23 @@ impl KvPool {
         self.spilled.len()
     }
 
+    /// Copies of the cached pages the spill tier does not hold yet (they stay cached): what a
+    /// drained shutdown writes to disk. Least recently used first, pages still referenced last.
+    pub fn unspilled_pages(&self) -> Vec<super::EvictedPage> {
+        let mut pages: Vec<(&PageHash, &Page)> =
+            self.pages.iter().filter(|(h, _)| !self.spilled.contains_key(*h)).collect();
+        pages.sort_by_key(|(_, p)| p.lru_tick.unwrap_or(u64::MAX));
+        pages
+            .into_iter()
+            .map(|(h, p)| super::EvictedPage {
+                hash: *h,
+                parent: p.parent,
+                blocks: p.blocks.clone(),
+                snapshot: p.snapshot.clone(),
+            })
+            .collect()
+    }
+
     /// Pages of `seq`'s eligible prefix that follow its cached pages and are on disk, in chain
     /// order, stopping at the first that is neither. Pages already being restored count as
     /// pending (returned with `pending = true` and no new restore needed).

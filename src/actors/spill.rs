@@ -1,0 +1,200 @@
+//! `SpillActor`: drives the spill tier (`spill::SpillIo`, a thread that owns the page store).
+//! Evicted page images from the executor are queued for writing; the outcomes come back in order
+//! and tell the pool which pages are on disk. A restore is read on the I/O thread under a
+//! deadline (a miss when it runs out), then its KV part goes to the executor and the pool hears
+//! `Restored`. It decides nothing about eviction (the pool does) and never blocks on the disk.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+
+use super::executor::ExecutorMsg;
+use super::kvpool::KvPoolMsg;
+use crate::kv::PageHash;
+use crate::spill::{IoEvent, LoadError, SpillIo, SpillStore};
+
+/// How long a restore may take before it counts as a miss (the page is recomputed instead).
+pub const DEFAULT_READ_DEADLINE: Duration = Duration::from_secs(5);
+
+pub enum SpillMsg {
+    /// The pool actor, once spawned (the two actors refer to each other).
+    AttachPool(ActorRef<KvPoolMsg>),
+    /// An evicted page's image (from the executor thread): write it.
+    Store { hash: PageHash, parent: Option<PageHash>, image: Vec<u8> },
+    /// Read a page back (from the pool actor) and have the executor write it into `blocks`.
+    Load { hash: PageHash, blocks: Vec<u32> },
+    /// Answers once every page queued before it is on disk and synced (`false`: spill is off or
+    /// the sync failed). For the drained shutdown.
+    Sync(RpcReplyPort<bool>),
+    /// A read ended (from the task that awaited it).
+    LoadDone { hash: PageHash, blocks: Vec<u32>, started: Instant, result: Result<Vec<u8>, LoadError> },
+    /// A write's outcome (from the I/O thread, in order).
+    Io(IoEvent),
+}
+
+pub struct SpillArgs {
+    /// `None`: spill is off (budget 0 or the directory could not be opened).
+    pub store: Option<SpillStore>,
+    pub executor: ActorRef<ExecutorMsg>,
+    /// Exact size of a page image: `page_blocks * kv_block_bytes + snapshot_bytes`.
+    pub page_image_bytes: usize,
+    /// Trailing bytes of a page image that are its recurrent-state snapshot (0 for
+    /// attention-only models); they go back to the pool, the rest to the executor's blocks.
+    pub snapshot_bytes: usize,
+    pub read_deadline: Duration,
+}
+
+pub struct SpillState {
+    io: Option<Arc<SpillIo>>,
+    pool: Option<ActorRef<KvPoolMsg>>,
+    executor: ActorRef<ExecutorMsg>,
+    page_image_bytes: usize,
+    snapshot_bytes: usize,
+    read_deadline: Duration,
+}
+
+pub struct SpillActor;
+
+impl SpillState {
+    fn turn_off(&mut self, why: &dyn std::fmt::Display) {
+        tracing::warn!(error = %why, "KV spill tier turned off (disk full or unwritable); serving continues");
+        metrics::counter!("shelfserve_spill_disabled_total").increment(1);
+        self.io = None;
+        if let Some(pool) = &self.pool {
+            let _ = pool.cast(KvPoolMsg::SpillOff);
+        }
+    }
+
+    fn on_io(&mut self, event: IoEvent) {
+        match event {
+            IoEvent::Stored { hash, parent, bytes, dropped } => {
+                metrics::counter!("shelfserve_spill_bytes_written_total").increment(bytes);
+                if let Some(pool) = &self.pool {
+                    for d in dropped {
+                        let _ = pool.cast(KvPoolMsg::SpillDropped(d));
+                    }
+                    let _ = pool.cast(KvPoolMsg::Spilled { hash, parent });
+                }
+            }
+            IoEvent::TooLarge { hash } => {
+                tracing::debug!(page = %hash.to_hex(), "a page is larger than the whole spill budget; not spilled")
+            }
+            IoEvent::Failed(e) => self.turn_off(&e),
+        }
+    }
+
+    fn on_loaded(&mut self, hash: PageHash, blocks: Vec<u32>, started: Instant, loaded: Result<Vec<u8>, LoadError>) {
+        let mut snapshot = None;
+        let ok = match loaded {
+            Ok(mut image) if image.len() == self.page_image_bytes => {
+                metrics::counter!("shelfserve_spill_bytes_read_total").increment(image.len() as u64);
+                // The page's recurrent state (hybrid models) goes back to the pool with it.
+                if self.snapshot_bytes > 0 {
+                    let state = image.split_off(image.len() - self.snapshot_bytes);
+                    snapshot = Some(Arc::from(state));
+                }
+                // Queued before the pool hears of it, so it runs before any step reads it.
+                let queued = self.executor.cast(ExecutorMsg::WritePage { hash, blocks, image }).is_ok();
+                metrics::histogram!("shelfserve_spill_restore_seconds").record(started.elapsed().as_secs_f64());
+                queued
+            }
+            Ok(image) => {
+                tracing::warn!(page = %hash.to_hex(), bytes = image.len(), want = self.page_image_bytes,
+                    "a spilled page has the wrong size for this pool; recomputing");
+                false
+            }
+            Err(e) => {
+                if matches!(e, LoadError::Crc { .. }) {
+                    metrics::counter!("shelfserve_spill_crc_failures_total").increment(1);
+                }
+                if matches!(e, LoadError::NotRegular { .. }) {
+                    metrics::counter!("shelfserve_spill_files_discarded_total", "reason" => "not_regular").increment(1);
+                }
+                metrics::counter!("shelfserve_spill_load_failures_total", "kind" => e.kind()).increment(1);
+                tracing::warn!(error = %e, kind = e.kind(), "a spilled page cannot be served; recomputing");
+                false
+            }
+        };
+        if let Some(pool) = &self.pool {
+            let _ = pool.cast(KvPoolMsg::Restored { hash, ok, snapshot });
+        }
+    }
+}
+
+impl Actor for SpillActor {
+    type Msg = SpillMsg;
+    type State = SpillState;
+    type Arguments = SpillArgs;
+
+    async fn pre_start(&self, myself: ActorRef<SpillMsg>, a: SpillArgs) -> Result<SpillState, ActorProcessingErr> {
+        let io = match a.store {
+            Some(store) => {
+                let me = myself.clone();
+                match SpillIo::start(store, move |event| {
+                    let _ = me.cast(SpillMsg::Io(event));
+                }) {
+                    Ok(io) => Some(Arc::new(io)),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "KV spill tier off: its I/O thread did not start");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
+        Ok(SpillState {
+            io,
+            pool: None,
+            executor: a.executor,
+            page_image_bytes: a.page_image_bytes,
+            snapshot_bytes: a.snapshot_bytes,
+            read_deadline: a.read_deadline,
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<SpillMsg>,
+        msg: SpillMsg,
+        st: &mut SpillState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            SpillMsg::AttachPool(pool) => st.pool = Some(pool),
+            SpillMsg::Store { hash, parent, image } => {
+                if let Some(io) = &st.io {
+                    io.store(hash, parent, image);
+                }
+            }
+            SpillMsg::Load { hash, blocks } => {
+                let started = Instant::now();
+                match st.io.clone() {
+                    Some(io) => {
+                        let deadline = st.read_deadline;
+                        // The actor keeps serving writes and other reads while this one waits.
+                        tokio::spawn(async move {
+                            let result = io.load(hash, deadline).await;
+                            let _ = myself.cast(SpillMsg::LoadDone { hash, blocks, started, result });
+                        });
+                    }
+                    None => st.on_loaded(hash, blocks, started, Err(LoadError::NotSpilled(hash.to_hex()))),
+                }
+            }
+            SpillMsg::LoadDone { hash, blocks, started, result } => st.on_loaded(hash, blocks, started, result),
+            SpillMsg::Io(event) => st.on_io(event),
+            SpillMsg::Sync(reply) => match &st.io {
+                Some(io) => {
+                    let synced = io.sync();
+                    tokio::spawn(async move {
+                        let ok = synced.await.map_err(|e| tracing::warn!(error = %e, "spill sync failed")).is_ok();
+                        let _ = reply.send(ok);
+                    });
+                }
+                None => {
+                    let _ = reply.send(false);
+                }
+            },
+        }
+        Ok(())
+    }
+}
