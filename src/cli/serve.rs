@@ -73,8 +73,9 @@ pub struct ServeArgs {
     /// Bytes the spill directory may hold (0 turns spill off).
     #[arg(long, env = "SHELFSERVE_SPILL_BUDGET")]
     pub spill_budget: Option<u64>,
+    /// Boxed: the serve command's arguments are the largest of the CLI's commands already.
     #[command(flatten)]
-    pub http: HttpArgs,
+    pub http: Box<HttpArgs>,
     /// Print the resolved scheduler configuration (each knob with its source) and the capacity
     /// card, then exit without loading the weights.
     #[arg(long, env = "SHELFSERVE_DRY_RUN")]

@@ -273,7 +273,7 @@ impl EscapedText {
                     self.shifts.push((end, shift));
                 }
                 MARK_CLOSE => return Err(cut_marker()),
-                c if (MARK_DIGIT0..MARK_DIGIT0 + 16).contains(&(c as u32)) => return Err(cut_marker()),
+                // A lone digit (a client may type one) means nothing without an opening mark.
                 c => out.push(c),
             }
         }

@@ -82,9 +82,8 @@ fn markers_typed_in_content_stay_text() {
         control_ids(&encoder, &theirs).len() > control_ids(&encoder, &ours).len() + 8,
         "the whole-string encoding turns typed markers into control tokens"
     );
-    // Nothing is lost: the ids spell the rendered text exactly.
-    let text = template.render(&req).unwrap();
-    assert_eq!(bundle.decode(&ours, false).unwrap(), text);
+    // (The fixture's vocabulary is a 502-token toy that cannot spell every byte, so the ids do
+    // not decode back to the text here; the default model's test checks that round trip.)
     // The typed markers are BPE-tokenized together with their neighbours, as the tokenizer does
     // for text with no added tokens in it (all of the fixture's added tokens are `special`).
     let mut literal = bundle.tokenizer.clone();
