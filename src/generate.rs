@@ -109,7 +109,7 @@ pub fn any_cpu_backend_tp(
     }
     if crate::model::glm5_next::MODEL_TYPES.contains(&bundle.config.model_type.as_str()) {
         let cfg = crate::model::glm5_next::read_config(bundle.weights.origin())?;
-        let b = crate::model::glm5_next::Glm5Backend::new(cfg, bundle.weights.as_ref(), threads, kv)?;
+        let b = crate::backend::cpu::glm5_next::Glm5Backend::new(cfg, bundle.weights.as_ref(), threads, kv)?;
         let info = LoadedBackendInfo { weight_bytes: b.weight_bytes(), kv_bytes: b.kv_bytes(), threads: b.threads() };
         return Ok((Box::new(b), info));
     }
