@@ -1,6 +1,7 @@
 //! `glm5_next`'s weights in device memory, loaded through the model's loader
 //! (`model::glm5_next::weights`, the same names, shapes and stacking the CPU reads) into host f32
-//! projections, then uploaded layer by layer: the big matrices in the backend's storage precision,
+//! projections (the whole model at once: peak host memory is the model in f32), then uploaded
+//! layer by layer, each host layer freed after its upload: the big matrices in the backend's storage precision,
 //! the router and the mHC maps in f32 (the spec computes both in fp32), norms, biases, conv taps and
 //! gate parameters in f32. Each MoE layer's experts are packed into one `[E, 2I, D]` gate/up and one
 //! `[E, D, I]` down matrix, so a kernel can address any expert's rows.
