@@ -12,10 +12,11 @@ use std::path::Path;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use rayon::prelude::*;
+use shelfserve::backend::cpu::glm5_next::Glm5Backend;
 use shelfserve::backend::cpu::linear::{CpuLinear, LinearScratch, WeightRows};
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
 use shelfserve::model::glm5_next::layout::SyntheticGlm5Weights;
-use shelfserve::model::glm5_next::{Glm5Backend, Glm5Config};
+use shelfserve::model::glm5_next::Glm5Config;
 use shelfserve::model::quant::{dot_f32, simd_available};
 
 const CONFIG: &str = r#"{"model_type": "glm5_next", "vocab_size": 4096, "hidden_size": 256,

@@ -8,6 +8,10 @@
 #     DEST/gpu_sampling.sh   # device sampling and CUDA exactness (with TESTS="gpu_sampling gpu_exactness")
 #   scripts/gpu_build.sh tp           DEST default .dev/tp (= scripts/gpu_tp_build.sh), two GPUs:
 #     DEST/gpu_tp.sh         # tensor-parallel checks (tests/gpu_tp.rs) and the TP=1 vs TP=2 bench
+#   scripts/gpu_build.sh glm5         DEST default .dev/glm5, one GPU, the test binary only:
+#     DEST/gpu_validate_glm5.sh   # glm5_next CUDA vs CPU/transformers (tests/gpu_validate_glm5.rs)
+# PROFILE_ARGS="--profile test" builds the test binaries in the test profile (opt-level 3, no
+# release build of the dependencies needed where a test-profile build exists).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-validate}" in
@@ -16,29 +20,35 @@ case "${1:-validate}" in
     DEST=${DEST:-.dev/cuda}
     scripts=(scripts/gpu_env.sh scripts/gpu_validate.sh scripts/gpu_sampling.sh scripts/gpu_bench.sh scripts/gpu_profile.sh scripts/gpu_ab.sh scripts/bench_peer.py)
     ;;
+  glm5)
+    test_name=gpu_validate_glm5
+    DEST=${DEST:-.dev/glm5}
+    scripts=(scripts/gpu_env.sh scripts/gpu_validate_glm5.sh)
+    no_server=1
+    ;;
   tp)
     test_name=gpu_tp
     DEST=${DEST:-.dev/tp}
     scripts=(scripts/gpu_env.sh scripts/gpu_tp.sh)
     ;;
   *)
-    echo "usage: $0 [validate|tp]" >&2
+    echo "usage: $0 [validate|tp|glm5]" >&2
     exit 2
     ;;
 esac
 mkdir -p "$DEST"
-cargo build --release --bin shelfserve
+[ -n "${no_server:-}" ] || cargo build --release --bin shelfserve
 # Test binaries to ship: the mode's own, or TESTS="gpu_validate gpu_sampling gpu_exactness".
 for t in ${TESTS:-$test_name}; do
-  test_bin=$(cargo test --release --no-run --test "$t" --message-format=json 2>/dev/null |
+  test_bin=$(cargo test ${PROFILE_ARGS:---release} --no-run --test "$t" --message-format=json 2>/dev/null |
     T="$t" python3 -c 'import sys,json,os
 for l in sys.stdin:
     m=json.loads(l)
     if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]==os.environ["T"]: print(m["executable"])' | tail -1)
-  [ -n "$test_bin" ] || { echo "building test $t failed" >&2; cargo test --release --no-run --test "$t" 2>&1 | tail -30 >&2; exit 1; }
+  [ -n "$test_bin" ] || { echo "building test $t failed" >&2; cargo test ${PROFILE_ARGS:---release} --no-run --test "$t" 2>&1 | tail -30 >&2; exit 1; }
   strip -o "$DEST/$t" "$test_bin"
 done
-strip -o "$DEST/shelfserve" target/release/shelfserve
+[ -n "${no_server:-}" ] || strip -o "$DEST/shelfserve" target/release/shelfserve
 cp "${scripts[@]}" "$DEST/"
 mkdir -p "$DEST/configs" && cp configs/bench/*.json "$DEST/configs/"
 # The test binary finds its fixtures (and configs) under the manifest directory it was built in.

@@ -109,7 +109,7 @@ pub fn any_cpu_backend_tp(
     }
     if crate::model::glm5_next::MODEL_TYPES.contains(&bundle.config.model_type.as_str()) {
         let cfg = crate::model::glm5_next::read_config(bundle.weights.origin())?;
-        let b = crate::model::glm5_next::Glm5Backend::new(cfg, bundle.weights.as_ref(), threads, kv)?;
+        let b = crate::backend::cpu::glm5_next::Glm5Backend::new(cfg, bundle.weights.as_ref(), threads, kv)?;
         let info = LoadedBackendInfo { weight_bytes: b.weight_bytes(), kv_bytes: b.kv_bytes(), threads: b.threads() };
         return Ok((Box::new(b), info));
     }
@@ -265,10 +265,32 @@ pub fn make_backend(
     let b: Box<dyn Backend> = match sel.kind {
         ResolvedKind::Cuda => {
             if crate::model::glm5_next::MODEL_TYPES.contains(&bundle.config.model_type.as_str()) {
-                return Err(BackendError::Unavailable {
-                    device: format!("cuda:{}", sel.cuda_ordinal),
-                    reason: format!("`{}` models have no CUDA kernels yet; use --device cpu", bundle.config.model_type),
-                });
+                if sel.tensor_parallel > 1 {
+                    return Err(BackendError::Unavailable {
+                        device: format!("cuda:{}", sel.cuda_ordinal),
+                        reason: format!(
+                            "tensor parallelism is implemented for the llama family only, not `{}` yet; use --tp 1",
+                            bundle.config.model_type
+                        ),
+                    });
+                }
+                let cfg = crate::model::glm5_next::read_config(bundle.weights.origin())?;
+                let b = crate::backend::cuda::glm5_next::Glm5CudaBackend::new(
+                    cfg,
+                    bundle.weights.as_ref(),
+                    sel.cuda_ordinal,
+                    kv,
+                    sel.cuda_precision,
+                )?;
+                tracing::info!(
+                    weights_mib = b.weight_bytes() / (1 << 20),
+                    kv_mib = b.kv_bytes() / (1 << 20),
+                    kv_tokens = kv.capacity_tokens(),
+                    secs = format!("{:.2}", started.elapsed().as_secs_f64()),
+                    "model loaded on {}",
+                    b.device_name()
+                );
+                return Ok(Box::new(b));
             }
             let opts = CudaOptions { ordinal: sel.cuda_ordinal, kv, precision: sel.cuda_precision };
             let b = TpCudaBackend::new(&bundle.config, bundle.weights.as_ref(), opts, sel.tensor_parallel.max(1))?;

@@ -13,10 +13,11 @@
 mod common;
 
 use common::{tensor_f32s as floats, tensor_ids as ints};
+use shelfserve::backend::cpu::glm5_next::Glm5Backend;
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
 use shelfserve::generate::{any_cpu_backend, DeviceSelection, GenerateOptions, Runner};
 use shelfserve::model::default_model::CacheDir;
-use shelfserve::model::glm5_next::{read_config, Glm5Backend};
+use shelfserve::model::glm5_next::read_config;
 use shelfserve::model::ModelBundle;
 use shelfserve::sampling::SamplingParams;
 

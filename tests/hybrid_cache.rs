@@ -16,11 +16,12 @@ use common::engine::{
     pool_stats as stats, set_spill, start_ready, wait_spilled,
 };
 use shelfserve::actors::{Engine, EngineOptions, InferenceEngine, StreamEvent, Usage};
+use shelfserve::backend::cpu::glm5_next::Glm5Backend;
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
 use shelfserve::config::engine::EngineConfig;
 use shelfserve::generate::DeviceSelection;
 use shelfserve::model::default_model::CacheDir;
-use shelfserve::model::glm5_next::{read_config, Glm5Backend};
+use shelfserve::model::glm5_next::read_config;
 use shelfserve::model::ModelBundle;
 
 const BLOCK: usize = 4;

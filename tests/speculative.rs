@@ -12,11 +12,12 @@ use std::time::Duration;
 use shelfserve::actors::{
     start_engine, Engine, EngineOptions, FinishReason, GenerationRequest, InferenceEngine, StreamEvent,
 };
+use shelfserve::backend::cpu::glm5_next::Glm5Backend;
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
 use shelfserve::config::engine::EngineConfig;
 use shelfserve::generate::{any_cpu_backend, single_sequence_geometry, DeviceSelection, GenerateOptions, Runner};
 use shelfserve::model::default_model::CacheDir;
-use shelfserve::model::glm5_next::{read_config, Glm5Backend};
+use shelfserve::model::glm5_next::read_config;
 use shelfserve::model::ModelBundle;
 use shelfserve::sampling::SamplingParams;
 use shelfserve::spec::ngram::{NgramConfig, NgramDrafter};

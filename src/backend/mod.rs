@@ -6,6 +6,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod glm5_steps;
 pub mod tp;
 
 use crate::model::ModelError;

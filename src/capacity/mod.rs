@@ -66,7 +66,7 @@ pub fn kv_cost(bundle: &ModelBundle, device: &ResolvedDevice) -> Result<KvCost, 
     let c = &bundle.config;
     if ModelFamily::of_model_type(&c.model_type) == ModelFamily::Glm5Next {
         let g = crate::model::glm5_next::read_config(bundle.weights.origin()).map_err(|e| e.to_string())?;
-        let (token, slot) = crate::model::glm5_next::cache::cache_bytes(&g);
+        let (token, slot) = crate::model::glm5_next::cache_layout::CacheLayout::new(&g).bytes();
         return Ok(KvCost {
             dtype: KvDtype::F32,
             bytes_per_token: token as u64,

@@ -1,8 +1,10 @@
 //! The CPU reference backend: llama-family forward passes over ragged batches with a paged KV
-//! store, multi-threaded with a rayon pool the backend owns. It is the numerical reference the
-//! CUDA backend is validated against, and what CI runs. It makes no scheduling decisions.
+//! store, multi-threaded with a rayon pool the backend owns, and `glm5_next` (`glm5_next/`). It is
+//! the numerical reference the CUDA backend is validated against, and what CI runs. It makes no
+//! scheduling decisions.
 
 mod attention;
+pub mod glm5_next;
 pub mod linear;
 mod tp;
 

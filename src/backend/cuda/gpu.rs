@@ -22,6 +22,8 @@ pub const MODULES: &[(&str, &str)] = &[
 ];
 /// The fused decode GEMVs: compiled per backend for its storage type only ([`Gpu::load_gemv`]).
 pub const GEMV_SOURCE: &str = include_str!("../../../cuda/gemv.cu");
+/// `glm5_next`'s layer kernels: compiled only by backends of that model ([`Gpu::load_glm5`]).
+pub const GLM5_SOURCE: &str = include_str!("../../../cuda/glm5.cu");
 
 pub fn dev_err(what: &str, e: impl std::fmt::Debug) -> BackendError {
     BackendError::Device(format!("{what}: {e:?}"))
@@ -265,6 +267,11 @@ impl Gpu {
         self.compile("gemv", &format!("#define GEMV_STORAGE_{}\n{GEMV_SOURCE}", prec.suffix()))
     }
 
+    /// Compile `glm5_next`'s kernel module (`cuda/glm5.cu`).
+    pub fn load_glm5(&mut self) -> Result<(), BackendError> {
+        self.compile("glm5", GLM5_SOURCE)
+    }
+
     fn compile(&mut self, module: &'static str, src: &str) -> Result<(), BackendError> {
         let (major, minor) = self.compute_capability;
         let started = std::time::Instant::now();
@@ -398,6 +405,15 @@ impl Gpu {
             .map_err(|e| dev_err("device→device copy", e))
     }
 
+    /// Zero `bytes` at `dst`, in stream order.
+    pub fn zero(&self, dst: u64, bytes: usize) -> Result<(), BackendError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: `dst` points to at least `bytes` bytes of a live allocation (callers size it).
+        unsafe { drv::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }.map_err(|e| dev_err("device memset", e))
+    }
+
     pub fn sync(&self) -> Result<(), BackendError> {
         self.stream.synchronize().map_err(|e| dev_err("stream synchronize", e))
     }
@@ -507,7 +523,7 @@ mod tests {
     #[ignore = "needs libnvrtc, not a GPU: LD_LIBRARY_PATH=<its dir> cargo test --lib -- --ignored every_kernel"]
     fn every_kernel_module_compiles_for_hopper_and_ampere() {
         for cc in [(9, 0), (8, 0)] {
-            for (module, src) in MODULES.iter().chain([&("gemv", GEMV_SOURCE)]) {
+            for (module, src) in MODULES.iter().chain([&("gemv", GEMV_SOURCE), &("glm5", GLM5_SOURCE)]) {
                 let ptx = compile_module(module, src, cc, &[]).unwrap_or_else(|e| panic!("{e}"));
                 assert!(ptx.to_src().contains(".entry"), "{module}: no kernels in the PTX");
             }

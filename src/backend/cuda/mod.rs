@@ -5,10 +5,12 @@
 //! Owns the device, its weights and KV memory; makes no scheduling decisions and never touches
 //! the CPU backend. Sampling can run on the device too (`sample`, `Backend::forward_sampled`).
 //! Tensor parallelism: a backend can be one rank of a group (`shard`, `nccl`),
-//! driven in lockstep with the others by [`TpCudaBackend`].
+//! driven in lockstep with the others by [`TpCudaBackend`]. `glm5_next` has its own backend
+//! (`glm5_next`) on the same device layer (`gpu`).
 
 mod decode;
 mod forward;
+pub mod glm5_next;
 pub mod gpu;
 pub mod nccl;
 pub mod plan;

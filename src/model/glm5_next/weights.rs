@@ -4,116 +4,132 @@
 //! also the in-memory names (`conv1d`, packed `gate_up_proj`/`down_proj`, `attn_hc.fn`,
 //! `forget_gate.*`) that `save_original_format=False` writes. Vision-tower and MTP tensors are
 //! set aside with a log line; any other tensor nobody reads is an error naming file and tensor.
-//! Every weight is widened to f32 (the CPU backend computes in f32).
+//!
+//! The loader is generic over how a device stores a projection ([`LinearWeight`]): every backend
+//! reads the same names, shapes and stacking from here; vectors (norms, biases, conv taps) are
+//! widened to f32 on the host.
 
 use std::cell::RefCell;
 use std::collections::BTreeSet;
 
 use super::config::{FfnKind, Glm5Config, MixerKind};
-use crate::backend::cpu::linear::CpuLinear;
 use crate::model::tensor::to_f32;
 use crate::model::{ModelError, WeightSource};
 
 pub const TEXT_PREFIX: &str = "model.language_model.";
 
+/// How a backend holds a dense projection `[rows, cols]` (rows = outputs).
+pub trait LinearWeight: Sized {
+    /// Load `{base}.weight` of shape `[out, inp]` in the device's storage format.
+    fn load(w: &dyn WeightSource, base: &str, out: usize, inp: usize) -> Result<Self, ModelError>;
+    /// A projection from f32 rows (tensors stored without a `.weight` suffix, slices of packed
+    /// expert tensors).
+    fn from_f32(data: Vec<f32>, out: usize, inp: usize) -> Self;
+    /// Stack projections with the same input into one (`[Σout, inp]`); the parts come back when
+    /// their storage formats differ.
+    fn stack(parts: Vec<Self>) -> Result<Self, Vec<Self>>;
+    /// Bytes the backend accounts for this projection.
+    fn bytes(&self) -> usize;
+}
+
 /// The mHC parameters of one site (before the mixer or before the FFN).
-pub struct HyperConnection {
+pub struct HyperConnection<L> {
     /// The `fn` map `[(2+M)·M, M·D]`.
-    pub proj: CpuLinear,
+    pub proj: L,
     /// `[(2+M)·M]`.
     pub base: Vec<f32>,
     /// pre, post and comb scales.
     pub scale: [f32; 3],
 }
 
-pub struct KdaWeights {
+pub struct KdaWeights<L> {
     /// q, k and v projections stacked (`[3Q, D]`).
-    pub qkv: CpuLinear,
+    pub qkv: L,
     /// Depthwise causal conv taps `[3Q, K]`, q|k|v channel order.
     pub conv: Vec<f32>,
-    pub f_a: CpuLinear,
-    pub f_b: CpuLinear,
+    pub f_a: L,
+    pub f_b: L,
     pub dt_bias: Vec<f32>,
     pub a_log: Vec<f32>,
-    pub b_proj: CpuLinear,
-    pub g_a: CpuLinear,
-    pub g_b: CpuLinear,
+    pub b_proj: L,
+    pub g_a: L,
+    pub g_b: L,
     pub o_norm: Vec<f32>,
-    pub o_proj: CpuLinear,
+    pub o_proj: L,
 }
 
-pub struct IndexerWeights {
+pub struct IndexerWeights<L> {
     /// `wq_b` `[H_I·d_I, r_q]`.
-    pub wq_b: CpuLinear,
+    pub wq_b: L,
     /// `wk`, `index_kpool_compress_gate` and `weights_proj` stacked: `[d_I + d_I + H_I, D]`.
-    pub k_gate_w: CpuLinear,
+    pub k_gate_w: L,
     pub k_norm_w: Vec<f32>,
     pub k_norm_b: Vec<f32>,
     /// `[P, d_I]`.
     pub ape: Vec<f32>,
 }
 
-pub struct MlaWeights {
-    pub q_a: CpuLinear,
+pub struct MlaWeights<L> {
+    pub q_a: L,
     pub q_a_norm: Vec<f32>,
-    pub q_b: CpuLinear,
-    pub kv_a: CpuLinear,
+    pub q_b: L,
+    pub kv_a: L,
     pub kv_a_norm: Vec<f32>,
     /// `kv_b_proj` rows `[H·(d_n + d_v), r_kv]`: per head `d_n` key rows then `d_v` value rows.
     pub kv_b: Vec<f32>,
-    pub o_proj: CpuLinear,
-    pub indexer: Option<IndexerWeights>,
+    pub o_proj: L,
+    pub indexer: Option<IndexerWeights<L>>,
 }
 
-pub enum Mixer {
-    Kda(KdaWeights),
-    Dsa(MlaWeights),
+pub enum Mixer<L> {
+    Kda(KdaWeights<L>),
+    Dsa(MlaWeights<L>),
 }
 
 /// A SwiGLU MLP (dense layer, shared expert or one routed expert).
-pub struct Mlp {
+pub struct Mlp<L> {
     /// gate rows then up rows: `[2I, D]`.
-    pub gate_up: CpuLinear,
-    pub down: CpuLinear,
+    pub gate_up: L,
+    pub down: L,
 }
 
-pub struct Moe {
+pub struct Moe<L> {
     /// Router `[E, D]` (fp32 in transformers).
-    pub router: CpuLinear,
+    pub router: L,
     pub correction_bias: Vec<f32>,
-    pub experts: Vec<Mlp>,
-    pub shared: Mlp,
+    pub experts: Vec<Mlp<L>>,
+    pub shared: Mlp<L>,
 }
 
-pub enum Ffn {
-    Dense(Mlp),
-    Moe(Moe),
+pub enum Ffn<L> {
+    Dense(Mlp<L>),
+    Moe(Moe<L>),
 }
 
-pub struct Layer {
-    pub attn_hc: HyperConnection,
-    pub ffn_hc: HyperConnection,
+pub struct Layer<L> {
+    pub attn_hc: HyperConnection<L>,
+    pub ffn_hc: HyperConnection<L>,
     pub input_norm: Vec<f32>,
     pub post_norm: Vec<f32>,
-    pub mixer: Mixer,
-    pub ffn: Ffn,
+    pub mixer: Mixer<L>,
+    pub ffn: Ffn<L>,
 }
 
-pub struct Glm5Weights {
-    pub embed: CpuLinear,
-    pub layers: Vec<Layer>,
+pub struct Glm5Weights<L> {
+    pub embed: L,
+    pub layers: Vec<Layer<L>>,
     pub norm: Vec<f32>,
     /// `None` when tied to the embedding.
-    pub lm_head: Option<CpuLinear>,
+    pub lm_head: Option<L>,
 }
 
-impl Glm5Weights {
-    /// Bytes of f32 weights held.
+impl<L: LinearWeight> Glm5Weights<L> {
+    /// Bytes of projection weights held (as each projection accounts them), plus MLA's `kv_b`.
     pub fn bytes(&self) -> usize {
-        fn lin(l: &CpuLinear) -> usize {
-            l.rows * l.cols * 4
+        fn lin<L: LinearWeight>(l: &L) -> usize {
+            l.bytes()
         }
-        fn mlp(m: &Mlp) -> usize {
+        fn mlp<L: LinearWeight>(m: &Mlp<L>) -> usize {
             lin(&m.gate_up) + lin(&m.down)
         }
         let mut total = lin(&self.embed) + self.lm_head.as_ref().map_or(0, lin);
@@ -171,26 +187,31 @@ impl Loader<'_> {
     }
 
     /// `name` is the full tensor name including `.weight`.
-    fn linear(&self, name: &str, out: usize, inp: usize) -> Result<CpuLinear, ModelError> {
+    fn linear<L: LinearWeight>(&self, name: &str, out: usize, inp: usize) -> Result<L, ModelError> {
         let base = name.strip_suffix(".weight").unwrap_or(name);
-        let l = CpuLinear::load(self.w, base, out, inp, false)?;
+        let l = L::load(self.w, base, out, inp)?;
         self.used.borrow_mut().insert(format!("{base}.weight"));
         Ok(l)
     }
 
-    fn linear_from(&self, data: Vec<f32>, out: usize, inp: usize) -> CpuLinear {
-        CpuLinear { rows: out, cols: inp, weight: crate::backend::cpu::linear::WeightRows::F32(data), bias: None }
+    fn linear_from<L: LinearWeight>(&self, data: Vec<f32>, out: usize, inp: usize) -> L {
+        L::from_f32(data, out, inp)
     }
 
-    fn stack(&self, parts: Vec<CpuLinear>, what: &str) -> Result<CpuLinear, ModelError> {
-        CpuLinear::concat(parts).map_err(|_| ModelError::Format {
+    fn stack<L: LinearWeight>(&self, parts: Vec<L>, what: &str) -> Result<L, ModelError> {
+        L::stack(parts).map_err(|_| ModelError::Format {
             file: self.w.origin().to_path_buf(),
             msg: format!("{what}: the stacked projections have different storage formats"),
         })
     }
 }
 
-fn hyper_connection(ld: &Loader<'_>, p: &str, site: &str, c: &Glm5Config) -> Result<HyperConnection, ModelError> {
+fn hyper_connection<L: LinearWeight>(
+    ld: &Loader<'_>,
+    p: &str,
+    site: &str,
+    c: &Glm5Config,
+) -> Result<HyperConnection<L>, ModelError> {
     let m = c.hc_mult;
     let n = (2 + m) * m;
     let disk = format!("{p}hc_{site}_");
@@ -211,7 +232,7 @@ fn hyper_connection(ld: &Loader<'_>, p: &str, site: &str, c: &Glm5Config) -> Res
     })
 }
 
-fn kda(ld: &Loader<'_>, p: &str, c: &Glm5Config) -> Result<KdaWeights, ModelError> {
+fn kda<L: LinearWeight>(ld: &Loader<'_>, p: &str, c: &Glm5Config) -> Result<KdaWeights<L>, ModelError> {
     let (d, q, k, h) = (c.hidden_size, c.linear_qkv_dim(), c.linear_conv_kernel_dim, c.linear_num_heads);
     let a = format!("{p}self_attn.");
     let parts = ["q_proj", "k_proj", "v_proj"]
@@ -252,7 +273,12 @@ fn kda(ld: &Loader<'_>, p: &str, c: &Glm5Config) -> Result<KdaWeights, ModelErro
     })
 }
 
-fn mla(ld: &Loader<'_>, p: &str, c: &Glm5Config, with_indexer: bool) -> Result<MlaWeights, ModelError> {
+fn mla<L: LinearWeight>(
+    ld: &Loader<'_>,
+    p: &str,
+    c: &Glm5Config,
+    with_indexer: bool,
+) -> Result<MlaWeights<L>, ModelError> {
     let d = c.hidden_size;
     let h = c.num_attention_heads;
     let a = format!("{p}self_attn.");
@@ -293,7 +319,7 @@ fn mla(ld: &Loader<'_>, p: &str, c: &Glm5Config, with_indexer: bool) -> Result<M
     })
 }
 
-fn mlp(ld: &Loader<'_>, p: &str, inter: usize, d: usize) -> Result<Mlp, ModelError> {
+fn mlp<L: LinearWeight>(ld: &Loader<'_>, p: &str, inter: usize, d: usize) -> Result<Mlp<L>, ModelError> {
     let parts = vec![
         ld.linear(&format!("{p}gate_proj.weight"), inter, d)?,
         ld.linear(&format!("{p}up_proj.weight"), inter, d)?,
@@ -304,7 +330,7 @@ fn mlp(ld: &Loader<'_>, p: &str, inter: usize, d: usize) -> Result<Mlp, ModelErr
     })
 }
 
-fn moe(ld: &Loader<'_>, p: &str, c: &Glm5Config) -> Result<Moe, ModelError> {
+fn moe<L: LinearWeight>(ld: &Loader<'_>, p: &str, c: &Glm5Config) -> Result<Moe<L>, ModelError> {
     let (d, e, i) = (c.hidden_size, c.n_routed_experts, c.moe_intermediate_size);
     let m = format!("{p}mlp.");
     let packed = format!("{m}experts.gate_up_proj");
@@ -336,7 +362,7 @@ fn set_aside(name: &str, c: &Glm5Config) -> bool {
 }
 
 /// Load every text tensor of `c` from `w`.
-pub fn load(c: &Glm5Config, w: &dyn WeightSource) -> Result<Glm5Weights, ModelError> {
+pub fn load<L: LinearWeight>(c: &Glm5Config, w: &dyn WeightSource) -> Result<Glm5Weights<L>, ModelError> {
     let ld = Loader { w, used: RefCell::new(BTreeSet::new()) };
     let d = c.hidden_size;
     let p = TEXT_PREFIX;

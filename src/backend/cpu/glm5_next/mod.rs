@@ -2,6 +2,10 @@
 //! indexer keys and pooled keys) and recurrent-state slots (KDA conv windows and states), run on
 //! a rayon pool the backend owns. Images of blocks and slots are raw little-endian f32.
 //!
+//! Owns the CPU compute of `glm5_next` (forward, kernels in plain Rust, the host cache). The
+//! architecture — config, weight names and shapes, cache layout — comes from `model::glm5_next`
+//! and is never redefined here, so the CPU and CUDA backends read the same description.
+//!
 //! # Rolling recurrent state back after draft verification
 //! A verification step runs the last known token plus k drafts through every KDA layer, so the
 //! conv windows and delta-rule states advance past drafts that may be rejected. Attention caches
@@ -18,9 +22,18 @@
 
 use std::sync::Arc;
 
-use super::cache::Glm5Cache;
-use super::{weights, Glm5Config, Glm5Model};
+pub mod cache;
+mod ffn;
+pub mod forward;
+mod kda;
+mod mla;
+pub mod ops;
+pub mod weights;
+
+use self::cache::Glm5Cache;
+use self::forward::Glm5Model;
 use crate::backend::{validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
+use crate::model::glm5_next::Glm5Config;
 use crate::model::quant::simd_available;
 use crate::model::{ModelError, WeightSource};
 

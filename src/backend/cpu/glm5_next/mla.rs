@@ -12,12 +12,12 @@ use crate::backend::cpu::linear::LinearScratch;
 use rayon::prelude::*;
 
 use super::cache::{DsaSlots, Glm5Cache};
-use super::config::Glm5Config;
+use super::forward::SeqRows;
 use super::ops::{layer_norm, rms_norm};
 use super::weights::{IndexerWeights, MlaWeights};
-use super::SeqRows;
 use crate::backend::cpu::linear::CpuLinear;
 use crate::backend::BackendError;
+use crate::model::glm5_next::Glm5Config;
 
 fn project(l: &CpuLinear, x: &[f32], m: usize, simd: bool) -> Result<Vec<f32>, BackendError> {
     let mut y = vec![0f32; m * l.rows];

@@ -8,10 +8,10 @@
 use crate::backend::cpu::linear::LinearScratch;
 use rayon::prelude::*;
 
-use super::config::Glm5Config;
 use super::ops::{sigmoid, swiglu_clamped};
 use super::weights::{Mlp, Moe};
 use crate::backend::BackendError;
+use crate::model::glm5_next::Glm5Config;
 
 /// SwiGLU MLP over `m` rows of `x`.
 pub fn mlp(w: &Mlp, x: &[f32], m: usize, limit: f32, simd: bool) -> Result<Vec<f32>, BackendError> {

@@ -1,33 +1,11 @@
-//! Where `glm5_next`'s cache lives on the CPU, in f32:
-//! * paged per-token records (one block = `block_size` tokens): for every DSA layer the
-//!   normalised MLA latent `c` (`kv_lora_rank`), and for every full-indexer layer the indexer key
-//!   `k^I`, its pool-compression gate logits `γ^I` and, at a pool's last token, the pooled key
-//!   `K_p` (each `index_head_dim`) — written once when the pool completes;
-//! * recurrent-state slots (one per live sequence): for every KDA layer the last `K−1` raw
-//!   (pre-conv) q|k|v projections and the `[H, d_k, d_v]` delta-rule state.
-//!
-//! The layout is fixed by the config, so images from `read_*` are portable between backends of
-//! the same model.
+//! `glm5_next`'s cache in host memory, in f32, laid out as `model::glm5_next::cache_layout`
+//! says: the paged per-token records and the recurrent-state slots, plus the per-slot bookkeeping
+//! the CPU forward needs (position reached, verification checkpoints).
 
-use super::config::{Glm5Config, MixerKind};
 use crate::backend::KvGeometry;
-
-/// Offsets of one DSA layer's fields inside a token record.
-#[derive(Clone, Copy, Debug)]
-pub struct DsaSlots {
-    pub latent: usize,
-    /// `k^I`, then `γ^I`, then the pooled key; `None` for shared-indexer layers.
-    pub indexer: Option<usize>,
-}
-
-/// Offsets of one KDA layer's fields inside a state slot.
-#[derive(Clone, Copy, Debug)]
-pub struct KdaSlots {
-    /// `[K−1, 3Q]` conv window, oldest first.
-    pub conv: usize,
-    /// `[H, d, d]` recurrent state.
-    pub state: usize,
-}
+use crate::model::glm5_next::cache_layout::CacheLayout;
+pub use crate::model::glm5_next::cache_layout::{DsaSlots, KdaSlots};
+use crate::model::glm5_next::Glm5Config;
 
 pub struct Glm5Cache {
     pub geom: KvGeometry,
@@ -62,56 +40,9 @@ pub struct StepCheckpoints {
     pub images: Vec<f32>,
 }
 
-/// Per layer: where each field sits in a token record and in a state slot.
-struct Layout {
-    token_stride: usize,
-    dsa: Vec<Option<DsaSlots>>,
-    slot_stride: usize,
-    kda: Vec<Option<KdaSlots>>,
-}
-
-fn layout(c: &Glm5Config) -> Layout {
-    let (mut token_stride, mut slot_stride) = (0, 0);
-    let mut dsa = Vec::new();
-    let mut kda = Vec::new();
-    let q3 = 3 * c.linear_qkv_dim();
-    let hd = c.linear_head_dim;
-    for l in 0..c.num_hidden_layers {
-        match c.layer_types[l] {
-            MixerKind::Dsa => {
-                let latent = token_stride;
-                token_stride += c.kv_lora_rank;
-                let indexer = c.has_indexer(l).then(|| {
-                    let o = token_stride;
-                    token_stride += 3 * c.index_head_dim;
-                    o
-                });
-                dsa.push(Some(DsaSlots { latent, indexer }));
-                kda.push(None);
-            }
-            MixerKind::Kda => {
-                let conv = slot_stride;
-                slot_stride += (c.linear_conv_kernel_dim - 1) * q3;
-                let state = slot_stride;
-                slot_stride += c.linear_num_heads * hd * hd;
-                kda.push(Some(KdaSlots { conv, state }));
-                dsa.push(None);
-            }
-        }
-    }
-    Layout { token_stride, dsa, slot_stride, kda }
-}
-
-/// Bytes of one token's record and of one recurrent-state slot (both f32), as
-/// [`Glm5Cache::new`] lays them out: what the capacity card prices before anything is allocated.
-pub fn cache_bytes(c: &Glm5Config) -> (usize, usize) {
-    let l = layout(c);
-    (4 * l.token_stride, 4 * l.slot_stride)
-}
-
 impl Glm5Cache {
     pub fn new(c: &Glm5Config, geom: KvGeometry) -> Self {
-        let Layout { token_stride, dsa, slot_stride, kda } = layout(c);
+        let CacheLayout { token_stride, dsa, slot_stride, kda } = CacheLayout::new(c);
         Glm5Cache {
             geom,
             token_stride,

@@ -8,11 +8,11 @@ use crate::backend::cpu::linear::LinearScratch;
 use rayon::prelude::*;
 
 use super::cache::{Glm5Cache, KdaSlots};
-use super::config::Glm5Config;
+use super::forward::SeqRows;
 use super::ops::{gated_rms_norm, l2_normalize, sigmoid, silu};
 use super::weights::KdaWeights;
-use super::SeqRows;
 use crate::backend::BackendError;
+use crate::model::glm5_next::Glm5Config;
 
 fn project(
     l: &crate::backend::cpu::linear::CpuLinear,

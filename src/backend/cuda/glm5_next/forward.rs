@@ -1,0 +1,735 @@
+//! One `glm5_next` step on the GPU: embedding into the mHC streams, per layer the mHC site, the
+//! mixer (KDA or MLA + DSA), the expand, again for the FFN (dense or MoE), then the final stream
+//! mean + norm and the LM head over the rows that need logits. Dense projections are cuBLAS GEMMs
+//! (activations cast to the storage type first in bf16); everything else is `cuda/glm5.cu`.
+//!
+//! MoE: steps of at most `GEMV_MAX_ROWS` token rows run the routed experts as GEMVs that read
+//! only the chosen experts' rows, with the routes staying on the device; larger steps read the
+//! routes back, sort the (token, slot) pairs by expert and run one cuBLAS GEMM pair per expert
+//! that has tokens (a grouped GEMM done as a loop of GEMMs). Both write each pair's output to its
+//! own row, and the combine sums a token's routed outputs in ascending expert order.
+
+use super::weights::{DevLinear, Ffn, HyperConnection, Kda, Mixer, Mla, Mlp, Moe};
+use super::{DeviceCheckpoints, Glm5CudaBackend};
+use crate::backend::cuda::gpu::{cfg, grid_for, Precision, GEMV_MAX_ROWS};
+use crate::backend::glm5_steps::{logits_rows, plan_rows, SeqRows};
+use crate::backend::{BackendError, SeqStep, StepLogits};
+use crate::launch;
+use crate::model::glm5_next::config::{IndexerKind, MixerKind};
+use crate::model::glm5_next::Glm5Config;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Shapes the kernels require, checked once at load; `Err` says which and why.
+pub fn check_shapes(c: &Glm5Config) -> Result<(), String> {
+    let bad = |msg: String| format!("glm5_next on CUDA: {msg}");
+    if c.hc_mult == 0 || c.hc_mult > 8 {
+        return Err(bad(format!("hc_mult {} is outside the kernels' 1..=8", c.hc_mult)));
+    }
+    let kda = c.layer_types.contains(&MixerKind::Kda);
+    if kda && (c.linear_head_dim == 0 || c.linear_head_dim > 1024) {
+        return Err(bad(format!("the KDA head dim {} is outside the kernel's 1..=1024", c.linear_head_dim)));
+    }
+    if c.n_group == 0 || c.n_routed_experts % c.n_group != 0 {
+        return Err(bad(format!("{} experts do not split into {} groups", c.n_routed_experts, c.n_group)));
+    }
+    Ok(())
+}
+
+/// Device buffers reused from step to step, grown on demand (by name).
+#[derive(Default)]
+pub struct Scratch {
+    bufs: HashMap<&'static str, crate::backend::cuda::gpu::DevBuf>,
+}
+
+impl Scratch {
+    /// A buffer of at least `bytes` (contents undefined). Growing waits for queued work first,
+    /// since the old buffer may still be read by it.
+    fn get(
+        &mut self,
+        gpu: &crate::backend::cuda::gpu::Gpu,
+        name: &'static str,
+        bytes: usize,
+    ) -> Result<u64, BackendError> {
+        let bytes = bytes.max(4);
+        if self.bufs.get(name).is_none_or(|b| b.bytes() < bytes) {
+            gpu.sync()?;
+            self.bufs.remove(name);
+            self.bufs.insert(name, gpu.alloc(bytes.next_power_of_two())?);
+        }
+        Ok(self.bufs[name].ptr())
+    }
+
+    /// Upload `data` into the named buffer, in stream order.
+    fn put<T: Copy>(
+        &mut self,
+        gpu: &crate::backend::cuda::gpu::Gpu,
+        name: &'static str,
+        data: &[T],
+    ) -> Result<u64, BackendError> {
+        let p = self.get(gpu, name, std::mem::size_of_val(data))?;
+        gpu.copy_htod_in_order(p, data)?;
+        Ok(p)
+    }
+}
+
+/// `KdaSeq` in cuda/glm5.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct KdaSeq {
+    row0: i32,
+    n: i32,
+    slot: i32,
+    _pad: i32,
+    checkpoints: i64,
+}
+
+/// `DsaRow` in cuda/glm5.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DsaRow {
+    pos: i32,
+    table: i32,
+}
+
+/// Per-step inputs every layer reads.
+struct StepInputs {
+    n_rows: usize,
+    kda_seqs: u64,
+    n_seqs: usize,
+    dsa_rows: u64,
+    tables: u64,
+    /// Record offsets (f32 elements) of the tokens of every pool this step completes, `pool` per
+    /// pool in position order.
+    pool_recs: Option<(u64, usize)>,
+    max_pools: usize,
+    max_sel: usize,
+    ckpt: u64,
+}
+
+const BLOCK: u32 = 256;
+
+impl Glm5CudaBackend {
+    fn i32_of(v: usize) -> Result<i32, BackendError> {
+        i32::try_from(v).map_err(|_| BackendError::InvalidStep(format!("{v} does not fit the kernels' 32-bit indices")))
+    }
+
+    /// `y[rows, l.rows] = x[rows, l.cols] · lᵀ`, `x` f32 (cast to the weight's precision first
+    /// when that is bf16).
+    fn linear(&mut self, x: u64, rows: usize, l: &DevLinear, y: u64) -> Result<(), BackendError> {
+        let input = match l.prec {
+            Precision::F32 => x,
+            Precision::Bf16 => {
+                let n = rows * l.cols;
+                let xb = self.scratch.get(&self.gpu, "cast", 2 * n)?;
+                let f = self.gpu.func("glm5", "cast_bf16")?;
+                let n64 = n as i64;
+                launch!(self.gpu, f, cfg((grid_for(n, BLOCK), 1), BLOCK, 0), &x, &xb, &n64)?;
+                xb
+            }
+        };
+        self.gpu.gemm(l.prec, rows, l.rows, l.cols, input, l.buf.ptr(), y, false)
+    }
+
+    /// Run one step (the batch already validated).
+    pub(super) fn step(&mut self, batch: &[SeqStep<'_>], verify: &[bool]) -> Result<StepLogits, BackendError> {
+        let seqs = plan_rows(batch, verify, &self.slot_pos, self.cfg.vocab_size)?;
+        let inputs = self.prepare(batch, &seqs)?;
+        let c = self.cfg.clone();
+        let (m, d, n) = (c.hc_mult, c.hidden_size, inputs.n_rows);
+        let ids: Vec<i32> = batch.iter().flat_map(|s| s.tokens.iter().map(|&t| t as i32)).collect();
+        let ids = self.scratch.put(&self.gpu, "ids", &ids)?;
+        let mut x = self.scratch.get(&self.gpu, "x", 4 * n * m * d)?;
+        let mut x_alt = self.scratch.get(&self.gpu, "x_alt", 4 * n * m * d)?;
+        let (mi, di) = (m as i32, d as i32);
+        let f = self.gpu.func("glm5", &format!("glm5_embed_{}", self.prec.suffix()))?;
+        let table = self.weights.embed.buf.ptr();
+        launch!(self.gpu, f, cfg((n as u32, 1), BLOCK, 0), &ids, &table, &x, &mi, &di)?;
+        let layers = std::mem::take(&mut self.weights.layers);
+        let out = (|| -> Result<(), BackendError> {
+            let mut have_selection = false;
+            for (l, layer) in layers.iter().enumerate() {
+                let (u, hcw) = self.hc_site(&c, &layer.attn_hc, layer.input_norm.ptr(), x, n)?;
+                let y = match &layer.mixer {
+                    Mixer::Kda(w) => {
+                        have_selection = false;
+                        self.kda(&c, w, l, u, &inputs)?
+                    }
+                    Mixer::Dsa(w) => {
+                        let shared = c.layer_types[l] == MixerKind::Dsa && c.indexer_types[l] == IndexerKind::Shared;
+                        if w.indexer.is_none() && !(shared && have_selection) {
+                            return Err(BackendError::InvalidStep(
+                                "shared DSA layer without a preceding full-indexer layer".into(),
+                            ));
+                        }
+                        let y = self.mla(&c, w, l, u, &inputs)?;
+                        have_selection = have_selection || w.indexer.is_some();
+                        y
+                    }
+                };
+                self.expand(x, y, hcw, x_alt, m, d, n)?;
+                std::mem::swap(&mut x, &mut x_alt);
+                let (u, hcw) = self.hc_site(&c, &layer.ffn_hc, layer.post_norm.ptr(), x, n)?;
+                let z = match &layer.ffn {
+                    Ffn::Dense(w) => self.mlp(&c, w, u, n, "ffn_out")?,
+                    Ffn::Moe(w) => self.moe(&c, w, u, n)?,
+                };
+                self.expand(x, z, hcw, x_alt, m, d, n)?;
+                std::mem::swap(&mut x, &mut x_alt);
+            }
+            Ok(())
+        })();
+        self.weights.layers = layers;
+        out?;
+        let (rows, offsets) = logits_rows(batch, &seqs);
+        let data = self.logits(&c, x, &rows)?;
+        Ok(StepLogits { vocab: c.vocab_size, data, offsets })
+    }
+
+    /// Upload the step's per-sequence and per-row tables, reset slots starting at position 0,
+    /// advance the slots' positions and allocate the verification checkpoints.
+    fn prepare(&mut self, batch: &[SeqStep<'_>], seqs: &[SeqRows<'_>]) -> Result<StepInputs, BackendError> {
+        let c = &self.cfg;
+        let stride = self.layout.slot_stride;
+        let ck_total: usize = seqs.iter().filter(|s| s.checkpoint).map(|s| (s.n - 1) * stride).sum();
+        let ckpt = Arc::new(self.gpu.alloc(4 * ck_total)?);
+        let mut ck_off = 0usize;
+        let mut kda_seqs = Vec::with_capacity(seqs.len());
+        let mut tables: Vec<i32> = Vec::new();
+        let mut rows = Vec::new();
+        let mut pool_recs: Vec<i64> = Vec::new();
+        let (bs, ts, pool) = (self.geom.block_size, self.layout.token_stride, c.index_kpool.max(1));
+        let mut max_pos = 0usize;
+        for (s, step) in seqs.iter().zip(batch) {
+            if s.start_pos == 0 {
+                self.gpu.zero(self.slot_addr(s.slot), 4 * stride)?;
+            }
+            self.slot_pos[s.slot] = Some(s.start_pos + s.n);
+            // A verified sequence keeps its slot image after each of its tokens but the last.
+            let offset = ck_off;
+            if s.checkpoint {
+                ck_off += (s.n - 1) * stride;
+            }
+            self.checkpoints[s.slot] = s.checkpoint.then(|| DeviceCheckpoints {
+                images: ckpt.clone(),
+                offset,
+                start_pos: s.start_pos,
+                tokens: s.n,
+            });
+            let checkpoints = if s.checkpoint && s.n > 1 { offset as i64 } else { -1 };
+            kda_seqs.push(KdaSeq {
+                row0: Self::i32_of(s.row0)?,
+                n: Self::i32_of(s.n)?,
+                slot: Self::i32_of(s.slot)?,
+                _pad: 0,
+                checkpoints,
+            });
+            let t0 = Self::i32_of(tables.len())?;
+            tables.extend(step.block_table.iter().map(|&b| b as i32));
+            for pos in s.start_pos..s.start_pos + s.n {
+                rows.push(DsaRow { pos: Self::i32_of(pos)?, table: t0 });
+                if (pos + 1) % pool == 0 {
+                    for p in pos + 1 - pool..=pos {
+                        let rec = (s.table[p / bs] as usize * bs + p % bs) * ts;
+                        pool_recs.push(rec as i64);
+                    }
+                }
+            }
+            max_pos = max_pos.max(s.start_pos + s.n);
+        }
+        let n_rows = rows.len();
+        let kda_seqs_p = self.scratch.put(&self.gpu, "kda_seqs", &kda_seqs)?;
+        let dsa_rows = self.scratch.put(&self.gpu, "dsa_rows", &rows)?;
+        let tables_p = self.scratch.put(&self.gpu, "tables", &tables)?;
+        let pool_recs = if pool_recs.is_empty() {
+            None
+        } else {
+            let n = pool_recs.len() / pool;
+            Some((self.scratch.put(&self.gpu, "pool_recs", &pool_recs)?, n))
+        };
+        let budget = c.pool_budget();
+        let ckpt_ptr = ckpt.ptr();
+        Ok(StepInputs {
+            n_rows,
+            kda_seqs: kda_seqs_p,
+            n_seqs: seqs.len(),
+            dsa_rows,
+            tables: tables_p,
+            pool_recs,
+            max_pools: (max_pos / pool).max(1),
+            max_sel: (budget * pool + pool).min(max_pos.max(1)).max(1),
+            ckpt: ckpt_ptr,
+        })
+    }
+
+    /// One mHC site: the block input `u` ([n, D], normalised) and the expand weights.
+    fn hc_site(
+        &mut self,
+        c: &Glm5Config,
+        hc: &HyperConnection,
+        norm: u64,
+        x: u64,
+        n: usize,
+    ) -> Result<(u64, u64), BackendError> {
+        let (m, d) = (c.hc_mult, c.hidden_size);
+        let md = (m * d) as i32;
+        let xn = self.scratch.get(&self.gpu, "hc_xn", 4 * n * m * d)?;
+        let f = self.gpu.func("glm5", "hc_normalize")?;
+        launch!(self.gpu, f, cfg((n as u32, 1), BLOCK, 0), &x, &xn, &md, &c.rms_norm_eps)?;
+        let width = (2 + m) * m;
+        let mix = self.scratch.get(&self.gpu, "hc_mix", 4 * n * width)?;
+        self.gpu.gemm(Precision::F32, n, width, m * d, xn, hc.proj.buf.ptr(), mix, false)?;
+        let u = self.scratch.get(&self.gpu, "hc_u", 4 * n * d)?;
+        let hcw = self.scratch.get(&self.gpu, "hc_w", 4 * n * (m + m * m))?;
+        let f = self.gpu.func("glm5", "hc_site")?;
+        let (base, mi, di, iters) = (hc.base.ptr(), m as i32, d as i32, c.hc_sinkhorn_iters as i32);
+        let [s_pre, s_post, s_comb] = hc.scale;
+        launch!(
+            self.gpu,
+            f,
+            cfg((n as u32, 1), BLOCK, 0),
+            &x,
+            &mix,
+            &base,
+            &s_pre,
+            &s_post,
+            &s_comb,
+            &norm,
+            &u,
+            &hcw,
+            &mi,
+            &di,
+            &c.hc_eps,
+            &iters,
+            &c.rms_norm_eps
+        )?;
+        Ok((u, hcw))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn expand(&mut self, x: u64, y: u64, hcw: u64, out: u64, m: usize, d: usize, n: usize) -> Result<(), BackendError> {
+        let f = self.gpu.func("glm5", "hc_expand")?;
+        let (mi, di) = (m as i32, d as i32);
+        launch!(self.gpu, f, cfg((n as u32, 1), BLOCK, 0), &x, &y, &hcw, &out, &mi, &di)
+    }
+
+    fn kda(&mut self, c: &Glm5Config, w: &Kda, l: usize, u: u64, inp: &StepInputs) -> Result<u64, BackendError> {
+        let slots = self.layout.kda[l].ok_or_else(|| BackendError::InvalidStep(format!("layer {l}: no KDA slots")))?;
+        let n = inp.n_rows;
+        let (q, hd, heads, kw) = (c.linear_qkv_dim(), c.linear_head_dim, c.linear_num_heads, c.linear_conv_kernel_dim);
+        let q3 = 3 * q;
+        let raw = self.scratch.get(&self.gpu, "kda_raw", 4 * n * q3)?;
+        self.linear(u, n, &w.qkv, raw)?;
+        let fa = self.scratch.get(&self.gpu, "kda_fa", 4 * n * hd)?;
+        self.linear(u, n, &w.f_a, fa)?;
+        let fg = self.scratch.get(&self.gpu, "kda_f", 4 * n * q)?;
+        self.linear(fa, n, &w.f_b, fg)?;
+        let b = self.scratch.get(&self.gpu, "kda_b", 4 * n * heads)?;
+        self.linear(u, n, &w.b_proj, b)?;
+        let ga = self.scratch.get(&self.gpu, "kda_ga", 4 * n * hd)?;
+        self.linear(u, n, &w.g_a, ga)?;
+        let z = self.scratch.get(&self.gpu, "kda_z", 4 * n * q)?;
+        self.linear(ga, n, &w.g_b, z)?;
+        let conv = self.scratch.get(&self.gpu, "kda_conv", 4 * n * q3)?;
+        let state = self.state.ptr();
+        let (stride, conv_off, state_off) = (self.layout.slot_stride as i64, slots.conv as i64, slots.state as i64);
+        let f = self.gpu.func("glm5", "kda_conv")?;
+        let (q3i, kwi, taps) = (q3 as i32, kw as i32, w.conv.ptr());
+        let grid = (q3.div_ceil(128) as u32, inp.n_seqs as u32);
+        launch!(
+            self.gpu,
+            f,
+            cfg(grid, 128, 0),
+            &raw,
+            &conv,
+            &state,
+            &inp.ckpt,
+            &inp.kda_seqs,
+            &taps,
+            &q3i,
+            &kwi,
+            &stride,
+            &conv_off
+        )?;
+        let core = self.scratch.get(&self.gpu, "kda_core", 4 * n * q)?;
+        let f = self.gpu.func("glm5", "kda_recurrent")?;
+        let (qi, hi, hd_i) = (q as i32, heads as i32, hd as i32);
+        let (has_lb, lb) = match c.linear_lower_bound {
+            Some(lb) => (1i32, lb),
+            None => (0i32, 0f32),
+        };
+        let (dt, alog, onorm) = (w.dt_bias.ptr(), w.a_log.ptr(), w.o_norm.ptr());
+        launch!(
+            self.gpu,
+            f,
+            cfg((heads as u32, inp.n_seqs as u32), hd.next_multiple_of(32) as u32, (3 * hd * 4) as u32),
+            &conv,
+            &fg,
+            &b,
+            &z,
+            &dt,
+            &alog,
+            &onorm,
+            &state,
+            &inp.ckpt,
+            &inp.kda_seqs,
+            &core,
+            &qi,
+            &hi,
+            &stride,
+            &state_off,
+            &has_lb,
+            &lb,
+            &c.rms_norm_eps,
+            &hd_i
+        )?;
+        let y = self.scratch.get(&self.gpu, "mixer_out", 4 * n * c.hidden_size)?;
+        self.linear(core, n, &w.o_proj, y)?;
+        Ok(y)
+    }
+
+    fn mla(&mut self, c: &Glm5Config, w: &Mla, l: usize, u: u64, inp: &StepInputs) -> Result<u64, BackendError> {
+        let slots = self.layout.dsa[l].ok_or_else(|| BackendError::InvalidStep(format!("layer {l}: no DSA slots")))?;
+        let n = inp.n_rows;
+        let (h, dn, dv, r, rq) =
+            (c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank, c.q_lora_rank);
+        let eps = c.rms_norm_eps;
+        let rms = self.gpu.func("glm5", "rms_rows_f32")?;
+        let none = 0u64;
+        let q_r = self.scratch.get(&self.gpu, "mla_qr", 4 * n * rq)?;
+        self.linear(u, n, &w.q_a, q_r)?;
+        let (rqi, ri, qan, kvan) = (rq as i32, r as i32, w.q_a_norm.ptr(), w.kv_a_norm.ptr());
+        launch!(self.gpu, rms.clone(), cfg((n as u32, 1), BLOCK, 0), &q_r, &qan, &none, &rqi, &eps)?;
+        let q = self.scratch.get(&self.gpu, "mla_q", 4 * n * h * dn)?;
+        self.linear(q_r, n, &w.q_b, q)?;
+        let latent = self.scratch.get(&self.gpu, "mla_latent", 4 * n * r)?;
+        self.linear(u, n, &w.kv_a, latent)?;
+        launch!(self.gpu, rms, cfg((n as u32, 1), BLOCK, 0), &latent, &kvan, &none, &ri, &eps)?;
+        let (di, hi) = (c.index_head_dim, c.index_n_heads);
+        let kgw_width = 2 * di + hi;
+        let (qi_buf, kgw) = match &w.indexer {
+            Some(ix) => {
+                let qi = self.scratch.get(&self.gpu, "ix_q", 4 * n * hi * di)?;
+                self.linear(q_r, n, &ix.wq_b, qi)?;
+                let kgw = self.scratch.get(&self.gpu, "ix_kgw", 4 * n * kgw_width)?;
+                self.linear(u, n, &ix.k_gate_w, kgw)?;
+                (qi, kgw)
+            }
+            None => (0, 0),
+        };
+        let ix_off = match (&w.indexer, slots.indexer) {
+            (Some(_), Some(off)) => off as i32,
+            (None, _) => -1,
+            (Some(_), None) => {
+                return Err(BackendError::InvalidStep("indexer layer without indexer cache slots".into()))
+            }
+        };
+        let (kv, bs, ts) = (self.kv.ptr(), self.geom.block_size as i32, self.layout.token_stride as i32);
+        let (lat_off, dii, kgwi) = (slots.latent as i32, di as i32, kgw_width as i32);
+        let (knw, knb) = w.indexer.as_ref().map_or((0, 0), |ix| (ix.k_norm_w.ptr(), ix.k_norm_b.ptr()));
+        let f = self.gpu.func("glm5", "dsa_store")?;
+        launch!(
+            self.gpu,
+            f,
+            cfg((n as u32, 1), BLOCK, 0),
+            &latent,
+            &kgw,
+            &knw,
+            &knb,
+            &kv,
+            &inp.dsa_rows,
+            &inp.tables,
+            &bs,
+            &ts,
+            &lat_off,
+            &ix_off,
+            &ri,
+            &dii,
+            &kgwi
+        )?;
+        let pool = c.index_kpool;
+        if let (Some(ix), Some((recs, n_pools))) = (&w.indexer, inp.pool_recs) {
+            let f = self.gpu.func("glm5", "dsa_pool")?;
+            let (ape, pi) = (ix.ape.ptr(), pool as i32);
+            launch!(self.gpu, f, cfg((n_pools as u32, 1), 128, 0), &kv, &recs, &ape, &ix_off, &dii, &pi)?;
+        }
+        let max_sel = inp.max_sel;
+        let sel = self.scratch.get(&self.gpu, "dsa_sel", 4 * n * max_sel)?;
+        let sel_count = self.scratch.get(&self.gpu, "dsa_sel_count", 4 * n)?;
+        if w.indexer.is_some() {
+            let scores = self.scratch.get(&self.gpu, "dsa_scores", 4 * n * 2 * inp.max_pools)?;
+            let f = self.gpu.func("glm5", "dsa_select")?;
+            let (hii, pi, budget, tail) =
+                (hi as i32, pool as i32, c.pool_budget() as i32, c.index_kpool_always_select_tail as i32);
+            let (mp, ms) = (inp.max_pools as i32, max_sel as i32);
+            launch!(
+                self.gpu,
+                f,
+                cfg((n as u32, 1), 128, 0),
+                &qi_buf,
+                &kgw,
+                &kv,
+                &inp.dsa_rows,
+                &inp.tables,
+                &scores,
+                &sel,
+                &sel_count,
+                &bs,
+                &ts,
+                &ix_off,
+                &hii,
+                &dii,
+                &kgwi,
+                &pi,
+                &budget,
+                &tail,
+                &mp,
+                &ms
+            )?;
+        }
+        let smem = 4 * (2 * r + max_sel);
+        if smem > 48 * 1024 {
+            return Err(BackendError::InvalidStep(format!(
+                "MLA attention over {max_sel} selected positions with kv_lora_rank {r} needs {smem} bytes of shared \
+                 memory, more than the kernel's 48 KiB"
+            )));
+        }
+        let attn = self.scratch.get(&self.gpu, "mla_attn", 4 * n * h * dv)?;
+        let f = self.gpu.func("glm5", &format!("mla_attend_{}", self.prec.suffix()))?;
+        let (kvb, hh, dni, dvi, ms) = (w.kv_b.ptr(), h as i32, dn as i32, dv as i32, max_sel as i32);
+        launch!(
+            self.gpu,
+            f,
+            cfg((h as u32, n as u32), BLOCK, smem as u32),
+            &q,
+            &kvb,
+            &kv,
+            &inp.dsa_rows,
+            &inp.tables,
+            &sel,
+            &sel_count,
+            &attn,
+            &bs,
+            &ts,
+            &lat_off,
+            &hh,
+            &dni,
+            &dvi,
+            &ri,
+            &ms
+        )?;
+        let y = self.scratch.get(&self.gpu, "mixer_out", 4 * n * c.hidden_size)?;
+        self.linear(attn, n, &w.o_proj, y)?;
+        Ok(y)
+    }
+
+    /// Clamped SwiGLU MLP over `n` rows of `u`, into the named buffer.
+    fn mlp(&mut self, c: &Glm5Config, w: &Mlp, u: u64, n: usize, out: &'static str) -> Result<u64, BackendError> {
+        let inter = w.gate_up.rows / 2;
+        let gu = self.scratch.get(&self.gpu, "mlp_gu", 4 * n * 2 * inter)?;
+        self.linear(u, n, &w.gate_up, gu)?;
+        let act = self.scratch.get(&self.gpu, "mlp_act", self.prec.bytes() * n * inter)?;
+        let f = self.gpu.func("glm5", &format!("swiglu_clamped_{}", self.prec.suffix()))?;
+        let (ii, ni) = (inter as i32, n as i32);
+        launch!(
+            self.gpu,
+            f,
+            cfg((grid_for(inter, BLOCK).min(64), (n as u32).min(65_535)), BLOCK, 0),
+            &gu,
+            &act,
+            &ii,
+            &ni,
+            &c.swiglu_limit
+        )?;
+        let y = self.scratch.get(&self.gpu, out, 4 * n * c.hidden_size)?;
+        self.gpu.gemm(w.down.prec, n, w.down.rows, w.down.cols, act, w.down.buf.ptr(), y, false)?;
+        Ok(y)
+    }
+
+    fn moe(&mut self, c: &Glm5Config, w: &Moe, u: u64, n: usize) -> Result<u64, BackendError> {
+        let (d, e, k, inter) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, w.inter);
+        let logits = self.scratch.get(&self.gpu, "moe_logits", 4 * n * e)?;
+        self.linear(u, n, &w.router, logits)?;
+        let experts = self.scratch.get(&self.gpu, "moe_experts", 4 * n * k)?;
+        let weights = self.scratch.get(&self.gpu, "moe_weights", 4 * n * k)?;
+        let f = self.gpu.func("glm5", "moe_route")?;
+        let (bias, ei, gi, tgi, ki, norm) = (
+            w.correction_bias.ptr(),
+            e as i32,
+            c.n_group as i32,
+            c.topk_group as i32,
+            k as i32,
+            c.norm_topk_prob as i32,
+        );
+        launch!(
+            self.gpu,
+            f,
+            cfg((n as u32, 1), 32, (3 * e * 4) as u32),
+            &logits,
+            &bias,
+            &experts,
+            &weights,
+            &ei,
+            &gi,
+            &tgi,
+            &ki,
+            &norm,
+            &c.routed_scaling_factor
+        )?;
+        let pairs = n * k;
+        let slot_out = self.scratch.get(&self.gpu, "moe_slot_out", 4 * pairs * d)?;
+        let (gu_stride, down_stride) = (2 * inter * d, d * inter);
+        if n <= GEMV_MAX_ROWS {
+            let gu = self.scratch.get(&self.gpu, "moe_gu", 4 * pairs * 2 * inter)?;
+            let gemv = self.gpu.func("glm5", &format!("moe_gemv_{}", self.prec.suffix()))?;
+            let (wgu, wd) = (w.experts_gate_up.ptr(), w.experts_down.ptr());
+            let (ki, one, gus, ds) = (k as i32, 1i32, gu_stride as i64, down_stride as i64);
+            let (n_gu, n_d, di, ii) = ((2 * inter) as i32, d as i32, d as i32, inter as i32);
+            let chunks = |outs: usize| (outs.div_ceil(8) as u32).min(1024);
+            launch!(
+                self.gpu,
+                gemv.clone(),
+                cfg((chunks(2 * inter), pairs as u32), BLOCK, 0),
+                &u,
+                &ki,
+                &experts,
+                &wgu,
+                &gus,
+                &gu,
+                &n_gu,
+                &di
+            )?;
+            let act = self.scratch.get(&self.gpu, "moe_act", 4 * pairs * inter)?;
+            let sw = self.gpu.func("glm5", "swiglu_clamped_f32")?;
+            let pi = pairs as i32;
+            launch!(
+                self.gpu,
+                sw,
+                cfg((grid_for(inter, BLOCK).min(64), pairs as u32), BLOCK, 0),
+                &gu,
+                &act,
+                &ii,
+                &pi,
+                &c.swiglu_limit
+            )?;
+            launch!(
+                self.gpu,
+                gemv,
+                cfg((chunks(d), pairs as u32), BLOCK, 0),
+                &act,
+                &one,
+                &experts,
+                &wd,
+                &ds,
+                &slot_out,
+                &n_d,
+                &ii
+            )?;
+        } else {
+            self.moe_grouped(c, w, u, n, experts, slot_out)?;
+        }
+        let y = self.mlp(c, &w.shared, u, n, "ffn_out")?;
+        let f = self.gpu.func("glm5", "moe_combine")?;
+        let (ki, di) = (k as i32, d as i32);
+        launch!(self.gpu, f, cfg((n as u32, 1), BLOCK, 0), &slot_out, &weights, &y, &ki, &di)?;
+        Ok(y)
+    }
+
+    /// Routed experts for larger steps: pairs sorted by expert, one GEMM pair per used expert.
+    fn moe_grouped(
+        &mut self,
+        c: &Glm5Config,
+        w: &Moe,
+        u: u64,
+        n: usize,
+        experts: u64,
+        slot_out: u64,
+    ) -> Result<(), BackendError> {
+        let (d, k, inter) = (c.hidden_size, c.num_experts_per_tok, w.inter);
+        let mut routes = vec![0i32; n * k];
+        self.gpu.copy_dtoh(&mut routes, experts)?;
+        let mut by_expert: Vec<Vec<i32>> = vec![Vec::new(); c.n_routed_experts];
+        for (p, &ex) in routes.iter().enumerate() {
+            let ex = usize::try_from(ex).ok().filter(|&x| x < c.n_routed_experts).ok_or_else(|| {
+                BackendError::Device(format!("the router chose expert {ex}, outside 0..{}", c.n_routed_experts))
+            })?;
+            by_expert[ex].push(p as i32);
+        }
+        // Token rows (gather) and pair rows (scatter), expert by expert.
+        let pair_idx: Vec<i32> = by_expert.iter().flatten().copied().collect();
+        let token_idx: Vec<i32> = pair_idx.iter().map(|&p| p / k as i32).collect();
+        let pair_p = self.scratch.put(&self.gpu, "moe_pair_idx", &pair_idx)?;
+        let token_p = self.scratch.put(&self.gpu, "moe_token_idx", &token_idx)?;
+        let eb = self.prec.bytes();
+        let pairs = pair_idx.len();
+        let xg = self.scratch.get(&self.gpu, "moe_xg", eb * pairs * d)?;
+        let gu = self.scratch.get(&self.gpu, "moe_gu_g", 4 * pairs * 2 * inter)?;
+        let act = self.scratch.get(&self.gpu, "moe_act_g", eb * pairs * inter)?;
+        let out = self.scratch.get(&self.gpu, "moe_out_g", 4 * pairs * d)?;
+        let gather = self.gpu.func("glm5", &format!("gather_rows_{}", self.prec.suffix()))?;
+        let di = d as i32;
+        launch!(self.gpu, gather, cfg((pairs as u32, 1), BLOCK, 0), &u, &token_p, &xg, &di)?;
+        let mut row = 0usize;
+        for (ex, list) in by_expert.iter().enumerate() {
+            let m = list.len();
+            if m == 0 {
+                continue;
+            }
+            let wgu = w.experts_gate_up.at(ex * 2 * inter * d * eb);
+            let wd = w.experts_down.at(ex * d * inter * eb);
+            let gu_r = gu + (4 * row * 2 * inter) as u64;
+            let act_r = act + (eb * row * inter) as u64;
+            self.gpu.gemm(self.prec, m, 2 * inter, d, xg + (eb * row * d) as u64, wgu, gu_r, false)?;
+            let sw = self.gpu.func("glm5", &format!("swiglu_clamped_{}", self.prec.suffix()))?;
+            let (ii, mi) = (inter as i32, m as i32);
+            launch!(
+                self.gpu,
+                sw,
+                cfg((grid_for(inter, BLOCK).min(64), (m as u32).min(65_535)), BLOCK, 0),
+                &gu_r,
+                &act_r,
+                &ii,
+                &mi,
+                &c.swiglu_limit
+            )?;
+            self.gpu.gemm(self.prec, m, d, inter, act_r, wd, out + (4 * row * d) as u64, false)?;
+            row += m;
+        }
+        let scatter = self.gpu.func("glm5", "scatter_rows")?;
+        launch!(self.gpu, scatter, cfg((pairs as u32, 1), BLOCK, 0), &out, &pair_p, &slot_out, &di)
+    }
+
+    /// Final stream mean + norm and the LM head over `rows`; the logits come back to the host.
+    fn logits(&mut self, c: &Glm5Config, x: u64, rows: &[usize]) -> Result<Vec<f32>, BackendError> {
+        let r = rows.len();
+        if r == 0 {
+            self.gpu.sync()?;
+            return Ok(Vec::new());
+        }
+        let d = c.hidden_size;
+        let rows_i: Vec<i32> = rows.iter().map(|&x| x as i32).collect();
+        let rows_p = self.scratch.put(&self.gpu, "logit_rows", &rows_i)?;
+        let h = self.scratch.get(&self.gpu, "final_h", self.prec.bytes() * r * d)?;
+        let f = self.gpu.func("glm5", &format!("glm5_final_norm_{}", self.prec.suffix()))?;
+        let (norm, mi, di) = (self.weights.norm.ptr(), c.hc_mult as i32, d as i32);
+        launch!(
+            self.gpu,
+            f,
+            cfg((r as u32, 1), BLOCK, (4 * d) as u32),
+            &x,
+            &rows_p,
+            &norm,
+            &h,
+            &mi,
+            &di,
+            &c.rms_norm_eps
+        )?;
+        let logits = self.scratch.get(&self.gpu, "logits", 4 * r * c.vocab_size)?;
+        let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed);
+        self.gpu.gemm(head.prec, r, head.rows, head.cols, h, head.buf.ptr(), logits, false)?;
+        let mut out = vec![0f32; r * c.vocab_size];
+        self.gpu.copy_dtoh(&mut out, logits)?;
+        Ok(out)
+    }
+}

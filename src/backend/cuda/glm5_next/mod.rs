@@ -1,0 +1,239 @@
+//! `Backend` for `glm5_next` on one NVIDIA GPU: the weights (`weights`), the paged per-token
+//! cache and the recurrent-state slots in device memory, laid out exactly as
+//! `model::glm5_next::cache_layout` says (f32 records), so block and slot images are the same
+//! bytes the CPU backend reads and writes, and a forward pass (`forward`) of the kernels in
+//! `cuda/glm5.cu` plus cuBLAS GEMMs. Validated against the CPU backend (`tests/gpu_validate_glm5.rs`).
+//!
+//! Owns the device memory of this model; makes no scheduling decisions and never touches the CPU
+//! backend. Step planning (rows, slot checks) is shared with the CPU through
+//! `backend::glm5_steps`.
+//!
+//! Draft verification keeps, as on the CPU, the whole slot image after every token but the last
+//! of a verified sequence (in device memory, one buffer per step), and `commit_verified` copies
+//! the accepted one back on the device.
+
+mod forward;
+pub mod weights;
+
+use std::sync::Arc;
+
+use super::gpu::{DevBuf, Gpu, Precision};
+use crate::backend::{validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
+use crate::model::glm5_next::cache_layout::CacheLayout;
+use crate::model::glm5_next::Glm5Config;
+use crate::model::{ModelError, WeightSource};
+
+/// A slot's states after each token of a verification step but the last: `tokens − 1` slot
+/// images starting `offset` f32 into `images` (shared by the step's verified sequences).
+struct DeviceCheckpoints {
+    images: Arc<DevBuf>,
+    offset: usize,
+    start_pos: usize,
+    tokens: usize,
+}
+
+pub struct Glm5CudaBackend {
+    cfg: Glm5Config,
+    gpu: Gpu,
+    prec: Precision,
+    weights: weights::Glm5DeviceWeights,
+    layout: CacheLayout,
+    geom: KvGeometry,
+    /// Paged per-token records, `num_blocks · block_size · token_stride` f32.
+    kv: DevBuf,
+    /// Recurrent-state slots, `state_slots · slot_stride` f32.
+    state: DevBuf,
+    /// Per slot, the position its state has reached (`None` after a snapshot was written).
+    slot_pos: Vec<Option<usize>>,
+    checkpoints: Vec<Option<DeviceCheckpoints>>,
+    scratch: forward::Scratch,
+}
+
+impl Glm5CudaBackend {
+    /// Open device `ordinal`, compile the kernels and load `w` in `prec`.
+    pub fn new(
+        cfg: Glm5Config,
+        w: &dyn WeightSource,
+        ordinal: usize,
+        kv: KvGeometry,
+        prec: Precision,
+    ) -> Result<Self, BackendError> {
+        let bad = |msg: String| BackendError::Model(ModelError::Config { file: w.origin().to_path_buf(), msg });
+        if kv.block_size == 0 || kv.num_blocks == 0 {
+            return Err(bad("the KV store needs at least one block of at least one token".into()));
+        }
+        if kv.state_slots == 0 {
+            return Err(bad("glm5_next needs at least one recurrent-state slot per live sequence".into()));
+        }
+        forward::check_shapes(&cfg).map_err(bad)?;
+        let mut gpu = Gpu::open(ordinal)?;
+        gpu.load_glm5()?;
+        let weights = weights::load(&gpu, &cfg, w, prec)?;
+        let layout = CacheLayout::new(&cfg);
+        let kv_buf = gpu.alloc(4 * kv.num_blocks * kv.block_size * layout.token_stride)?;
+        gpu.zero(kv_buf.ptr(), kv_buf.bytes())?;
+        let state = gpu.alloc(4 * kv.state_slots * layout.slot_stride)?;
+        gpu.zero(state.ptr(), state.bytes())?;
+        gpu.sync()?;
+        tracing::info!(
+            device = %format!("cuda:{} ({})", gpu.ordinal, gpu.name),
+            precision = ?prec,
+            weights_mib = weights.bytes / (1 << 20),
+            kv_mib = (kv_buf.bytes() + state.bytes()) / (1 << 20),
+            "glm5_next CUDA backend ready"
+        );
+        Ok(Glm5CudaBackend {
+            cfg,
+            gpu,
+            prec,
+            weights,
+            layout,
+            geom: kv,
+            kv: kv_buf,
+            state,
+            slot_pos: vec![Some(0); kv.state_slots],
+            checkpoints: (0..kv.state_slots).map(|_| None).collect(),
+            scratch: forward::Scratch::default(),
+        })
+    }
+
+    pub fn config(&self) -> &Glm5Config {
+        &self.cfg
+    }
+
+    pub fn precision(&self) -> Precision {
+        self.prec
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        self.weights.bytes
+    }
+
+    /// Bytes of the paged cache plus the recurrent-state slots.
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.bytes() + self.state.bytes()
+    }
+
+    fn check_slot(&self, slot: u32) -> Result<usize, BackendError> {
+        let n = self.geom.state_slots;
+        if slot as usize >= n {
+            return Err(BackendError::InvalidStep(format!(
+                "recurrent-state slot {slot} is out of range, the backend has {n}"
+            )));
+        }
+        Ok(slot as usize)
+    }
+
+    fn slot_addr(&self, slot: usize) -> u64 {
+        self.state.at(4 * slot * self.layout.slot_stride)
+    }
+}
+
+fn to_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn from_bytes(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4).map(|s| f32::from_le_bytes([s[0], s[1], s[2], s[3]])).collect()
+}
+
+impl Backend for Glm5CudaBackend {
+    fn device_name(&self) -> String {
+        format!("cuda:{}", self.gpu.ordinal)
+    }
+
+    fn kv_geometry(&self) -> KvGeometry {
+        self.geom
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {
+        self.forward_verify(batch, &[])
+    }
+
+    fn forward_verify(&mut self, batch: &[SeqStep<'_>], verify: &[bool]) -> Result<StepLogits, BackendError> {
+        validate_batch(batch, self.geom)?;
+        self.gpu.bind()?;
+        self.step(batch, verify)
+    }
+
+    fn commit_verified(&mut self, slot: u32, kept: usize) -> Result<(), BackendError> {
+        let s = self.check_slot(slot)?;
+        let ck = self.checkpoints[s].take().ok_or_else(|| {
+            BackendError::InvalidStep(format!("recurrent-state slot {s} has no verification step to commit"))
+        })?;
+        if kept == 0 || kept > ck.tokens {
+            return Err(BackendError::InvalidStep(format!(
+                "cannot keep {kept} tokens of a {}-token verification step",
+                ck.tokens
+            )));
+        }
+        if kept < ck.tokens {
+            let stride = self.layout.slot_stride;
+            self.gpu.bind()?;
+            let src = ck.images.at(4 * (ck.offset + (kept - 1) * stride));
+            self.gpu.copy_dtod(self.slot_addr(s), src, 4 * stride)?;
+            self.gpu.sync()?;
+        }
+        self.slot_pos[s] = Some(ck.start_pos + kept);
+        Ok(())
+    }
+
+    fn kv_block_bytes(&self) -> usize {
+        4 * self.geom.block_size * self.layout.token_stride
+    }
+
+    fn read_kv_blocks(&mut self, blocks: &[u32]) -> Result<Vec<u8>, BackendError> {
+        let bb = self.kv_block_bytes();
+        validate_kv_image(blocks, blocks.len() * bb, bb, self.geom)?;
+        self.gpu.bind()?;
+        let mut out = Vec::with_capacity(blocks.len() * bb);
+        let mut block = vec![0f32; bb / 4];
+        for &b in blocks {
+            self.gpu.copy_dtoh(&mut block, self.kv.at(b as usize * bb))?;
+            out.extend(to_bytes(&block));
+        }
+        Ok(out)
+    }
+
+    fn write_kv_blocks(&mut self, blocks: &[u32], image: &[u8]) -> Result<(), BackendError> {
+        let bb = self.kv_block_bytes();
+        validate_kv_image(blocks, image.len(), bb, self.geom)?;
+        self.gpu.bind()?;
+        for (&b, chunk) in blocks.iter().zip(image.chunks_exact(bb)) {
+            self.gpu.copy_htod(self.kv.at(b as usize * bb), &from_bytes(chunk))?;
+        }
+        Ok(())
+    }
+
+    fn state_slot_bytes(&self) -> usize {
+        4 * self.layout.slot_stride
+    }
+
+    fn read_state_slot(&mut self, slot: u32) -> Result<Vec<u8>, BackendError> {
+        let s = self.check_slot(slot)?;
+        self.gpu.bind()?;
+        let mut v = vec![0f32; self.layout.slot_stride];
+        self.gpu.copy_dtoh(&mut v, self.slot_addr(s))?;
+        Ok(to_bytes(&v))
+    }
+
+    fn write_state_slot(&mut self, slot: u32, image: &[u8]) -> Result<(), BackendError> {
+        let s = self.check_slot(slot)?;
+        if image.len() != self.state_slot_bytes() {
+            return Err(BackendError::InvalidStep(format!(
+                "recurrent-state image is {} bytes, a slot holds {}",
+                image.len(),
+                self.state_slot_bytes()
+            )));
+        }
+        self.gpu.bind()?;
+        self.gpu.copy_htod(self.slot_addr(s), &from_bytes(image))?;
+        self.slot_pos[s] = None;
+        self.checkpoints[s] = None;
+        Ok(())
+    }
+}
