@@ -124,6 +124,9 @@ fn prepare(state: &LaneState, body: &[u8]) -> Result<Prepared, ApiError> {
     if rendered.keep_special_tokens {
         plan.skip_special_tokens = false;
     }
+    if let Some(stop) = rendered.stop_after_call {
+        plan.stop_strings.push(stop.to_owned());
+    }
     let ids = rendered.ids;
     let max_tokens = params::resolve_max_tokens(&plan, ids.len(), &state.lane, model, "messages")?;
     let prompt_len = ids.len();

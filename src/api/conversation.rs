@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 use super::errors::ApiError;
 use super::output::ReplySetup;
 use super::reasoning::{ReasoningStart, THINK_CLOSE};
-use super::tools::{self, TemplateTools, ToolChoice, ToolSpec};
+use super::tools::{self, TemplateTools, ToolChoice, ToolFormat, ToolSpec};
 use super::{LaneState, TemplateState};
 use crate::tokenizer::bounded::proves_over;
 use crate::tokenizer::chat::ChatRender;
@@ -29,6 +29,8 @@ pub(crate) struct RenderedPrompt {
     pub reply: ReplySetup,
     /// Special tokens must stay in the reply's text for its parsers (see `output`).
     pub keep_special_tokens: bool,
+    /// A stop string the request must add: a forced call ends the reply when it closes.
+    pub stop_after_call: Option<&'static str>,
 }
 
 /// `param` names the field the conversation came in, for errors.
@@ -90,7 +92,16 @@ pub(crate) fn render(state: &LaneState, conv: Conversation, param: &'static str)
         return Err(ApiError::prompt_over_context(max_context, at_least, param));
     }
     let mut reasoning = ReasoningStart::detect(source, text.text());
-    let forced_prefix = if use_tools { tools::forced_call_prefix(syntax.format, &conv.tool_choice) } else { None };
+    // `required` with a single tool can only mean that tool: name it for the model.
+    let choice = match (&conv.tool_choice, conv.tools.as_slice()) {
+        (ToolChoice::Required, [only]) => ToolChoice::Named(only.name.clone()),
+        (c, _) => c.clone(),
+    };
+    let forced_prefix = if use_tools { tools::forced_call_prefix(syntax.format, &choice) } else { None };
+    let stop_after_call = match syntax.format {
+        ToolFormat::Hermes | ToolFormat::Glm if forced_prefix.is_some() => Some("</tool_call>"),
+        _ => None,
+    };
     if let Some(prefix) = &forced_prefix {
         // A forced call is the whole reply: close a reasoning block the template opened.
         if reasoning == ReasoningStart::Inside {
@@ -112,5 +123,6 @@ pub(crate) fn render(state: &LaneState, conv: Conversation, param: &'static str)
         ids,
         reply: ReplySetup { reasoning, tools: parse_tools, forced_prefix, strip },
         keep_special_tokens,
+        stop_after_call,
     })
 }

@@ -131,9 +131,11 @@ pub enum ChatFinishReason {
 }
 
 impl ChatFinishReason {
+    /// A reply with calls reports `tool_calls` even when cut by max tokens after them (the calls
+    /// themselves are complete: an unfinished one is text), as vLLM does.
     pub fn new(reason: FinishReason, made_calls: bool) -> Self {
         match reason {
-            FinishReason::Stop if made_calls => Self::ToolCalls,
+            _ if made_calls => Self::ToolCalls,
             FinishReason::Stop => Self::Stop,
             FinishReason::Length => Self::Length,
             FinishReason::Repetition => Self::Repetition,

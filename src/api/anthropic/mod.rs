@@ -92,7 +92,8 @@ async fn handle_messages(
     let choices = Choices::new(receivers, &state.lane.name, start);
     let assets = state.shared.assets();
     let reply = reply::Reply {
-        id: response_id("msg"),
+        // Anthropic ids are `msg_…`.
+        id: response_id("msg").replacen('-', "_", 1),
         model: state.served_name().to_owned(),
         lane: state.lane.name.clone(),
         prompt_len,
@@ -134,6 +135,9 @@ fn prepare(state: &LaneState, body: &[u8]) -> Result<Prepared, ApiError> {
     let rendered = conversation::render(state, to_conversation(state, &p)?, "messages")?;
     if rendered.keep_special_tokens {
         plan.skip_special_tokens = false;
+    }
+    if let Some(stop) = rendered.stop_after_call {
+        plan.stop_strings.push(stop.to_owned());
     }
     let max_tokens = params::resolve_max_tokens(&plan, rendered.ids.len(), &state.lane, model, "messages")?;
     Ok(Prepared { rendered, plan, max_tokens })

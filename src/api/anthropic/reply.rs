@@ -50,11 +50,11 @@ impl Reply {
     /// `(stop_reason, stop_sequence)`.
     fn stop(&self, reason: FinishReason, made_calls: bool, tail: &[u32]) -> (&'static str, Option<String>) {
         match reason {
+            _ if made_calls => ("tool_use", None),
             FinishReason::Length => ("max_tokens", None),
             // Not one of Anthropic's reasons: the server, not the model, ended the turn, and the
             // client should know.
             FinishReason::Repetition => ("repetition", None),
-            FinishReason::Stop if made_calls => ("tool_use", None),
             FinishReason::Stop => match tail.last() {
                 Some(id) if !self.end_ids.contains(id) && !self.stop_sequences.is_empty() => {
                     ("stop_sequence", self.matched_stop(tail))
