@@ -179,6 +179,8 @@ fn lane() -> LaneConfig {
         num_speculative_tokens: 7,
         speculative_row_cost: None,
         speculative_draft_cost: None,
+        target_ttft_ms: None,
+        target_itl_ms: None,
     }
 }
 
