@@ -114,9 +114,30 @@ const AGENT_QUESTIONS: [&str; 4] = [
     "Which of these items should be reverted first?",
 ];
 const WORDS: [&str; 24] = [
-    "scheduler", "queue", "robot", "battery", "charger", "warehouse", "route", "planner", "deadline", "order",
-    "priority", "metrics", "lock", "latency", "aisle", "report", "retry", "budget", "cache", "page", "agent",
-    "voice", "commit", "review",
+    "scheduler",
+    "queue",
+    "robot",
+    "battery",
+    "charger",
+    "warehouse",
+    "route",
+    "planner",
+    "deadline",
+    "order",
+    "priority",
+    "metrics",
+    "lock",
+    "latency",
+    "aisle",
+    "report",
+    "retry",
+    "budget",
+    "cache",
+    "page",
+    "agent",
+    "voice",
+    "commit",
+    "review",
 ];
 
 /// A session's document: seeded words in sentences, distinct per agent and session so agents
@@ -158,7 +179,7 @@ struct LaneLog {
 impl LaneLog {
     fn record(&mut self, r: &Streamed) {
         if r.error.is_some() || !r.done {
-            self.failed.push(format!("{:?}", r.error.as_ref().map(Value::to_string).unwrap_or("no [DONE]".into())));
+            self.failed.push(r.error.as_ref().map_or_else(|| "no [DONE]".to_string(), Value::to_string));
             return;
         }
         let Some(first) = r.first_token else {
@@ -193,8 +214,7 @@ fn start(args: &Args, pacing: bool) -> Result<Local, String> {
     cfg.scheduler.lane_pacing = pacing;
     cfg.host = "127.0.0.1".into();
     cfg.lanes.iter_mut().for_each(|l| l.port = 0);
-    let mut device = shelfserve::generate::DeviceSelection::default();
-    device.threads = args.threads;
+    let device = shelfserve::generate::DeviceSelection { threads: args.threads, ..Default::default() };
     let (engine, servers, addrs) = rt.block_on(async {
         let engine = start_engine(bundle, cfg.clone(), EngineOptions { device, served_model_name: "default".into() })
             .await

@@ -28,8 +28,8 @@ use common::engine::wait_ready;
 use common::serve::{blocking, on_free_ports, Lanes};
 use e2e_http::{ms, percentile, Streamed, Target};
 use serde_json::{json, Value};
-use shelfserve::actors::scheduler::SchedulerStats;
 use shelfserve::actors::handle::{EngineError, GenerationRequest};
+use shelfserve::actors::scheduler::SchedulerStats;
 use shelfserve::actors::{start_engine, Engine, EngineOptions, InferenceEngine};
 use shelfserve::config::engine::EngineConfig;
 
@@ -526,7 +526,7 @@ async fn a_burst_of_max_num_seqs_requests_is_accepted_whole() {
     assert!(matches!(over, Err(EngineError::QueueFull { capacity, .. }) if capacity == queue), "{over:?}");
     // The agent lane has its own queue: it still accepts.
     let agent = h.engine.submit(GenerationRequest::greedy_fixed_length("agent", vec![1, 2, 3], 1000));
-    assert!(agent.is_ok(), "{:?}", agent.err());
+    assert!(agent.is_ok(), "{:?}", agent.as_ref().err());
     drop(streams);
     drop(agent);
     h.wait_idle().await;

@@ -18,7 +18,9 @@ use crate::generate::{rank_backend_makers, DeviceSelection, ResolvedKind};
 use crate::kv::PoolIdentity;
 use crate::model::ModelBundle;
 use crate::sched::admission::{Admission, LaneQueue};
-use crate::sched::{align_budget_to_pages, DeviceDefaults, LaneTarget, Pacing, PolicyConfig, StepCostModel, COST_DECAY};
+use crate::sched::{
+    align_budget_to_pages, DeviceDefaults, LaneTarget, Pacing, PolicyConfig, StepCostModel, COST_DECAY,
+};
 use crate::spec::draft_model::{DraftModelOptions, VocabIdentity};
 use crate::spec::SpeculativeMethod;
 

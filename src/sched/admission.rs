@@ -86,10 +86,7 @@ mod tests {
 
     /// voice (priority 10, queue 4) and agent (priority 0, queue 8), 6 sequence slots.
     fn admission() -> Admission {
-        Admission::new(
-            vec![LaneQueue { priority: 10, max_queue: 4 }, LaneQueue { priority: 0, max_queue: 8 }],
-            6,
-        )
+        Admission::new(vec![LaneQueue { priority: 10, max_queue: 4 }, LaneQueue { priority: 0, max_queue: 8 }], 6)
     }
 
     #[test]

@@ -14,9 +14,9 @@ pub mod policy;
 pub mod pooled;
 pub mod types;
 
-pub use policy::{NewSeq, PlannedSeq, Planner, PolicyConfig, PolicyError, SeqId, SeqView, StepPlanOut};
 pub use cost::{StepCost, StepCostModel, StepShape};
 pub use pacing::{DeviceDefaults, LaneTarget, Pacing, StepCap, COST_DECAY};
+pub use policy::{NewSeq, PlannedSeq, Planner, PolicyConfig, PolicyError, SeqId, SeqView, StepPlanOut};
 pub use pooled::Policy;
 
 /// Corrects a step budget so prefill chunks fill whole pages: chunks never cross a page boundary,

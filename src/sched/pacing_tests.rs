@@ -8,7 +8,8 @@ use crate::sched::{LaneTarget, Pacing, PolicyConfig, SeqId, StepCost, StepCostMo
 const VOICE: i32 = 10;
 const AGENT: i32 = 0;
 /// 10 ms a step, 1 ms a prefill token, 2 ms a decode; attention free (simple arithmetic).
-const COST: StepCost = StepCost { fixed: 0.010, per_prefill_token: 0.001, per_decode_seq: 0.002, per_million_attended: 0.0 };
+const COST: StepCost =
+    StepCost { fixed: 0.010, per_prefill_token: 0.001, per_decode_seq: 0.002, per_million_attended: 0.0 };
 const TARGET: LaneTarget = LaneTarget { priority: VOICE, ttft: 0.200, itl: 0.050 };
 
 fn policy(paced: bool) -> Policy {
@@ -36,7 +37,8 @@ fn add(p: &mut Policy, id: SeqId, priority: i32, prompt_len: usize, max_tokens: 
 /// Plans and completes one step (every sequence that wants logits samples token 7).
 fn step(p: &mut Policy) -> StepPlanOut {
     let plan = p.plan_step().expect("something to plan");
-    let sampled: Vec<(SeqId, Vec<u32>)> = plan.seqs.iter().filter(|s| s.wants_logits).map(|s| (s.id, vec![7])).collect();
+    let sampled: Vec<(SeqId, Vec<u32>)> =
+        plan.seqs.iter().filter(|s| s.wants_logits).map(|s| (s.id, vec![7])).collect();
     p.on_step_done(&sampled, &[]);
     p.assert_accounting();
     plan

@@ -432,7 +432,7 @@ impl Planner {
         }
 
         // 3. Drafts from what is left.
-        self.plan_drafts(&mut b);
+        self.plan_drafts(&mut b, &active);
 
         if b.planned.is_empty() && b.preempted.is_empty() {
             return None;
@@ -877,7 +877,7 @@ impl Planner {
 
     /// Step 3: attach drafts to planned decodes from leftover budget and available blocks, then
     /// drop every unused draft (drafts are for one step).
-    fn plan_drafts(&mut self, b: &mut StepBuild) {
+    fn plan_drafts(&mut self, b: &mut StepBuild, active: &BTreeSet<i32>) {
         if self.with_draft.is_empty() {
             return;
         }
@@ -894,7 +894,10 @@ impl Planner {
             }
             let fit = ((seq.held + self.avail) * bs).saturating_sub(start + 1);
             let page_cap = max_drafts_before_page_end(start, self.cfg.page_tokens, self.cfg.recurrent_state);
-            let d = seq.draft.len().min(b.budget).min(fit).min(page_cap);
+            // Drafts cost like prefill tokens: a lane above with targets bounds them too.
+            let cap = self.pacing.as_ref().and_then(|pc| pc.step_cap(seq.priority, |prio| active.contains(&prio)));
+            let paced = self.paced_allowance(cap.as_ref(), b, start + 1);
+            let d = seq.draft.len().min(b.budget).min(fit).min(page_cap).min(paced);
             if d == 0 {
                 continue;
             }
