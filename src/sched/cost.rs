@@ -54,10 +54,12 @@ fn attended_by(start: usize, n: usize) -> u64 {
 const FEATURES: usize = 4;
 /// Attended positions are counted in millions in the fit, so every feature is of order 1–10^4.
 const ATTENDED_UNIT: f64 = 1e6;
-/// A typical magnitude per feature: the ridge prior weighs as a tenth of one step of this size,
-/// so a few measured steps outweigh it wherever they say something.
+/// A typical magnitude per feature: the ridge prior weighs as a thousandth of one step of this
+/// size. The terms are strongly correlated in real steps (long chunks attend to more positions),
+/// so a heavier prior would bias every coefficient; this one only decides directions that the
+/// measured steps leave undetermined.
 const TYPICAL: [f64; FEATURES] = [1.0, 256.0, 8.0, 1.0];
-const PRIOR_WEIGHT: f64 = 0.1;
+const PRIOR_WEIGHT: f64 = 0.001;
 
 /// Seconds per unit of each term.
 #[derive(Debug, Clone, Copy, PartialEq)]
