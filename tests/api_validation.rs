@@ -181,6 +181,8 @@ fn lane() -> LaneConfig {
         speculative_row_cost: None,
         speculative_draft_cost: None,
         loop_guard: Default::default(),
+        target_ttft_ms: None,
+        target_itl_ms: None,
     }
 }
 

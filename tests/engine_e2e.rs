@@ -9,8 +9,11 @@
 //!   idle voice TTFT plus one decode step, both measured in the same test;
 //! - cancellation: a client that disconnects (streaming or not) frees its pages within a few
 //!   steps, counted in scheduler steps, not in seconds;
-//! - admission: a full lane queue answers 429 while the other lane is served; `/health` is 503
-//!   before the model is loaded (when the load is slow enough to observe);
+//! - admission: a full lane queue answers 429 while the other lane is served; a burst of
+//!   `max_num_seqs` requests is accepted whole (429 only once every slot and the lane's queue are
+//!   taken); `/health` is 503 before the model is loaded (when the load is slow enough to observe);
+//! - lane pacing: a voice request that arrives during a long agent prefill is answered before
+//!   that prefill completes (an ordering of events, not a time);
 //! - idleness: with nothing in flight the process uses under 1% of one core over 5 s.
 //!
 //! Tests run one at a time (`SERIAL`): they measure time and CPU, and CI has two cores.
@@ -25,6 +28,7 @@ use common::engine::wait_ready;
 use common::serve::{blocking, on_free_ports, Lanes};
 use e2e_http::{ms, percentile, Streamed, Target};
 use serde_json::{json, Value};
+use shelfserve::actors::handle::{EngineError, GenerationRequest};
 use shelfserve::actors::scheduler::SchedulerStats;
 use shelfserve::actors::{start_engine, Engine, EngineOptions, InferenceEngine};
 use shelfserve::config::engine::EngineConfig;
@@ -483,6 +487,102 @@ async fn full_lane_queue_answers_429_and_other_lanes_are_served() {
     assert_eq!(again.status, 200, "{}", again.text());
     let s = h.stats().await;
     eprintln!("after the queue drained: {s:?}");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_max_num_seqs_requests_is_accepted_whole() {
+    let _serial = SERIAL.lock().await;
+    // The reported case: `--max-num-seqs 96` and the voice lane's queue of 64 answered 31 of 96
+    // simultaneous requests with 429, because running requests counted against the queue.
+    const SEQS: usize = 96;
+    let mut cfg = config();
+    cfg.scheduler.max_num_seqs = SEQS;
+    let queue = cfg.lane("voice").expect("voice lane").max_queue;
+    let Some(h) = Harness::start(cfg).await else { return };
+    let start = Arc::new(std::sync::Barrier::new(SEQS));
+    let clients: Vec<_> = (0..SEQS)
+        .map(|i| {
+            let (target, start) = (h.voice.clone(), Arc::clone(&start));
+            std::thread::spawn(move || {
+                start.wait();
+                let r = target.post(CHAT, &chat(QUESTIONS[i % QUESTIONS.len()], 1)).expect("send");
+                (r.status, r.text())
+            })
+        })
+        .collect();
+    let answers = blocking(move || clients.into_iter().map(|c| c.join().expect("client")).collect::<Vec<_>>()).await;
+    let refused: Vec<&(u16, String)> = answers.iter().filter(|(status, _)| *status != 200).collect();
+    assert!(refused.is_empty(), "{} of {SEQS} burst requests refused, e.g. {:?}", refused.len(), refused.first());
+    h.wait_idle().await;
+
+    // Exactly the slots plus the lane's queue are accepted at once; the next one is refused.
+    let mut streams = Vec::new();
+    for i in 0..SEQS + queue {
+        let req = GenerationRequest::greedy_fixed_length("voice", vec![1, 2, 3, 4 + i as u32 % 50], 1000);
+        streams.push(h.engine.submit(req).unwrap_or_else(|e| panic!("request {i} refused: {e}")));
+    }
+    let over = h.engine.submit(GenerationRequest::greedy_fixed_length("voice", vec![1, 2, 3], 1000));
+    assert!(matches!(over, Err(EngineError::QueueFull { capacity, .. }) if capacity == queue), "{over:?}");
+    // The agent lane has its own queue: it still accepts.
+    let agent = h.engine.submit(GenerationRequest::greedy_fixed_length("agent", vec![1, 2, 3], 1000));
+    assert!(agent.is_ok(), "{:?}", agent.as_ref().err());
+    drop(streams);
+    drop(agent);
+    h.wait_idle().await;
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_voice_request_during_a_long_agent_prefill_is_answered_before_that_prefill_completes() {
+    let _serial = SERIAL.lock().await;
+    // Voice targets far below what two cores can do, so the outcome does not depend on this
+    // machine's speed: while voice is idle the agent prefill moves by the smallest chunk a step,
+    // and while voice has work it pauses at its chunk boundary.
+    let mut cfg = config();
+    for lane in cfg.lanes.iter_mut().filter(|l| l.name == "voice") {
+        lane.target_ttft_ms = Some(1.0);
+        lane.target_itl_ms = Some(1.0);
+    }
+    let Some(h) = Harness::start(cfg).await else { return };
+    let events: Arc<std::sync::Mutex<Vec<&'static str>>> = Arc::default();
+    // About 1,500 prompt tokens: six page-sized chunks without pacing.
+    let mut body = stream_chat(&"The quick brown fox jumps over the lazy dog. ".repeat(150), 1);
+    body["ignore_eos"] = json!(true);
+    let (target, log) = (h.agent.clone(), Arc::clone(&events));
+    let agent = std::thread::spawn(move || {
+        let mut s = target.stream(CHAT, &body).expect("send").expect("200");
+        s.read_tokens(1).expect("agent token");
+        log.lock().expect("log").push("agent first token");
+        s.finish().expect("agent stream")
+    });
+    // The agent prefill is under way: steps ran, the agent holds its sequence, no token yet.
+    let start = Instant::now();
+    loop {
+        let s = h.stats().await;
+        if s.steps >= 2 && s.running == 1 {
+            break;
+        }
+        assert!(start.elapsed() < PATIENCE, "the agent prefill never started: {s:?}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert!(events.lock().expect("log").is_empty(), "the agent prompt was prefilled before voice could arrive");
+    let mut voice_body = chat("Quick: what is two plus two?", 8);
+    voice_body["ignore_eos"] = json!(true);
+    let (target, log) = (h.voice.clone(), Arc::clone(&events));
+    let voice = blocking(move || {
+        let r = target.post(CHAT, &voice_body).expect("send");
+        log.lock().expect("log").push("voice answered");
+        r
+    })
+    .await;
+    assert_eq!(voice.status, 200, "{}", voice.text());
+    assert_eq!(voice.json()["usage"]["completion_tokens"], 8, "{}", voice.text());
+    let agent = blocking(move || agent.join().expect("agent thread")).await;
+    assert_eq!(agent.count, 1, "{agent:?}");
+    let order = events.lock().expect("log").clone();
+    assert_eq!(order, ["voice answered", "agent first token"], "voice must not wait for the agent prefill");
+    h.wait_idle().await;
     h.stop().await;
 }
 

@@ -2,7 +2,7 @@
 //! HTTP layer holds. Admission checks that need no round trip (unknown lane, not ready, too
 //! long, lane queue full) happen here, synchronously, so they map to status codes directly.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use ractor::{Actor, ActorRef};
@@ -14,10 +14,13 @@ use super::kvpool::PoolStats;
 use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg, SchedulerStats, SharedCounters};
 use crate::backend::KvGeometry;
 use crate::config::engine::EngineConfig;
-use crate::generate::{rank_backend_makers, DeviceSelection};
+use crate::generate::{rank_backend_makers, DeviceSelection, ResolvedKind};
 use crate::kv::PoolIdentity;
 use crate::model::ModelBundle;
-use crate::sched::{align_budget_to_pages, PolicyConfig};
+use crate::sched::admission::{Admission, LaneQueue};
+use crate::sched::{
+    align_budget_to_pages, DeviceDefaults, LaneTarget, Pacing, PolicyConfig, StepCostModel, COST_DECAY,
+};
 use crate::spec::draft_model::{DraftModelOptions, VocabIdentity};
 use crate::spec::SpeculativeMethod;
 
@@ -89,6 +92,28 @@ pub use crate::capacity::CapacityCard;
 
 /// Spawn the actors and start loading the model on the executor thread. Returns at once;
 /// `is_ready()` turns true when the weights are loaded.
+/// Lane pacing for this configuration on `device`: each lane's targets (its own, else the
+/// device's defaults) and the device's starting step cost; `None` when `lane_pacing` is off.
+pub fn lane_pacing(config: &EngineConfig, device: ResolvedKind) -> Option<Pacing> {
+    if !config.scheduler.lane_pacing {
+        return None;
+    }
+    let d = match device {
+        ResolvedKind::Cuda => DeviceDefaults::CUDA,
+        ResolvedKind::Cpu => DeviceDefaults::CPU,
+    };
+    let targets = config
+        .lanes
+        .iter()
+        .map(|l| LaneTarget {
+            priority: l.priority,
+            ttft: l.target_ttft_ms.map_or(d.ttft, |ms| ms / 1e3),
+            itl: l.target_itl_ms.map_or(d.itl, |ms| ms / 1e3),
+        })
+        .collect();
+    Some(Pacing::new(targets, StepCostModel::new(d.cost, COST_DECAY), config.scheduler.block_size))
+}
+
 pub async fn start_engine(
     bundle: ModelBundle,
     config: EngineConfig,
@@ -119,7 +144,10 @@ pub async fn start_engine(
     };
     let counters = Arc::new(SharedCounters {
         ready: AtomicBool::new(false),
-        queued: config.lanes.iter().map(|_| AtomicUsize::new(0)).collect(),
+        admission: parking_lot::Mutex::new(Admission::new(
+            config.lanes.iter().map(|l| LaneQueue { priority: l.priority, max_queue: l.max_queue }).collect(),
+            s.max_num_seqs,
+        )),
         failed: parking_lot::Mutex::new(None),
     });
     let budget =
@@ -205,6 +233,7 @@ pub async fn start_engine(
             pool_identity,
             spill,
             world: makers.len(),
+            pacing: lane_pacing(&config, device.kind),
         },
     )
     .await
@@ -331,14 +360,12 @@ impl InferenceEngine for Engine {
             });
         }
         let lane = &self.config.lanes[lane_idx];
-        let queued = &self.counters.queued[lane_idx];
-        if queued.fetch_add(1, Ordering::SeqCst) >= lane.max_queue {
-            queued.fetch_sub(1, Ordering::SeqCst);
-            return Err(EngineError::QueueFull { lane: lane.name.clone(), capacity: lane.max_queue });
+        if let Err(full) = self.counters.admission.lock().try_admit(lane_idx) {
+            return Err(EngineError::QueueFull { lane: lane.name.clone(), capacity: full.capacity });
         }
         let (tx, rx) = tokio::sync::mpsc::channel(EVENT_BUFFER);
         if self.scheduler.cast(SchedulerMsg::Submit { req, lane: lane_idx, events: tx }).is_err() {
-            queued.fetch_sub(1, Ordering::SeqCst);
+            self.counters.admission.lock().release(lane_idx);
             return Err(EngineError::ShuttingDown);
         }
         Ok(rx)

@@ -6,8 +6,9 @@
 //! `RequestActor`). It never touches tensors or block ids beyond forwarding them.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::mpsc::Sender;
@@ -23,7 +24,8 @@ use crate::backend::KvGeometry;
 use crate::config::engine::LaneConfig;
 use crate::kv::{KvPool, KvPoolConfig, PoolIdentity, PoolReply};
 use crate::sampling::{PenaltyState, SamplingParams};
-use crate::sched::{NewSeq, Planner, PolicyConfig, SeqId, StepPlanOut};
+use crate::sched::admission::Admission;
+use crate::sched::{NewSeq, Pacing, Planner, PolicyConfig, SeqId, StepPlanOut, StepShape};
 use crate::spec::stats::AcceptanceStats;
 use crate::tokenizer::TokenizerBundle;
 
@@ -87,8 +89,9 @@ pub struct SchedulerStats {
 /// Shared with the engine handle: what admission control reads without a round trip.
 pub struct SharedCounters {
     pub ready: AtomicBool,
-    /// Requests per lane that have not produced a token yet (the bounded queue).
-    pub queued: Vec<AtomicUsize>,
+    /// Accepted requests per lane that have not ended: HTTP handlers accept through it (429 when
+    /// neither a sequence slot nor the lane's queue can hold one more), the scheduler releases.
+    pub admission: parking_lot::Mutex<Admission>,
     /// Set when the executor failed: new work is refused with this message.
     pub failed: parking_lot::Mutex<Option<String>>,
 }
@@ -108,6 +111,9 @@ pub struct SchedulerArgs {
     pub world: usize,
     /// The opened spill store (taken when the executor is ready); `None` = spill off.
     pub spill: Option<crate::spill::SpillStore>,
+    /// Lane latency targets and the starting step cost (given to the planner when it is built);
+    /// `None` = lane pacing off.
+    pub pacing: Option<Pacing>,
 }
 
 struct LiveSeq {
@@ -119,13 +125,17 @@ struct LiveSeq {
     prompt_len: usize,
     max_tokens: usize,
     generated: usize,
-    queued: bool,
+    /// Counted in `SharedCounters::admission` until it ends.
+    admitted: bool,
     /// Draft tokens per step for this sequence's lane (0 = no speculation).
     spec_k: usize,
     /// Leading tokens of the sequence the drafter has already been given.
     drafter_len: usize,
     /// The first admission's prefix hit was reported to the request (usage.cached_tokens).
     hit_reported: bool,
+    /// When the scheduler received it, and when it last emitted tokens (lane target metrics).
+    arrived: Instant,
+    last_emit: Option<Instant>,
 }
 
 pub struct SchedulerState {
@@ -146,6 +156,8 @@ pub struct SchedulerState {
     /// Executors that reported ready, by rank, until the whole group has.
     joining: Vec<Option<ActorRef<ExecutorMsg>>>,
     in_flight: bool,
+    /// What the step in flight computes (timed by the executor, it refits the step cost model).
+    in_flight_shape: StepShape,
     next_step: u64,
     next_seq: SeqId,
     live: HashMap<SeqId, LiveSeq>,
@@ -154,6 +166,8 @@ pub struct SchedulerState {
     /// Hybrid models with the prefix cache on: the page size at whose boundaries the executor
     /// snapshots recurrent state (0 = no snapshots).
     snapshot_page: usize,
+    /// Per lane (by index), its latency targets when lane pacing is on (empty when off).
+    targets: Vec<LaneTargetSecs>,
 }
 
 pub struct SchedulerActor;
@@ -166,17 +180,18 @@ fn uses_penalties(p: &SamplingParams) -> bool {
 }
 
 impl SchedulerState {
-    fn dequeue(&mut self, id: SeqId) {
+    /// The request no longer counts against admission (it ended, failed or was cancelled).
+    fn release_admission(&mut self, id: SeqId) {
         if let Some(l) = self.live.get_mut(&id) {
-            if l.queued {
-                l.queued = false;
-                self.args.counters.queued[l.lane].fetch_sub(1, Ordering::SeqCst);
+            if l.admitted {
+                l.admitted = false;
+                self.args.counters.admission.lock().release(l.lane);
             }
         }
     }
 
     fn end(&mut self, id: SeqId, reason: FinishReason) {
-        self.dequeue(id);
+        self.release_admission(id);
         if let Some(l) = self.live.remove(&id) {
             self.forget_drafts(id, &l);
             let _ = l.request.cast(RequestMsg::Finished { reason });
@@ -239,7 +254,7 @@ impl SchedulerState {
     }
 
     fn fail(&mut self, id: SeqId, err: EngineError) {
-        self.dequeue(id);
+        self.release_admission(id);
         if let Some(p) = self.policy.as_mut() {
             p.abort(id);
         }
@@ -250,7 +265,7 @@ impl SchedulerState {
     }
 
     fn cancel(&mut self, id: SeqId) {
-        self.dequeue(id);
+        self.release_admission(id);
         if let Some(l) = self.live.remove(&id) {
             self.forget_drafts(id, &l);
         }
@@ -357,6 +372,7 @@ impl SchedulerState {
             })
             .collect();
         self.next_step += 1;
+        self.in_flight_shape = out.shape;
         let plan = StepPlan { step_id: self.next_step, seqs };
         let followers_sent = self.followers.iter().all(|f| f.cast(ExecutorMsg::Run(plan.clone())).is_ok());
         if followers_sent && exec.cast(ExecutorMsg::Run(plan)).is_ok() {
@@ -385,6 +401,9 @@ impl SchedulerState {
         let kind = if r.prefill_tokens > 0 { "prefill" } else { "decode" };
         metrics::histogram!("shelfserve_step_duration_seconds", "kind" => kind).record(r.elapsed.as_secs_f64());
         let Some(policy) = self.policy.as_mut() else { return };
+        if r.error.is_none() {
+            policy.observe_step(&self.in_flight_shape, r.elapsed.as_secs_f64());
+        }
         if let Some(err) = r.error {
             tracing::error!(step = r.step_id, error = %err, "step failed");
             for id in policy.on_step_failed() {
@@ -394,6 +413,7 @@ impl SchedulerState {
         }
         let mut sampled = Vec::with_capacity(r.sampled.len());
         let mut ended: Vec<(SeqId, FinishReason)> = Vec::new();
+        let now = Instant::now();
         for (id, step) in r.sampled {
             let Some(l) = self.live.get_mut(&id) else { continue };
             if step.drafted > 0 {
@@ -425,8 +445,11 @@ impl SchedulerState {
                     break;
                 }
             }
-            if !infos.is_empty() && l.request.cast(RequestMsg::Tokens(infos)).is_err() {
-                finish = Some(FinishReason::Stop);
+            if !infos.is_empty() {
+                record_lane_latency(&self.args.lanes[l.lane], self.targets.get(l.lane).copied(), l, now);
+                if l.request.cast(RequestMsg::Tokens(infos)).is_err() {
+                    finish = Some(FinishReason::Stop);
+                }
             }
             if let Some(reason) = finish {
                 ended.push((id, reason));
@@ -434,10 +457,6 @@ impl SchedulerState {
             if !kept.is_empty() {
                 sampled.push((id, kept));
             }
-        }
-        // A request that produced its first token leaves its lane's queue.
-        for (id, _) in &sampled {
-            self.dequeue(*id);
         }
         let Some(policy) = self.policy.as_mut() else { return };
         let finished: Vec<SeqId> = ended.iter().map(|e| e.0).collect();
@@ -455,11 +474,53 @@ impl SchedulerState {
     fn publish_gauges(&self) {
         if let Some(p) = &self.policy {
             metrics::gauge!("shelfserve_running_sequences").set(p.num_running() as f64);
+            if let Some(pacing) = p.pacing() {
+                let c = pacing.model().cost();
+                for (term, v) in [
+                    ("fixed", c.fixed),
+                    ("per_prefill_token", c.per_prefill_token),
+                    ("per_decode_seq", c.per_decode_seq),
+                    ("per_million_attended", c.per_million_attended),
+                ] {
+                    metrics::gauge!("shelfserve_step_cost_seconds", "term" => term).set(v);
+                }
+            }
         }
-        for (lane, n) in self.args.lanes.iter().zip(&self.args.counters.queued) {
-            metrics::gauge!("shelfserve_queue_depth", "lane" => lane.name.clone()).set(n.load(Ordering::SeqCst) as f64);
+        let admission = self.args.counters.admission.lock();
+        for (i, lane) in self.args.lanes.iter().enumerate() {
+            metrics::gauge!("shelfserve_queue_depth", "lane" => lane.name.clone()).set(admission.waiting(i) as f64);
         }
     }
+}
+
+/// Per-lane time to first token (from the scheduler's receipt) and its target misses; gaps between
+/// emissions over `target_itl` count as ITL misses.
+fn record_lane_latency(lane: &LaneConfig, target: Option<LaneTargetSecs>, l: &mut LiveSeq, now: Instant) {
+    match l.last_emit {
+        None => {
+            let ttft = now.duration_since(l.arrived).as_secs_f64();
+            metrics::histogram!("shelfserve_lane_ttft_seconds", "lane" => lane.name.clone()).record(ttft);
+            if target.is_some_and(|t| ttft > t.ttft) {
+                metrics::counter!("shelfserve_lane_target_misses_total", "lane" => lane.name.clone(), "target" => "ttft")
+                    .increment(1);
+            }
+        }
+        Some(prev) => {
+            let gap = now.duration_since(prev).as_secs_f64();
+            if target.is_some_and(|t| gap > t.itl) {
+                metrics::counter!("shelfserve_lane_target_misses_total", "lane" => lane.name.clone(), "target" => "itl")
+                    .increment(1);
+            }
+        }
+    }
+    l.last_emit = Some(now);
+}
+
+/// A lane's targets in seconds (index = lane), for the miss counters.
+#[derive(Clone, Copy, Debug)]
+struct LaneTargetSecs {
+    ttft: f64,
+    itl: f64,
 }
 
 impl Actor for SchedulerActor {
@@ -473,7 +534,17 @@ impl Actor for SchedulerActor {
         args: SchedulerArgs,
     ) -> Result<SchedulerState, ActorProcessingErr> {
         let world = args.world;
+        let targets = match &args.pacing {
+            Some(p) => args
+                .lanes
+                .iter()
+                .filter_map(|l| p.targets().iter().find(|t| t.priority == l.priority))
+                .map(|t| LaneTargetSecs { ttft: t.ttft, itl: t.itl })
+                .collect(),
+            None => Vec::new(),
+        };
         Ok(SchedulerState {
+            targets,
             args,
             policy: None,
             pool: None,
@@ -484,6 +555,7 @@ impl Actor for SchedulerActor {
             ranks: RankBook::new(world),
             joining: vec![None; world.max(1)],
             in_flight: false,
+            in_flight_shape: StepShape::default(),
             next_step: 0,
             next_seq: 0,
             live: HashMap::new(),
@@ -532,13 +604,15 @@ impl Actor for SchedulerActor {
                         prompt_len: req.prompt.len(),
                         max_tokens: req.max_tokens,
                         generated: 0,
-                        queued: true,
+                        admitted: true,
                         spec_k: match st.args.lanes[lane].speculative {
                             crate::spec::SpeculativeMethod::None => 0,
                             _ => st.args.lanes[lane].num_speculative_tokens,
                         },
                         drafter_len: 0,
                         hit_reported: false,
+                        arrived: Instant::now(),
+                        last_emit: None,
                     },
                 );
                 if let Some(e) = failed {
@@ -634,7 +708,9 @@ impl Actor for SchedulerActor {
                     snapshot_bytes: state_slot_bytes,
                 };
                 let mut pool = KvPool::new(pool_cfg, &st.args.pool_identity).map_err(|e| e.to_string())?;
-                st.policy = Some(Planner::new(cfg.clone()).map_err(|e| e.to_string())?);
+                let mut planner = Planner::new(cfg.clone()).map_err(|e| e.to_string())?;
+                planner.set_pacing(st.args.pacing.take());
+                st.policy = Some(planner);
                 let executor = st.executor.clone().ok_or("no executor is attached")?;
                 let store = st.args.spill.take().filter(|_| cfg.page_tokens > 0);
                 let spill = match store {

@@ -219,6 +219,10 @@ impl ResponseError for ApiError {
             }
             _ => {}
         }
+        if matches!(self, ApiError::Engine { err: EngineError::QueueFull { .. }, .. }) {
+            // Every slot and the lane's queue are taken: a running request ends within seconds.
+            resp.insert_header(("Retry-After", "1"));
+        }
         resp.content_type("application/json").body(self.to_json())
     }
 }
@@ -248,6 +252,14 @@ mod tests {
             let v = json(&e);
             assert_eq!(v["error"]["code"], err.kind(), "{v}");
         }
+    }
+
+    #[test]
+    fn a_full_queue_tells_the_client_when_to_retry() {
+        let full = ApiError::engine(EngineError::QueueFull { lane: "voice".into(), capacity: 4 }, None);
+        assert_eq!(full.error_response().headers().get("Retry-After").map(|v| v.to_str().unwrap()), Some("1"));
+        let other = ApiError::engine(EngineError::ShuttingDown, None);
+        assert!(other.error_response().headers().get("Retry-After").is_none());
     }
 
     #[test]

@@ -279,6 +279,8 @@ mod tests {
             speculative_row_cost: None,
             speculative_draft_cost: None,
             loop_guard: Default::default(),
+            target_ttft_ms: None,
+            target_itl_ms: None,
         }
     }
 

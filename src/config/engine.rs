@@ -50,6 +50,15 @@ pub struct LaneConfig {
     /// Stop generations that repeat one span (default on: 3 copies of >= 32 tokens).
     #[serde(default)]
     pub loop_guard: LoopGuardConfig,
+    /// Time to first token this lane aims at, in ms: lower-priority prefill is sized by the
+    /// measured step cost so that a request arriving here meets it (`sched::pacing`). Unset: the
+    /// device's default (CPU 300, CUDA 50).
+    #[serde(default)]
+    pub target_ttft_ms: Option<f64>,
+    /// Gap between tokens this lane aims at, in ms: while the lane has work, no step carrying
+    /// lower-priority prefill lasts longer. Unset: the device's default (CPU 150, CUDA 20).
+    #[serde(default)]
+    pub target_itl_ms: Option<f64>,
 }
 
 fn default_num_speculative_tokens() -> usize {
@@ -85,10 +94,19 @@ pub struct SchedulerConfig {
     /// rank; vLLM's `--gpu-memory-utilization`. Ignored on the CPU.
     #[serde(default = "default_gpu_memory_utilization")]
     pub gpu_memory_utilization: f64,
+    /// Size lower lanes' prefill to higher lanes' latency targets (`target_ttft_ms`,
+    /// `target_itl_ms`); off plans by the token budget alone.
+    #[serde(default = "default_lane_pacing")]
+    pub lane_pacing: bool,
 }
 
 fn default_gpu_memory_utilization() -> f64 {
     super::layers::DEFAULT_GPU_MEMORY_UTILIZATION
+}
+
+
+fn default_lane_pacing() -> bool {
+    true
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -168,6 +186,11 @@ impl EngineConfig {
                     return Err(format!("lane `{}`: {knob} ({c}) must be in 0..=4", l.name));
                 }
             }
+            for (knob, value) in [("target_ttft_ms", l.target_ttft_ms), ("target_itl_ms", l.target_itl_ms)] {
+                if let Some(ms) = value.filter(|ms| !(ms.is_finite() && *ms > 0.0)) {
+                    return Err(format!("lane `{}`: {knob} ({ms}) must be a positive number of milliseconds", l.name));
+                }
+            }
         }
         let s = &self.scheduler;
         if !(s.gpu_memory_utilization > 0.0 && s.gpu_memory_utilization <= 1.0) {
@@ -221,6 +244,11 @@ mod tests {
         assert!(c.validate().unwrap_err().contains("speculative_draft_cost (NaN) must be in 0..=4"));
         c.lanes[0].speculative_draft_cost = Some(0.0);
         assert!(c.validate().is_ok());
+        c.lanes[0].target_itl_ms = Some(0.0);
+        assert!(c.validate().unwrap_err().contains("target_itl_ms (0) must be a positive"));
+        c.lanes[0].target_itl_ms = Some(40.0);
+        c.lanes[0].target_ttft_ms = Some(f64::INFINITY);
+        assert!(c.validate().unwrap_err().contains("target_ttft_ms (inf)"));
         let e = EngineConfig::from_toml("host = 1", "x.toml").unwrap_err().to_string();
         assert!(e.starts_with("x.toml"), "{e}");
     }

@@ -3,12 +3,19 @@
 //! `Planner` decides; it plans against a view of the KV pool and commits pool work as `PoolOp`s.
 //! The SchedulerActor holds a `Planner` and talks to the `KvPoolActor` by messages; `Policy` is the
 //! same pair composed synchronously (one `KvPool` in-process), used by tests and benches.
+//! Lane pacing (`pacing`, with the step cost model in `cost`) sizes lower lanes' prefill to higher
+//! lanes' latency targets; `admission` decides when a lane answers 429.
 
+pub mod admission;
+pub mod cost;
 pub mod drafts;
+pub mod pacing;
 pub mod policy;
 pub mod pooled;
 pub mod types;
 
+pub use cost::{StepCost, StepCostModel, StepShape};
+pub use pacing::{DeviceDefaults, LaneTarget, Pacing, StepCap, COST_DECAY};
 pub use policy::{NewSeq, PlannedSeq, Planner, PolicyConfig, PolicyError, SeqId, SeqView, StepPlanOut};
 pub use pooled::Policy;
 

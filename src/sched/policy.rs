@@ -39,6 +39,11 @@
 //!    admission) is what lets a high-priority request start at the next step while low-priority
 //!    prefills would otherwise take the whole budget. Admission stops at the first waiting
 //!    sequence that cannot be admitted, so nobody overtakes within a level.
+//!    With lane pacing on (`set_pacing`), a level's prefill chunks are also capped by time: the
+//!    step cost model predicts what the step planned so far costs, and a lower level's chunk gets
+//!    only what is left of the cap that lanes above it set (`sched::pacing`); a running prefill
+//!    whose allowance is 0 sits the step out at its chunk boundary (running, KV kept), and an
+//!    admission whose allowance is 0 waits (nobody is preempted for it).
 //! 3. Draft tokens (`set_draft`) of planned decodes, from whatever budget and free blocks are left.
 //!    Drafts never preempt anyone and never displace prefill work.
 //!
@@ -66,7 +71,9 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
+use super::cost::StepShape;
 use super::drafts::max_drafts_before_page_end;
+use super::pacing::{Pacing, StepCap};
 use crate::kv::{PoolOp, PoolReply};
 
 pub use super::types::{NewSeq, PlannedSeq, PolicyConfig, PolicyError, SeqId, SeqView, StepPlanOut};
@@ -149,6 +156,18 @@ struct StepBuild {
     preempted: Vec<SeqId>,
 }
 
+impl StepBuild {
+    /// What the step planned so far computes (admissions counted from position 0).
+    fn shape(&self) -> StepShape {
+        let mut shape = StepShape::default();
+        for p in &self.planned {
+            shape.add(p.start, p.n_base, p.wants_logits && p.n_base == 1);
+            shape.add(p.start + p.n_base, p.draft.len(), false);
+        }
+        shape
+    }
+}
+
 pub struct Planner {
     cfg: PolicyConfig,
     /// Blocks free or evictable, per the last pool view minus what planning has taken since.
@@ -170,6 +189,9 @@ pub struct Planner {
     /// Counts planned steps; tags preemptions so they are not undone in the same step.
     step: u64,
     in_flight: Option<Vec<Planned>>,
+    /// Lane latency targets and the step cost model that shrink lower lanes' prefill chunks
+    /// (`sched::pacing`); `None` plans by the token budget alone.
+    pacing: Option<Pacing>,
 }
 
 impl std::fmt::Debug for Planner {
@@ -200,7 +222,33 @@ impl Planner {
             next_admission: 0,
             step: 0,
             in_flight: None,
+            pacing: None,
         })
+    }
+
+    /// Turns lane pacing on (or off with `None`): from the next step, prefill below a lane with
+    /// latency targets is sized by the step cost model (see `sched::pacing`).
+    pub fn set_pacing(&mut self, pacing: Option<Pacing>) {
+        self.pacing = pacing;
+    }
+
+    pub fn pacing(&self) -> Option<&Pacing> {
+        self.pacing.as_ref()
+    }
+
+    /// A dispatched step of this shape took `secs` on the device: refits the step cost model.
+    pub fn observe_step(&mut self, shape: &StepShape, secs: f64) {
+        if let Some(p) = self.pacing.as_mut() {
+            p.observe(shape, secs);
+        }
+    }
+
+    /// Tokens a prefill chunk of a paced level may take, starting at `start`.
+    fn paced_allowance(&self, cap: Option<&StepCap>, b: &StepBuild, start: usize) -> usize {
+        match (cap, &self.pacing) {
+            (Some(cap), Some(pacing)) => pacing.chunk_allowance(cap, &b.shape(), start),
+            _ => usize::MAX,
+        }
     }
 
     pub fn config(&self) -> &PolicyConfig {
@@ -262,6 +310,9 @@ impl Planner {
             });
         }
         let prompt_len = seq.prompt.len();
+        if let Some(p) = self.pacing.as_mut() {
+            p.note_arrival(seq.priority, prompt_len);
+        }
         self.pending.push(PoolOp::Register { seq: seq.id, tokens: seq.prompt.clone() });
         self.seqs.insert(
             seq.id,
@@ -341,8 +392,14 @@ impl Planner {
         levels.extend(
             self.running.iter().filter(|(_, id)| self.seqs.get(id).is_some_and(|s| !s.is_decode())).map(|(k, _)| k.0),
         );
+        // Priorities with work waiting or running: their lanes' targets bound lower prefill.
+        let active: BTreeSet<i32> = match self.pacing {
+            Some(_) => self.waiting.keys().chain(self.running.iter().map(|(k, _)| &k.0)).map(|r| r.0).collect(),
+            None => BTreeSet::new(),
+        };
         let mut admitting = true;
         'levels: for level in levels {
+            let cap = self.pacing.as_ref().and_then(|p| p.step_cap(level.0, |prio| active.contains(&prio)));
             let mids: Vec<SeqId> = self
                 .running
                 .iter()
@@ -355,6 +412,11 @@ impl Planner {
                 }
                 let Some(seq) = self.seqs.get(&id) else { continue };
                 let want = (seq.tokens.len() - seq.num_computed).min(b.budget);
+                // Paused at this chunk boundary (its KV kept) when a lane above needs the time.
+                let want = want.min(self.paced_allowance(cap.as_ref(), &b, seq.num_computed));
+                if want == 0 {
+                    continue;
+                }
                 self.plan_running(id, want, &mut b);
             }
             while admitting {
@@ -363,14 +425,14 @@ impl Planner {
                 }
                 let Some(&id) = self.waiting.get(&level).and_then(VecDeque::front) else { break };
                 let preempted_now = self.seqs.get(&id).is_some_and(|s| s.preempted_at == Some(self.step));
-                if preempted_now || !self.admit(id, &mut b) {
+                if preempted_now || !self.admit(id, cap.as_ref(), &mut b) {
                     admitting = false;
                 }
             }
         }
 
         // 3. Drafts from what is left.
-        self.plan_drafts(&mut b);
+        self.plan_drafts(&mut b, &active);
 
         if b.planned.is_empty() && b.preempted.is_empty() {
             return None;
@@ -459,7 +521,11 @@ impl Planner {
             }
         }
         self.in_flight = Some(kept);
-        StepPlanOut { seqs: out, preempted: b.preempted, prefix_hits }
+        let mut shape = StepShape::default();
+        for s in &out {
+            shape.add(s.start_pos, s.tokens.len(), s.is_decode() && s.num_draft == 0);
+        }
+        StepPlanOut { seqs: out, preempted: b.preempted, prefix_hits, shape }
     }
 
     /// Records the results of the step in flight. `sampled` holds, for each sequence that wanted
@@ -674,9 +740,14 @@ impl Planner {
         b.budget -= n;
     }
 
-    /// Admits the head of a waiting queue with a first chunk. False when it cannot start now.
-    fn admit(&mut self, id: SeqId, b: &mut StepBuild) -> bool {
+    /// Admits the head of a waiting queue with a first chunk (at most what the lane pacing `cap`
+    /// allows). False when it cannot start now.
+    fn admit(&mut self, id: SeqId, cap: Option<&StepCap>, b: &mut StepBuild) -> bool {
         let Some(prio) = self.seqs.get(&id).map(|s| s.priority) else { return false };
+        let allowance = self.paced_allowance(cap, b, 0);
+        if allowance == 0 {
+            return false;
+        }
         // Counts as admitted after everyone running: only strictly lower priorities are behind it.
         let key = (Reverse(prio), u64::MAX);
         if self.running.len() >= self.cfg.max_num_seqs {
@@ -688,7 +759,7 @@ impl Planner {
             }
         }
         let Some(len) = self.seqs.get(&id).map(|s| s.tokens.len()) else { return false };
-        let n = self.make_room(id, key, len.min(b.budget).min(self.page_room(0)), b);
+        let n = self.make_room(id, key, len.min(b.budget).min(self.page_room(0)).min(allowance), b);
         if n == 0 {
             return false;
         }
@@ -806,7 +877,7 @@ impl Planner {
 
     /// Step 3: attach drafts to planned decodes from leftover budget and available blocks, then
     /// drop every unused draft (drafts are for one step).
-    fn plan_drafts(&mut self, b: &mut StepBuild) {
+    fn plan_drafts(&mut self, b: &mut StepBuild, active: &BTreeSet<i32>) {
         if self.with_draft.is_empty() {
             return;
         }
@@ -823,7 +894,10 @@ impl Planner {
             }
             let fit = ((seq.held + self.avail) * bs).saturating_sub(start + 1);
             let page_cap = max_drafts_before_page_end(start, self.cfg.page_tokens, self.cfg.recurrent_state);
-            let d = seq.draft.len().min(b.budget).min(fit).min(page_cap);
+            // Drafts cost like prefill tokens: a lane above with targets bounds them too.
+            let cap = self.pacing.as_ref().and_then(|pc| pc.step_cap(seq.priority, |prio| active.contains(&prio)));
+            let paced = self.paced_allowance(cap.as_ref(), b, start + 1);
+            let d = seq.draft.len().min(b.budget).min(fit).min(page_cap).min(paced);
             if d == 0 {
                 continue;
             }

@@ -59,6 +59,16 @@ impl Policy {
         known
     }
 
+    /// See `Planner::set_pacing`.
+    pub fn set_pacing(&mut self, pacing: Option<super::Pacing>) {
+        self.planner.set_pacing(pacing);
+    }
+
+    /// See `Planner::observe_step`.
+    pub fn observe_step(&mut self, shape: &super::StepShape, secs: f64) {
+        self.planner.observe_step(shape, secs);
+    }
+
     pub fn set_draft(&mut self, id: SeqId, draft: Vec<u32>) -> usize {
         self.planner.set_draft(id, draft)
     }
@@ -143,3 +153,7 @@ impl Policy {
 #[cfg(test)]
 #[path = "policy_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "pacing_tests.rs"]
+mod pacing_tests;

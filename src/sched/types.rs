@@ -97,6 +97,8 @@ pub struct StepPlanOut {
     pub preempted: Vec<SeqId>,
     /// Sequences admitted by this step and the tokens the prefix cache served them.
     pub prefix_hits: Vec<(SeqId, usize)>,
+    /// What the step computes, for the step cost model (`Planner::observe_step` with its time).
+    pub shape: crate::sched::cost::StepShape,
 }
 
 impl StepPlanOut {
