@@ -56,6 +56,9 @@ pub struct ServeArgs {
     /// [default: 0.90].
     #[arg(long, env = "SHELFSERVE_GPU_MEMORY_UTILIZATION")]
     pub gpu_memory_utilization: Option<f64>,
+    /// Size lower lanes' prefill to higher lanes' latency targets (`true`/`false`) [default: true].
+    #[arg(long, env = "SHELFSERVE_LANE_PACING", value_name = "BOOL")]
+    pub lane_pacing: Option<bool>,
     /// Speculative decoding for every lane: `none`, `ngram` (model-free suffix match) or
     /// `draft:PATH`; overrides each lane's `speculative` in the configuration.
     #[arg(long, env = "SHELFSERVE_SPECULATIVE")]
@@ -151,6 +154,7 @@ impl ServeArgs {
             spill_dir: self.spill_dir.clone(),
             spill_budget: self.spill_budget,
             gpu_memory_utilization: self.gpu_memory_utilization,
+            lane_pacing: self.lane_pacing,
         }
     }
 

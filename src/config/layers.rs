@@ -68,6 +68,7 @@ pub struct SchedulerKnobs {
     pub spill_dir: Option<String>,
     pub spill_budget: Option<u64>,
     pub gpu_memory_utilization: Option<f64>,
+    pub lane_pacing: Option<bool>,
 }
 
 /// GPU scheduler defaults: a step wide enough to keep an H200 busy at 256 decoding streams
@@ -96,6 +97,7 @@ pub fn device_defaults(device: DeviceClass) -> SchedulerKnobs {
         spill_dir: None,
         spill_budget: Some(0),
         gpu_memory_utilization: Some(DEFAULT_GPU_MEMORY_UTILIZATION),
+        lane_pacing: Some(true),
     }
 }
 
@@ -180,6 +182,7 @@ impl EngineFile {
             spill_dir: pick!(spill_dir),
             spill_budget: pick!(spill_budget).unwrap_or_default(),
             gpu_memory_utilization: pick!(gpu_memory_utilization).unwrap_or(DEFAULT_GPU_MEMORY_UTILIZATION),
+            lane_pacing: pick!(lane_pacing).unwrap_or(true),
         };
         let mut lanes = self.lanes.clone();
         for lane in lanes.iter_mut().filter(|l| l.max_queue == 0) {
