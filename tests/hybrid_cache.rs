@@ -303,18 +303,21 @@ fn resuming_from_the_wrong_pages_snapshot_changes_the_output() {
     assert_ne!(wrong, fresh, "the wrong page's snapshot changes the greedy continuation");
 }
 
-/// Issue 4: the disk fills while a page is being spilled. The spill index's temporary file is a
-/// link to `/dev/full`, so the kernel answers the index write that follows the first page write
-/// with a real ENOSPC. Spill turns off with a warning, nothing half-written is ever offered for
-/// restore, and serving continues with replies equal to a fresh run.
+/// Issue 4: the disk stops taking spill writes while pages are being spilled. (It used to be a
+/// link to `/dev/full` at the index's temporary name, for a real ENOSPC; since issue 23 the spill
+/// tier never opens a file through a link, so that no longer reaches the disk.) A directory sits
+/// at the index's temporary name: it cannot be unlinked as a file nor created over, so the index
+/// write that follows the page writes fails with a real I/O error. Spill turns off with a
+/// warning, nothing written before is ever offered for restore, and serving continues with replies
+/// equal to a fresh run.
 #[cfg(target_os = "linux")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_disk_that_fills_during_a_spill_write_turns_spill_off_and_serving_continues() {
+async fn a_spill_write_that_fails_turns_spill_off_and_serving_continues() {
     let first = prompt(1, 30);
     let dir = tempfile::tempdir().expect("tmp");
     let e = engine(96, Some(dir.path())).await;
     let model_dir = std::fs::read_dir(dir.path()).expect("spill dir").next().expect("a model dir").expect("entry");
-    std::os::unix::fs::symlink("/dev/full", model_dir.path().join("index.json.tmp")).expect("link");
+    std::fs::create_dir(model_dir.path().join("index.kvidx.tmp")).expect("a directory at the index's temp name");
     let follow = first_turn_then_evict(&e, &first).await;
     // The evicted pages reached the spill tier, whose first write failed: it is off.
     let mut s = stats(&e).await;
@@ -326,7 +329,7 @@ async fn a_disk_that_fills_during_a_spill_write_turns_spill_off_and_serving_cont
         s = stats(&e).await;
     }
     assert!(s.counters.evictions >= 4, "pages were evicted: {s:?}");
-    assert_eq!(s.spilled_pages, 0, "nothing on a full disk is restorable: {s:?}");
+    assert_eq!(s.spilled_pages, 0, "nothing on a failing disk is restorable: {s:?}");
     let (reply, usage) = run(&e, follow.clone(), 10).await;
     assert_eq!(usage.cached_tokens, 0, "the evicted pages are recomputed");
     // More work after the failure: the engine keeps serving, and caching in memory.

@@ -203,7 +203,10 @@ impl ResponseError for ApiError {
 
     fn error_response(&self) -> HttpResponse {
         let status = self.status();
-        if status.is_server_error() {
+        // A 503 while the model loads or the engine drains is the expected answer (health
+        // probes poll for it), not a failure worth a warning.
+        let expected = matches!(self.kind(), "not_ready" | "shutting_down");
+        if status.is_server_error() && !expected {
             tracing::warn!(kind = self.kind(), status = status.as_u16(), "request failed: {self}");
         } else {
             tracing::debug!(kind = self.kind(), status = status.as_u16(), "request rejected: {self}");
