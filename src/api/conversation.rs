@@ -115,7 +115,7 @@ pub(crate) fn render(state: &LaneState, conv: Conversation, param: &'static str)
     if ids.is_empty() {
         return Err(ApiError::invalid(param, "the conversation renders to an empty prompt"));
     }
-    let parse_tools = use_tools.then(|| (syntax.format, conv.tools));
+    let parse_tools = use_tools.then_some((syntax.format, conv.tools));
     let needs_markers = parse_tools.is_some() || reasoning != ReasoningStart::Off;
     let (keep_special_tokens, strip) =
         if needs_markers { ReplySetup::special_tokens(tokenizer) } else { (false, Vec::new()) };

@@ -104,7 +104,6 @@ fn default_gpu_memory_utilization() -> f64 {
     super::layers::DEFAULT_GPU_MEMORY_UTILIZATION
 }
 
-
 fn default_lane_pacing() -> bool {
     true
 }

@@ -137,7 +137,8 @@ impl StepCostModel {
 
     /// The most prefill tokens starting at position `start` that add at most `secs` to a step.
     pub fn tokens_within(&self, secs: f64, start: usize) -> usize {
-        if !(secs > 0.0) {
+        // NaN included.
+        if secs.is_nan() || secs <= 0.0 {
             return 0;
         }
         // cost(n) = a·n² + b·n with a = c3 / 2M, b = c1 + c3·(start + ½) / M; increasing in n.
@@ -219,8 +220,9 @@ fn solve(mut a: [[f64; FEATURES]; FEATURES], mut y: [f64; FEATURES]) -> Option<[
         y.swap(col, pivot);
         for row in col + 1..FEATURES {
             let f = a[row][col] / a[col][col];
-            for k in col..FEATURES {
-                a[row][k] -= f * a[col][k];
+            let pivot_row = a[col];
+            for (v, p) in a[row].iter_mut().zip(pivot_row).skip(col) {
+                *v -= f * p;
             }
             y[row] -= f * y[col];
         }

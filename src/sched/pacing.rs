@@ -71,7 +71,7 @@ pub struct Pacing {
 
 impl Pacing {
     pub fn new(mut targets: Vec<LaneTarget>, model: StepCostModel, min_chunk: usize) -> Self {
-        targets.sort_by(|a, b| b.priority.cmp(&a.priority));
+        targets.sort_by_key(|t| std::cmp::Reverse(t.priority));
         Pacing { typical_prompt: vec![0.0; targets.len()], targets, model, min_chunk: min_chunk.max(1) }
     }
 

@@ -128,7 +128,7 @@ impl ToolCallParser {
         let rest = std::mem::take(&mut self.buf);
         match self.state {
             State::Scan => {
-                if !(self.after_call && rest.trim().is_empty()) && !rest.is_empty() {
+                if !(rest.is_empty() || self.after_call && rest.trim().is_empty()) {
                     out.push(Piece::Content(rest));
                 }
             }
