@@ -7,114 +7,27 @@
 //!   stream ends with an error event), and the process still exits 0.
 //! - A second signal while draining exits at once (status 1).
 
+mod binary_server;
 mod common;
 mod e2e_http;
 
-use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use e2e_http::Target;
+use binary_server::Server;
 use serde_json::{json, Value};
 
-/// Bound on starting a server and on any single HTTP read; nothing is measured against it.
+/// Bound on any wait for the server; nothing is measured against it.
 const PATIENCE: Duration = Duration::from_secs(300);
 
-/// A running `shelfserve serve` (killed if dropped while running).
-struct Server {
-    child: Child,
-    voice: SocketAddr,
-}
-
-fn strip_ansi(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut chars = s.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            chars.by_ref().find(|c| c.is_ascii_alphabetic());
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
-impl Server {
-    fn start(model: &Path, spill: &Path, shutdown_timeout: &str, label: &'static str) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_shelfserve"))
-            .arg("serve")
-            .arg("--model")
-            .arg(model)
-            .args(["--device", "cpu", "--host", "127.0.0.1", "--lane-port", "voice=0,agent=0"])
-            .args(["--page-tokens", "32", "--kv-pool-tokens", "4096", "--spill-budget", "1000000000"])
-            .arg("--spill-dir")
-            .arg(spill)
-            .args(["--shutdown-timeout", shutdown_timeout])
-            .env("SHELFSERVE_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn the shelfserve binary");
-        let stderr = child.stderr.take().expect("piped stderr");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                let line = strip_ansi(&line);
-                eprintln!("[{label}] {line}");
-                if line.contains("lane=voice") || line.contains("lane=\"voice\"") {
-                    let addr = line.split("http://").nth(1).and_then(|r| r.split('/').next()?.parse().ok());
-                    if let Some(addr) = addr {
-                        let _ = tx.send(addr);
-                    }
-                }
-            }
-        });
-        let voice = rx.recv_timeout(PATIENCE).unwrap_or_else(|_| panic!("{label}: no voice lane address"));
-        let mut server = Server { child, voice };
-        let deadline = Instant::now() + PATIENCE;
-        loop {
-            if let Some(status) = server.child.try_wait().expect("poll") {
-                panic!("{label}: exited with {status} while loading");
-            }
-            if server.target().get("/health").map(|r| r.status == 200).unwrap_or(false) {
-                return server;
-            }
-            assert!(Instant::now() < deadline, "{label}: not ready within {PATIENCE:?}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn target(&self) -> Target {
-        Target::new(self.voice, PATIENCE)
-    }
-
-    fn signal(&self, sig: i32) {
-        // SAFETY: sending a signal to our own child's pid.
-        assert_eq!(unsafe { libc::kill(self.child.id() as i32, sig) }, 0, "kill({sig})");
-    }
-
-    fn wait_exit(&mut self, within: Duration) -> ExitStatus {
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("poll") {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "the server did not exit within {within:?}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A server on the default model whose pool never evicts (so only the drain puts pages on disk),
+/// spilling to `spill`.
+fn start(model: &Path, spill: &Path, shutdown_timeout: &str, label: &'static str) -> Server {
+    let spill = spill.to_str().expect("a UTF-8 temp path");
+    let args = ["--page-tokens", "32", "--kv-pool-tokens", "4096", "--spill-budget", "1000000000"];
+    let extra: Vec<&str> =
+        args.into_iter().chain(["--spill-dir", spill, "--shutdown-timeout", shutdown_timeout]).collect();
+    Server::start(model, "default", &extra, label)
 }
 
 fn completion(prompt: &str, max_tokens: usize, stream: bool) -> Value {
@@ -137,8 +50,8 @@ fn cached_tokens(v: &Value) -> u64 {
 fn sigterm_drains_in_flight_writes_the_cache_to_disk_and_a_restart_hits_it() {
     let Some(model) = common::default_gguf() else { return };
     let spill = tempfile::tempdir().expect("tmp");
-    let mut server = Server::start(&model, spill.path(), "60", "first");
-    let first = server.target().post("/v1/completions", &completion(&conversation(), 4, false)).expect("first");
+    let mut server = start(&model, spill.path(), "60", "first");
+    let first = server.target("voice").post("/v1/completions", &completion(&conversation(), 4, false)).expect("first");
     assert_eq!(first.status, 200, "{}", first.text());
     let prompt_tokens = first.json()["usage"]["prompt_tokens"].as_u64().expect("usage");
     assert!(prompt_tokens >= 64, "a prompt of several pages: {prompt_tokens}");
@@ -146,7 +59,7 @@ fn sigterm_drains_in_flight_writes_the_cache_to_disk_and_a_restart_hits_it() {
 
     // A request streaming when the signal comes: it must finish whole.
     let mut streaming = server
-        .target()
+        .target("voice")
         .stream("/v1/completions", &completion("Count: one two", 48, true))
         .expect("send")
         .unwrap_or_else(|r| panic!("status {}", r.status));
@@ -155,7 +68,7 @@ fn sigterm_drains_in_flight_writes_the_cache_to_disk_and_a_restart_hits_it() {
     // New work is refused while draining; the server is still listening.
     let deadline = Instant::now() + PATIENCE;
     let refused = loop {
-        let r = server.target().post("/v1/completions", &completion("late", 2, false)).expect("late request");
+        let r = server.target("voice").post("/v1/completions", &completion("late", 2, false)).expect("late request");
         if r.status == 503 {
             break r;
         }
@@ -163,7 +76,7 @@ fn sigterm_drains_in_flight_writes_the_cache_to_disk_and_a_restart_hits_it() {
         assert!(Instant::now() < deadline, "never refused while draining");
     };
     assert_eq!(refused.json()["error"]["code"], "shutting_down", "{}", refused.text());
-    assert_eq!(server.target().get("/health").expect("health").status, 503);
+    assert_eq!(server.target("voice").get("/health").expect("health").status, 503);
     let done = streaming.finish().expect("the in-flight stream");
     assert!(done.done && done.error.is_none(), "finished cleanly: {done:?}");
     assert_eq!(done.finish_reason.as_deref(), Some("length"));
@@ -172,8 +85,8 @@ fn sigterm_drains_in_flight_writes_the_cache_to_disk_and_a_restart_hits_it() {
     assert!(!common::engine::spill_files(spill.path()).is_empty(), "the cached pages were written to disk");
     drop(server);
 
-    let server = Server::start(&model, spill.path(), "60", "restarted");
-    let again = server.target().post("/v1/completions", &completion(&conversation(), 4, false)).expect("again");
+    let server = start(&model, spill.path(), "60", "restarted");
+    let again = server.target("voice").post("/v1/completions", &completion(&conversation(), 4, false)).expect("again");
     assert_eq!(again.status, 200, "{}", again.text());
     let cached = cached_tokens(&again.json());
     assert!(cached >= 64, "the conversation served before the restart is a prefix-cache hit: {}", again.text());
@@ -187,9 +100,9 @@ fn a_request_past_the_shutdown_timeout_is_cancelled_and_a_second_signal_exits_at
     let spill = tempfile::tempdir().expect("tmp");
 
     // Timeout: a long request is cut off cleanly, the process still exits 0.
-    let mut server = Server::start(&model, spill.path(), "0.5", "timeout");
+    let mut server = start(&model, spill.path(), "0.5", "timeout");
     let mut long = server
-        .target()
+        .target("voice")
         .stream("/v1/completions", &completion("Once upon a time", 1500, true))
         .expect("send")
         .unwrap_or_else(|r| panic!("status {}", r.status));
@@ -204,16 +117,16 @@ fn a_request_past_the_shutdown_timeout_is_cancelled_and_a_second_signal_exits_at
     drop(server);
 
     // Second signal: no waiting for the long request.
-    let mut server = Server::start(&model, spill.path(), "600", "second-signal");
+    let mut server = start(&model, spill.path(), "600", "second-signal");
     let mut long = server
-        .target()
+        .target("voice")
         .stream("/v1/completions", &completion("Once upon a time", 1500, true))
         .expect("send")
         .unwrap_or_else(|r| panic!("status {}", r.status));
     long.read_tokens(1).expect("first token");
     server.signal(libc::SIGTERM);
     let refused_deadline = Instant::now() + PATIENCE;
-    while server.target().get("/health").map(|r| r.status).unwrap_or(0) != 503 {
+    while server.target("voice").get("/health").map(|r| r.status).unwrap_or(0) != 503 {
         assert!(Instant::now() < refused_deadline, "draining never began");
         std::thread::sleep(Duration::from_millis(10));
     }

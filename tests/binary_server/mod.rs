@@ -7,7 +7,7 @@
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -99,6 +99,29 @@ impl Server {
 
     pub fn url(&self, lane: &str) -> String {
         format!("http://{}/v1", self.addr(lane))
+    }
+
+    /// An HTTP target on `lane`.
+    pub fn target(&self, lane: &str) -> Target {
+        Target::new(self.addr(lane), PATIENCE)
+    }
+
+    /// Send `sig` to the server process.
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: sending a signal to our own child's pid.
+        assert_eq!(unsafe { libc::kill(self.child.id() as i32, sig) }, 0, "kill({sig})");
+    }
+
+    /// Its exit status, once it exits (failing if that takes longer than `within`).
+    pub fn wait_exit(&mut self, within: Duration) -> ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("poll the server") {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "the server did not exit within {within:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 }
 
