@@ -36,7 +36,9 @@ use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
 use shelfserve::actors::{start_engine, Engine, EngineOptions, InferenceEngine};
 use shelfserve::api::{bind_all, ApiOptions};
-use shelfserve::config::engine::EngineConfig;
+use shelfserve::config::engine::DEFAULT_CONFIG_TOML;
+use shelfserve::config::layers::{DeviceClass, EngineFile, ModelFamily, SchedulerKnobs};
+use shelfserve::generate::DeviceKind;
 use shelfserve::model::default_model::CacheDir;
 
 const CHAT: &str = "/v1/chat/completions";
@@ -56,6 +58,9 @@ struct Args {
     pacing: String,
     #[arg(long, default_value = "default")]
     model: String,
+    /// `cpu` or `cuda`: the engine takes that device's scheduler defaults and lane targets.
+    #[arg(long, default_value = "cpu")]
+    device: shelfserve::generate::DeviceKind,
     /// CPU threads of the engine (0 = one per core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -210,11 +215,16 @@ struct Local {
 fn start(args: &Args, pacing: bool) -> Result<Local, String> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
     let bundle = shelfserve::model::open(&args.model, &CacheDir::from_env()).map_err(|e| e.to_string())?;
-    let mut cfg = EngineConfig::builtin();
+    let class = if args.device == DeviceKind::Cuda { DeviceClass::Cuda } else { DeviceClass::Cpu };
+    let family = ModelFamily::of_model_type(&bundle.config.model_type);
+    let (mut cfg, _) = EngineFile::from_toml(DEFAULT_CONFIG_TOML, "configs/default.toml")
+        .map_err(|e| e.to_string())?
+        .resolve(&SchedulerKnobs::default(), None, family, class)?;
     cfg.scheduler.lane_pacing = pacing;
     cfg.host = "127.0.0.1".into();
     cfg.lanes.iter_mut().for_each(|l| l.port = 0);
-    let device = shelfserve::generate::DeviceSelection { threads: args.threads, ..Default::default() };
+    let device =
+        shelfserve::generate::DeviceSelection { kind: args.device, threads: args.threads, ..Default::default() };
     let (engine, servers, addrs) = rt.block_on(async {
         let engine = start_engine(bundle, cfg.clone(), EngineOptions { device, served_model_name: "default".into() })
             .await

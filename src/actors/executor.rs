@@ -128,8 +128,9 @@ pub struct WorkspaceProbe {
 }
 
 /// Run one prefill of `probe.tokens` tokens (clamped to the pool) in fresh blocks and measure how
-/// much device memory the step's buffers took, against the reserve. The scratch stays allocated,
-/// so the measurement is the step's peak. Positions written here are overwritten by real work.
+/// much device memory the step's buffers took (the scratch stays allocated, so this is the step's
+/// peak); then give the KV pool what the measurement leaves of the reserve, or take from it what
+/// the step needs beyond it. Positions written here are overwritten by real work.
 fn measure_workspace(backend: &mut dyn Backend, probe: WorkspaceProbe, rank: usize) {
     let Some(before) = backend.device_free_memory() else { return };
     let geom = backend.kv_geometry();
@@ -142,17 +143,32 @@ fn measure_workspace(backend: &mut dyn Backend, probe: WorkspaceProbe, rank: usi
         return;
     }
     let used = before.saturating_sub(backend.device_free_memory().unwrap_or(before));
-    if used > probe.reserved {
-        tracing::warn!(
+    let blocks = crate::capacity::pool_blocks_after_probe(
+        geom.num_blocks,
+        backend.kv_block_bytes() as u64,
+        used,
+        probe.reserved,
+    );
+    tracing::info!(rank, tokens, measured_mib = used >> 20, reserved_mib = probe.reserved >> 20, "step workspace");
+    if blocks == geom.num_blocks {
+        return;
+    }
+    match backend.resize_kv(blocks) {
+        Ok(true) => tracing::info!(
             rank,
-            tokens,
+            from_tokens = geom.capacity_tokens(),
+            to_tokens = blocks * geom.block_size,
+            "KV pool resized to the measured step workspace"
+        ),
+        Ok(false) if blocks < geom.num_blocks => tracing::warn!(
+            rank,
             measured_mib = used >> 20,
             reserved_mib = probe.reserved >> 20,
             "the step workspace measured above what the KV pool was sized around: if the device runs out of \
              memory, lower --gpu-memory-utilization or --max-num-batched-tokens"
-        );
-    } else {
-        tracing::info!(rank, tokens, measured_mib = used >> 20, reserved_mib = probe.reserved >> 20, "step workspace");
+        ),
+        Ok(false) => {}
+        Err(e) => tracing::warn!(rank, error = %e, "resizing the KV pool failed; the rank keeps none"),
     }
 }
 
@@ -347,8 +363,10 @@ impl Actor for ExecutorActor {
         let probe = args.workspace_probe;
         // The compute thread blocks on its channel when idle: no polling.
         let thread = std::thread::Builder::new().name(format!("shelfserve-exec-{rank}")).spawn(move || {
+            let loading = std::time::Instant::now();
             let mut backend = match make() {
                 Ok(mut b) => {
+                    tracing::info!(rank, seconds = format!("{:.2}", loading.elapsed().as_secs_f64()), "model loaded");
                     if let Some(p) = probe {
                         measure_workspace(b.as_mut(), p, rank);
                     }

@@ -202,7 +202,10 @@ fn bind_with(shared: Arc<Shared>, lane: LaneConfig, host: &str) -> std::io::Resu
     // drops the engine receivers, i.e. cancels); with half-closure allowed actix would keep
     // generating for a reader that is gone.
     // Signals are the binary's (`cli/serve.rs`: drained shutdown), not actix's own stop.
+    // Streamed tokens are small writes: with Nagle each would wait for the ACK of the one
+    // before (up to 40 ms under delayed ACKs), which is most of a voice turn's latency budget.
     let mut server = HttpServer::new(move || app(state.clone()))
+        .tcp_nodelay(true)
         .h1_allow_half_closed(false)
         .client_request_timeout(header_timeout)
         .disable_signals();

@@ -195,6 +195,13 @@ pub trait Backend: Send {
     fn device_free_memory(&self) -> Option<u64> {
         None
     }
+
+    /// Re-make the KV store with `num_blocks` blocks (contents not kept), so the pool can take
+    /// what a measured step workspace left of the budget. Only before the first real step.
+    /// `Ok(false)`: this backend keeps its size.
+    fn resize_kv(&mut self, _num_blocks: usize) -> Result<bool, BackendError> {
+        Ok(false)
+    }
 }
 
 /// Check a KV image against the blocks it is meant for: the block ids in range and the image

@@ -145,6 +145,21 @@ pub fn estimated_workspace(s: &StepShape, tokens: usize, logit_rows: usize) -> u
     buffers + buffers / 8 + LIBRARY_RESERVE
 }
 
+/// Blocks of a pool of `blocks` once the step workspace is known: the reserve was `reserved`
+/// bytes (step buffers as estimated plus the library allowance); the probe measured `used` for
+/// the step buffers and whatever the libraries allocated on the way. The library allowance stays
+/// whole (decode graphs and samplers come later); the difference between estimate and measure
+/// goes to, or comes from, the pool.
+pub fn pool_blocks_after_probe(blocks: usize, block_bytes: u64, used: u64, reserved: u64) -> usize {
+    let keep = used + LIBRARY_RESERVE;
+    let block_bytes = block_bytes.max(1);
+    if keep > reserved {
+        blocks.saturating_sub((keep - reserved).div_ceil(block_bytes) as usize).max(1)
+    } else {
+        blocks + ((reserved - keep) / block_bytes) as usize
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -213,5 +228,18 @@ mod tests {
         // 8192 tokens x ~212 KiB of step buffers + 256 decoding rows' split partials and
         // logits: about 2 GiB, small next to the pool.
         assert!((GIB..4 * GIB).contains(&(big - LIBRARY_RESERVE)), "{}", big >> 20);
+    }
+
+    #[test]
+    fn the_measured_workspace_moves_the_difference_between_pool_and_reserve() {
+        let block = 16 * 131_072u64; // 2 MiB blocks
+        let reserved = 2 * GIB;
+        // Measured exactly at the estimate: unchanged.
+        assert_eq!(pool_blocks_after_probe(1000, block, reserved - LIBRARY_RESERVE, reserved), 1000);
+        // The step took 1 GiB less than estimated: the pool gains 512 two-MiB blocks.
+        assert_eq!(pool_blocks_after_probe(1000, block, GIB - LIBRARY_RESERVE, reserved), 1512);
+        // 3 MiB more than estimated: two blocks go (rounded up), never the last one.
+        assert_eq!(pool_blocks_after_probe(1000, block, reserved - LIBRARY_RESERVE + (3 << 20), reserved), 998);
+        assert_eq!(pool_blocks_after_probe(4, block, 100 * GIB, reserved), 1);
     }
 }

@@ -19,7 +19,7 @@ use crate::generate::{ResolvedDevice, ResolvedKind};
 use crate::model::ModelBundle;
 use crate::parallel::{LlamaShard, TpRank};
 
-pub use gpu::{estimated_workspace, GpuMemoryPlan, StepShape};
+pub use gpu::{estimated_workspace, pool_blocks_after_probe, GpuMemoryPlan, StepShape, LIBRARY_RESERVE};
 
 /// Storage type of the KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

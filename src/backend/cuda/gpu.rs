@@ -10,6 +10,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
 
+use super::kernel_cache::{KernelCache, ModuleSource};
 use crate::backend::BackendError;
 
 /// Kernel sources, embedded so the binary needs no files at run time.
@@ -24,6 +25,13 @@ pub const MODULES: &[(&str, &str)] = &[
 pub const GEMV_SOURCE: &str = include_str!("../../../cuda/gemv.cu");
 /// `glm5_next`'s layer kernels: compiled only by backends of that model ([`Gpu::load_glm5`]).
 pub const GLM5_SOURCE: &str = include_str!("../../../cuda/glm5.cu");
+
+fn gemv_module(p: Precision) -> &'static str {
+    match p {
+        Precision::Bf16 => "gemv_bf16",
+        Precision::F32 => "gemv_f32",
+    }
+}
 
 pub fn dev_err(what: &str, e: impl std::fmt::Debug) -> BackendError {
     BackendError::Device(format!("{what}: {e:?}"))
@@ -215,6 +223,7 @@ pub struct Gpu {
     pub tuning: LaunchTuning,
     /// `SHELFSERVE_CUDA_DEFINES`, passed to NVRTC for every module.
     kernel_defines: Vec<String>,
+    kernels: KernelCache,
 }
 
 impl Gpu {
@@ -255,16 +264,28 @@ impl Gpu {
             compute_capability,
             tuning,
             kernel_defines,
+            kernels: KernelCache::from_env(),
         };
-        for (module, src) in MODULES {
-            gpu.compile(module, src)?;
+        // Both storage types of the GEMVs compile beside the rest (a first start waits for the
+        // slowest module, not the sum); `load_gemv` picks one.
+        let mut sources: Vec<(&'static str, String)> = MODULES.iter().map(|(m, src)| (*m, src.to_string())).collect();
+        for p in [Precision::Bf16, Precision::F32] {
+            sources.push((gemv_module(p), format!("#define GEMV_STORAGE_{}\n{GEMV_SOURCE}", p.suffix())));
         }
+        gpu.compile_all(&sources)?;
         Ok(gpu)
     }
 
     /// Compile the decode GEMV module (`cuda/gemv.cu`) for storage precision `prec` alone.
     pub fn load_gemv(&mut self, prec: Precision) -> Result<(), BackendError> {
-        self.compile("gemv", &format!("#define GEMV_STORAGE_{}\n{GEMV_SOURCE}", prec.suffix()))
+        let m = self.modules.get(gemv_module(prec)).cloned();
+        match m {
+            Some(m) => {
+                self.modules.insert("gemv", m);
+                Ok(())
+            }
+            None => self.compile("gemv", &format!("#define GEMV_STORAGE_{}\n{GEMV_SOURCE}", prec.suffix())),
+        }
     }
 
     /// Compile `glm5_next`'s kernel module (`cuda/glm5.cu`).
@@ -273,17 +294,38 @@ impl Gpu {
     }
 
     fn compile(&mut self, module: &'static str, src: &str) -> Result<(), BackendError> {
-        let (major, minor) = self.compute_capability;
+        self.compile_all(&[(module, src.to_string())])
+    }
+
+    /// Build `modules` (sources without the shared header) as CUBINs, in parallel and through
+    /// the disk cache, and load them into the context. A cached module the driver refuses is
+    /// compiled again.
+    fn compile_all(&mut self, modules: &[(&'static str, String)]) -> Result<(), BackendError> {
         let started = std::time::Instant::now();
-        let ptx = compile_module(module, src, self.compute_capability, &self.kernel_defines)?;
-        let m = self.ctx.load_module(ptx).map_err(|e| dev_err(&format!("loading module {module}"), e))?;
-        tracing::debug!(
-            module,
-            arch = format!("sm_{major}{minor}"),
-            ms = started.elapsed().as_millis() as u64,
-            "kernels compiled"
-        );
-        self.modules.insert(module, m);
+        let sources: Vec<ModuleSource<'_>> =
+            modules.iter().map(|(name, src)| ModuleSource { name, source: format!("{COMMON}\n{src}") }).collect();
+        let cubins = self.kernels.cubins(&sources, self.compute_capability, &self.kernel_defines)?;
+        for ((name, _), (source, cubin)) in modules.iter().zip(sources.iter().zip(cubins)) {
+            let m = match self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)) {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!(module = name, error = ?e, "cached kernel module refused; compiling it again");
+                    self.kernels.evict(source, self.compute_capability, &self.kernel_defines);
+                    let fresh = KernelCache::disabled().cubins(
+                        std::slice::from_ref(source),
+                        self.compute_capability,
+                        &self.kernel_defines,
+                    )?;
+                    let cubin = fresh.into_iter().next().unwrap_or_default();
+                    self.ctx
+                        .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+                        .map_err(|e| dev_err(&format!("loading module {name}"), e))?
+                }
+            };
+            self.modules.insert(name, m);
+        }
+        let names: Vec<&str> = modules.iter().map(|(n, _)| *n).collect();
+        tracing::info!(modules = names.join(","), ms = started.elapsed().as_millis() as u64, "kernel modules ready");
         Ok(())
     }
 

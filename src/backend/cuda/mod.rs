@@ -12,10 +12,12 @@ mod decode;
 mod forward;
 pub mod glm5_next;
 pub mod gpu;
+mod kernel_cache;
 pub mod nccl;
 pub mod plan;
 pub mod sample;
 pub mod shard;
+mod staging;
 mod tp;
 mod weights;
 
@@ -106,7 +108,9 @@ pub struct CudaBackend {
 impl CudaBackend {
     /// Open device `opts.ordinal` and load `w` onto it.
     pub fn new(cfg: &LlamaConfig, w: &dyn WeightSource, opts: CudaOptions) -> Result<Self, BackendError> {
+        let started = std::time::Instant::now();
         let gpu = Gpu::open(opts.ordinal)?;
+        tracing::info!(ms = started.elapsed().as_millis() as u64, "device opened (context, cuBLAS, kernels)");
         Self::rank(cfg, gpu, opts, None, |gpu, s| DeviceWeights::load(gpu, cfg, w, opts.precision, s))
     }
 
@@ -445,6 +449,28 @@ impl Backend for CudaBackend {
 
     fn kv_block_bytes(&self) -> usize {
         CudaBackend::kv_block_bytes(self)
+    }
+
+    fn resize_kv(&mut self, num_blocks: usize) -> Result<bool, BackendError> {
+        if num_blocks == 0 || self.tp.is_some() {
+            return Ok(false);
+        }
+        let bytes = num_blocks * self.kv_layout.block_elems() * self.prec.bytes();
+        // Free first: the old and new stores need not fit side by side. Graphs captured so far
+        // point into the old store.
+        self.graphs.clear();
+        self.kv = self.gpu.alloc(0)?;
+        match self.gpu.alloc(bytes) {
+            Ok(kv) => {
+                self.kv = kv;
+                self.geom.num_blocks = num_blocks;
+                Ok(true)
+            }
+            Err(e) => {
+                self.kv = self.gpu.alloc(self.geom.num_blocks * self.kv_layout.block_elems() * self.prec.bytes())?;
+                Err(e)
+            }
+        }
     }
 
     fn read_kv_blocks(&mut self, blocks: &[u32]) -> Result<Vec<u8>, BackendError> {

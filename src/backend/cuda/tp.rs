@@ -193,6 +193,14 @@ impl Backend for TpCudaBackend {
         group_block_bytes(&self.ranks)
     }
 
+    /// A group of one resizes; ranks joined by collectives keep the size the card gave them.
+    fn resize_kv(&mut self, num_blocks: usize) -> Result<bool, BackendError> {
+        match self.ranks.as_mut_slice() {
+            [only] => Backend::resize_kv(only, num_blocks),
+            _ => Ok(false),
+        }
+    }
+
     fn read_kv_blocks(&mut self, blocks: &[u32]) -> Result<Vec<u8>, BackendError> {
         validate_kv_image(blocks, blocks.len() * self.kv_block_bytes(), self.kv_block_bytes(), self.kv_geometry())?;
         read_group_kv(&mut self.ranks, blocks)

@@ -4,10 +4,9 @@
 //! Or seeded random weights generated on the device, for benchmarks of any size. A tensor-parallel
 //! rank keeps its share of each tensor (`shard::RankSlices`).
 
-use rayon::prelude::*;
-
 use super::gpu::{cfg, grid_for, DevBuf, Gpu, Precision};
 use super::shard::{cut_device, Cut, RankSlices};
+use super::staging::{MatrixRuns, StagingUploader};
 use crate::backend::BackendError;
 use crate::config::LlamaConfig;
 use crate::launch;
@@ -68,7 +67,8 @@ impl DeviceWeights {
     }
 
     /// Load this rank's share (`slices`; the whole model at one rank) of every tensor of `w`,
-    /// converting matrices to `prec`. Tensors are cut on the host before upload.
+    /// converting matrices to `prec`. Matrices stream from the map through the pinned staging
+    /// ring ([`StagingUploader`]), read and converted on every core while earlier ones copy.
     pub fn load(
         gpu: &Gpu,
         c: &LlamaConfig,
@@ -78,13 +78,35 @@ impl DeviceWeights {
     ) -> Result<Self, BackendError> {
         let spec = LlamaSpec::new(c);
         let h = c.hidden_size;
-        let matrix = |parts: &[(&LinearSpec, Cut)]| -> Result<DevBuf, BackendError> {
-            let mut all = Vec::new();
-            for (p, cut) in parts {
-                all.extend(cut.apply(&to_f32(&w.expect(&p.weight(), &[p.out, p.inp])?), p.inp));
-            }
-            upload_matrix(gpu, &all, prec)
+        let cuts = LayerCuts::new(slices);
+        let embed_cut = Cut::PaddedRows { rows: 0..c.vocab_size, to: slices.embed_rows(c) };
+        let head_cut = (!c.tie_word_embeddings).then(|| slices.lm_head_cut(c.vocab_size));
+        // Bytes this rank will hold, for the progress bar.
+        let expected = {
+            let m = |p: &LinearSpec, cut: &Cut| (cut.out_rows(p.out) * cut.out_cols(p.inp) * prec.bytes()) as u64;
+            let layers: u64 = spec
+                .layers
+                .iter()
+                .map(|l| {
+                    m(&l.q, &cuts.q)
+                        + 2 * m(&l.k, &cuts.kv)
+                        + m(&l.o, &cuts.o)
+                        + 2 * m(&l.gate, &cuts.inter)
+                        + m(&l.down, &cuts.down)
+                })
+                .sum();
+            let embed = (embed_cut.out_rows(c.vocab_size) * h * prec.bytes()) as u64;
+            let head = head_cut.as_ref().map_or(0, |cut| (cut.out_rows(c.vocab_size) * h * prec.bytes()) as u64);
+            layers + embed + head
         };
+        let mut up = StagingUploader::new(gpu, expected)?;
+        let linear = |parts: &[(&LinearSpec, Cut)]| {
+            parts
+                .iter()
+                .map(|(p, cut)| Ok((w.expect(&p.weight(), &[p.out, p.inp])?, cut.clone())))
+                .collect::<Result<Vec<_>, BackendError>>()
+        };
+        let mut matrix = |views: Vec<_>| up.matrix(gpu, &MatrixRuns::new(&views), prec);
         let bias = |parts: &[(&LinearSpec, Cut)]| -> Result<Option<DevBuf>, BackendError> {
             let Some(cuts) = bias_cuts(parts, slices) else { return Ok(None) };
             let mut all = Vec::new();
@@ -95,34 +117,37 @@ impl DeviceWeights {
         };
         let vector =
             |name: &str, len: usize| -> Result<DevBuf, BackendError> { gpu.upload(&to_f32(&w.expect(name, &[len])?)) };
-        let cuts = LayerCuts::new(slices);
         let mut layers = Vec::with_capacity(spec.layers.len());
         for l in &spec.layers {
             let qkv = [(&l.q, cuts.q.clone()), (&l.k, cuts.kv.clone()), (&l.v, cuts.kv.clone())];
             let gate_up = [(&l.gate, cuts.inter.clone()), (&l.up, cuts.inter.clone())];
             layers.push(LayerWeights {
                 input_norm: vector(&l.input_norm, h)?,
-                qkv: matrix(&qkv)?,
+                qkv: matrix(linear(&qkv)?)?,
                 qkv_bias: bias(&qkv)?,
                 q_norm: l.q_norm.as_ref().map(|n| vector(n, c.head_dim)).transpose()?,
                 k_norm: l.k_norm.as_ref().map(|n| vector(n, c.head_dim)).transpose()?,
-                o: matrix(&[(&l.o, cuts.o.clone())])?,
+                o: matrix(linear(&[(&l.o, cuts.o.clone())])?)?,
                 o_bias: bias(&[(&l.o, cuts.o.clone())])?,
                 post_norm: vector(&l.post_attention_norm, h)?,
-                gate_up: matrix(&gate_up)?,
+                gate_up: matrix(linear(&gate_up)?)?,
                 gate_up_bias: bias(&gate_up)?,
-                down: matrix(&[(&l.down, cuts.down.clone())])?,
+                down: matrix(linear(&[(&l.down, cuts.down.clone())])?)?,
                 down_bias: bias(&[(&l.down, cuts.down.clone())])?,
             });
         }
         // Whole on every rank (see `shard`), padded with zero rows for a tied, cut lm_head.
-        let embed_cut = Cut::PaddedRows { rows: 0..c.vocab_size, to: slices.embed_rows(c) };
-        let embed =
-            upload_matrix(gpu, &embed_cut.apply(&to_f32(&w.expect(&spec.embed, &[c.vocab_size, h])?), h), prec)?;
-        let lm_head = if c.tie_word_embeddings {
-            tied_head_slice(gpu, &embed, h, prec, slices)?
-        } else {
-            Some(matrix(&[(&spec.lm_head, slices.lm_head_cut(c.vocab_size))])?)
+        let embed_view = w.expect(&spec.embed, &[c.vocab_size, h])?;
+        let embed = matrix(vec![(embed_view, embed_cut)])?;
+        let untied_head = match head_cut {
+            Some(cut) => Some(matrix(linear(&[(&spec.lm_head, cut)])?)?),
+            None => None,
+        };
+        // The tied head is copied out of the embedding on the compute stream: the uploads first.
+        up.finish()?;
+        let lm_head = match untied_head {
+            Some(head) => Some(head),
+            None => tied_head_slice(gpu, &embed, h, prec, slices)?,
         };
         Ok(DeviceWeights { embed, layers, final_norm: vector(&spec.final_norm, h)?, lm_head })
     }
@@ -266,16 +291,6 @@ fn bias_cuts(parts: &[(&LinearSpec, Cut)], slices: &RankSlices) -> Option<Vec<Cu
             rows => Some(rows.clone()),
         })
         .collect()
-}
-
-fn upload_matrix(gpu: &Gpu, values: &[f32], prec: Precision) -> Result<DevBuf, BackendError> {
-    match prec {
-        Precision::F32 => gpu.upload(values),
-        Precision::Bf16 => {
-            let v: Vec<u16> = values.par_iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
-            gpu.upload(&v)
-        }
-    }
 }
 
 /// Seeded device fills, each tensor with its own stream of the counter-based generator.
