@@ -74,7 +74,8 @@ fn check_mix(mix: &str, expect_types: &[&str]) {
         assert!(worst < 1e-5, "{mix}: `{name}` ({}) row 0 differs from gguf-py's by {worst:e} (relative)", view.dtype);
     }
     let bundle = shelfserve::model::open(gguf.to_str().unwrap(), &CacheDir::from_env()).unwrap();
-    let bytes = std::fs::read(common::fixture(&format!("llamacpp_kquant/{}", file["logits"].as_str().unwrap()))).unwrap();
+    let bytes =
+        std::fs::read(common::fixture(&format!("llamacpp_kquant/{}", file["logits"].as_str().unwrap()))).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut runner = Runner::new(cpu_backend(&bundle, 2, single_sequence_geometry(128, 16)).unwrap());
     let mut failures = Vec::new();

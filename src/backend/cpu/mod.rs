@@ -709,12 +709,12 @@ mod tests {
         cfg.rope_ggml_style = true;
         for cfg in [cfg, k_quant_config()] {
             for dtype in dtypes_for(&cfg) {
-            let (mut a, mut b) = (backend(&cfg, dtype, 4), backend(&cfg, dtype, 4));
-            b.simd = false;
-            let ids = seq_ids(13, 3);
-            let table: Vec<u32> = (0..4).collect();
-            let (x, y) = (alone(&mut a, &ids, &table), alone(&mut b, &ids, &table));
-            assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "{dtype}");
+                let (mut a, mut b) = (backend(&cfg, dtype, 4), backend(&cfg, dtype, 4));
+                b.simd = false;
+                let ids = seq_ids(13, 3);
+                let table: Vec<u32> = (0..4).collect();
+                let (x, y) = (alone(&mut a, &ids, &table), alone(&mut b, &ids, &table));
+                assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "{dtype}");
             }
         }
     }

@@ -38,8 +38,7 @@ unsafe fn meta<const FMT: u8>(p: *const u8) -> Meta {
         m.d = f16_at(p.add(208));
         let sc = std::slice::from_raw_parts(p.add(192) as *const i8, 16);
         for s in 0..SUB {
-            m.scales[s] =
-                _mm256_set_m128i(_mm_set1_epi16(sc[2 * s + 1] as i16), _mm_set1_epi16(sc[2 * s] as i16));
+            m.scales[s] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * s + 1] as i16), _mm_set1_epi16(sc[2 * s] as i16));
         }
     } else {
         m.d = f16_at(p);
@@ -114,7 +113,8 @@ unsafe fn tile<const FMT: u8, const R: usize, const N: usize>(
                         _mm256_maddubs_epi16(ws[i], qx)
                     };
                     let lanes = _mm256_madd_epi16(products, metas[i].scales[s]);
-                    acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(metas[i].d * xb.d), _mm256_cvtepi32_ps(lanes), acc[i][j]);
+                    acc[i][j] =
+                        _mm256_fmadd_ps(_mm256_set1_ps(metas[i].d * xb.d), _mm256_cvtepi32_ps(lanes), acc[i][j]);
                     if FMT != Q6_K {
                         mins[i][j] = metas[i].mins[s].mul_add(xb.sum, mins[i][j]);
                     }
