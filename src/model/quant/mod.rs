@@ -147,7 +147,7 @@ pub fn dot_q_block(dtype: DType, w: &[u8], xs: &[BlockQ8], nb: usize, out: &mut 
     }
     let n = xs.len() / nb;
     let rb = dtype.storage_bytes(nb * QK).unwrap_or(0);
-    let rows = if rb == 0 { 0 } else { w.len() / rb };
+    let rows = w.len().checked_div(rb).unwrap_or(0);
     assert!(
         rb > 0 && nb * n == xs.len() && rows * rb == w.len() && n <= stride && out.len() >= (rows - 1) * stride + n,
         "dot_q_block: {} weight bytes, {} activation blocks, {} outputs (stride {stride})",
