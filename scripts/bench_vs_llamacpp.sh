@@ -2,8 +2,13 @@
 # Our engine vs llama.cpp's server (llama-cpp-python) on the same GGUF, same machine, same run:
 # single-stream decode tok/s and 8-parallel aggregate tok/s, and the ratios.
 #
-# usage: scripts/bench_vs_llamacpp.sh [GGUF] [THREADS]
+# usage: scripts/bench_vs_llamacpp.sh [GGUF] [THREADS] [QUANT]
 #   GGUF defaults to the cached default model (fetched if needed); THREADS to all cores.
+#   QUANT (Q4_K_M, Q5_K_M, Q6_K, Q4_K_S, Q5_K_S, Q8_0, ...): first quantize GGUF with llama.cpp's
+#   own quantizer (llama_model_quantize, requantizing if needed) and compare on that file. K-quants
+#   need rows that are multiples of 256 (llama.cpp falls back to Q5_0/Q5_1 elsewhere, which
+#   shelfserve refuses by name): the default model (hidden 576) is not such a model; one that is:
+#     python scripts/gen_llamacpp_kquant_golden.py --bench-source /tmp/kq-bench-f32.gguf
 # Needs: a release build (built here if missing) and python3 with pip (installs
 # llama-cpp-python[server] into .bench-venv on first use; that compiles llama.cpp, minutes).
 set -euo pipefail
@@ -19,10 +24,25 @@ if ! "$VENV/bin/python" -c "import llama_cpp.server" 2>/dev/null; then
   CMAKE_ARGS="-DGGML_NATIVE=ON" "$VENV/bin/pip" install --quiet 'llama-cpp-python[server]'
 fi
 LLAMA_VERSION=$("$VENV/bin/python" -c "import llama_cpp; print(llama_cpp.__version__)")
+QUANT="${3:-}"
+if [ -n "$QUANT" ]; then
+  QDIR=$(mktemp -d)
+  SRC="$GGUF"
+  GGUF="$QDIR/$(basename "${SRC%.gguf}")-$QUANT.gguf"
+  echo "== quantizing $SRC to $QUANT with llama.cpp's quantizer"
+  "$VENV/bin/python" - "$SRC" "$GGUF" "$QUANT" <<'PY'
+import sys, llama_cpp
+src, dst, quant = sys.argv[1:4]
+p = llama_cpp.llama_model_quantize_default_params()
+p.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant}")
+p.allow_requantize = True
+assert llama_cpp.llama_model_quantize(src.encode(), dst.encode(), p) == 0, "llama_model_quantize failed"
+PY
+fi
 free_port() { python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])"; }
 wait_health() { for _ in $(seq 1 300); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 0.2; done; echo "server at $1 did not come up" >&2; return 1; }
 OUT=$(mktemp -d)
-cleanup() { kill "${PIDS[@]}" 2>/dev/null || true; rm -rf "$OUT"; }
+cleanup() { kill "${PIDS[@]}" 2>/dev/null || true; rm -rf "$OUT" "${QDIR:-}"; }
 PIDS=()
 trap cleanup EXIT
 
@@ -42,10 +62,11 @@ PIDS+=($!)
 wait_health "http://127.0.0.1:$P/v1/models"
 python3 scripts/bench_client.py "http://127.0.0.1:$P/v1" --label llama.cpp --json "$OUT/llama.json"
 
-python3 - "$OUT/ours.json" "$OUT/llama.json" "$LLAMA_VERSION" <<'PY'
+python3 - "$OUT/ours.json" "$OUT/llama.json" "$LLAMA_VERSION" "$(basename "$GGUF")" <<'PY'
 import json, sys
 o, l = (json.load(open(p)) for p in sys.argv[1:3])
 print()
+print(f"model: {sys.argv[4]}")
 print(f"| metric | shelfserve | llama.cpp (llama-cpp-python {sys.argv[3]}) | ratio |")
 print("|---|---|---|---|")
 for k, name in [("single_stream_tok_s", "single-stream decode tok/s"), ("parallel_aggregate_tok_s", "8-parallel aggregate tok/s")]:

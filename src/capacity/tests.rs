@@ -86,6 +86,30 @@ fn quantized_llama_gets_an_f16_cache_half_the_bytes() {
     assert_eq!(card.pool_tokens, context_rule_pool(2048));
 }
 
+/// K-quant matrices stay in their super-blocks on the CPU, so the card prices them at their
+/// stored bytes (Q4_K: 144 per 256 weights, 18% of f32) and the backend loads exactly that.
+#[test]
+fn k_quant_weights_are_priced_at_their_stored_bytes() {
+    let mut config = tiny_llama_config();
+    (config.hidden_size, config.intermediate_size, config.head_dim) = (256, 256, 64);
+    // embed + untied lm_head, and per layer q, o, gate, up, down (256x256) plus k, v (128x256).
+    let matrix_elems = 2 * 256 * 256 + 2 * (5 * 256 * 256 + 2 * 128 * 256);
+    let norm_bytes = (2 * 2 * 256 + 256) * 4;
+    for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+        let bundle = ModelBundle {
+            name: format!("tiny-{dtype}"),
+            config: config.clone(),
+            weights: Box::new(SyntheticWeights::new(&config, dtype, 7)),
+            tokenizer: None,
+            generation: Default::default(),
+        };
+        let card = assert_card_matches_allocation(&bundle, 1, &scheduler(16, 0), 0.03);
+        let stored = matrix_elems / 256 * dtype.block_bytes() + norm_bytes;
+        assert_eq!(card.weight_bytes, stored as u64, "{dtype}");
+        assert_eq!(card.kv.dtype, KvDtype::F16, "{dtype}: a quantized GGUF-style model gets the f16 cache");
+    }
+}
+
 #[test]
 fn tensor_parallel_ranks_split_the_cache_and_the_card_sums_them() {
     let card = assert_card_matches_allocation(&llama(DType::F32), 2, &scheduler(16, 512), 0.03);

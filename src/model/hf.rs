@@ -31,7 +31,7 @@ pub fn open_dir(dir: &Path) -> Result<ModelBundle, ModelError> {
     let config_path = dir.join(CONFIG_FILE);
     let text = read_text(&config_path, " (an HF model directory needs config.json)")?;
     let config = LlamaConfig::from_hf_json(&text, &config_path)?;
-    let weights = SafetensorsWeights::open_dir(dir)?;
+    let weights = open_weights_checked(dir)?;
     let generation = read_generation_config(dir)?;
     let tokenizer = load_tokenizer(dir, &config, &generation)?;
     tracing::info!(
@@ -43,6 +43,64 @@ pub fn open_dir(dir: &Path) -> Result<ModelBundle, ModelError> {
         "opened HF model directory"
     );
     Ok(ModelBundle { name: dir_name(dir), config, weights: Box::new(weights), tokenizer, generation })
+}
+
+/// `config.json`'s `quantization_config`, described for messages (`quant_method` and the
+/// parameters that select a kernel), or `None` when the checkpoint declares none.
+pub fn quantization_scheme(config: &Value) -> Option<String> {
+    let q = config.get("quantization_config")?;
+    let text = |v: &Value| match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    let mut parts = vec![format!("quant_method `{}`", q.get("quant_method").map(text).unwrap_or_else(|| "?".into()))];
+    for key in ["fmt", "format", "weight_block_size", "bits", "group_size"] {
+        if let Some(v) = q.get(key) {
+            parts.push(format!("{key} {}", text(v)));
+        }
+    }
+    if let Some(Value::Object(groups)) = q.get("config_groups") {
+        for (name, g) in groups {
+            if let Some(w) = g.get("weights").filter(|w| !w.is_null()) {
+                let field = |k: &str| w.get(k).filter(|v| !v.is_null()).map(text).unwrap_or_else(|| "-".into());
+                parts.push(format!(
+                    "{name}: {} {}-bit weights, strategy {}, group {}, symmetric {}",
+                    field("type"),
+                    field("num_bits"),
+                    field("strategy"),
+                    field("group_size"),
+                    field("symmetric")
+                ));
+            }
+        }
+    }
+    Some(parts.join(", "))
+}
+
+/// Open the directory's safetensors, refusing a checkpoint whose `config.json` declares a
+/// `quantization_config`: its tensors are packed codes and scales that no kernel here reads, and
+/// widening them to floats would serve a different model than the one asked for. The error
+/// names the scheme and a tensor: the first one whose stored type is not a float, else the
+/// first tensor.
+pub fn open_weights_checked(dir: &Path) -> Result<SafetensorsWeights, ModelError> {
+    let config_path = dir.join(CONFIG_FILE);
+    let config: Value = serde_json::from_str(&read_text(&config_path, "")?)
+        .map_err(|e| ModelError::Config { file: config_path.clone(), msg: e.to_string() })?;
+    let Some(scheme) = quantization_scheme(&config) else {
+        return SafetensorsWeights::open_dir(dir);
+    };
+    match SafetensorsWeights::open_dir(dir) {
+        Err(ModelError::UnsupportedDType { file, tensor, dtype }) => {
+            Err(ModelError::UnsupportedQuantization { file, scheme, tensor: format!("`{tensor}` ({dtype})") })
+        }
+        Err(other) => Err(other),
+        Ok(weights) => {
+            let names = weights.tensor_names();
+            let first = names.first().cloned().unwrap_or_default();
+            let file = weights.files().next().map(Path::to_path_buf).unwrap_or(config_path);
+            Err(ModelError::UnsupportedQuantization { file, scheme, tensor: format!("`{first}`") })
+        }
+    }
 }
 
 fn dir_name(dir: &Path) -> String {
@@ -505,6 +563,50 @@ mod tests {
         let (e, s) = err_text(open_dir(dir.path()));
         assert!(matches!(e, ModelError::UnsupportedDType { ref tensor, .. } if tensor == "qweight"), "{s}");
         assert!(s.contains("model.safetensors") && s.contains("I32"), "{s}");
+    }
+
+    /// A declared `quantization_config` is refused at load with its scheme and a tensor,
+    /// whether the packed tensors have a type the loader rejects anyway (FP8, packed int32) or
+    /// look like floats (where loading them would silently compute with codes as weights).
+    #[test]
+    fn quantized_checkpoints_are_refused_naming_scheme_and_tensor() {
+        let cases = [
+            (
+                r#"{"quant_method":"fp8","fmt":"e4m3","weight_block_size":[128,128]}"#,
+                ("weight_scale_inv", StDtype::F8_E4M3),
+                ["quant_method `fp8`", "weight_block_size [128,128]", "F8_E4M3"],
+            ),
+            (
+                r#"{"quant_method":"compressed-tensors","format":"pack-quantized","config_groups":{"group_0":
+                    {"weights":{"num_bits":4,"type":"int","strategy":"group","group_size":128,"symmetric":true}}}}"#,
+                ("weight_packed", StDtype::I32),
+                ["compressed-tensors", "pack-quantized", "int 4-bit weights, strategy group, group 128"],
+            ),
+            (
+                r#"{"quant_method":"compressed-tensors","format":"nvfp4-pack-quantized","config_groups":{"group_0":
+                    {"weights":{"num_bits":4,"type":"float","strategy":"tensor_group","group_size":16}}}}"#,
+                ("weight_global_scale", StDtype::F32),
+                ["nvfp4-pack-quantized", "float 4-bit weights, strategy tensor_group, group 16", "`a.weight`"],
+            ),
+        ];
+        for (qc, (suffix, dtype), wants) in cases {
+            let dir = tempfile::tempdir().unwrap();
+            let config = CONFIG.replacen('{', &format!("{{\"quantization_config\":{qc},"), 1);
+            fs::write(dir.path().join(CONFIG_FILE), config).unwrap();
+            let packed = format!("a.{suffix}");
+            let tensors = [("a.weight", StDtype::F32, vec![2]), (packed.as_str(), dtype, vec![2])];
+            write_st(&dir.path().join(SINGLE_WEIGHTS_FILE), &tensors);
+            let (e, s) = err_text(open_dir(dir.path()));
+            assert!(matches!(e, ModelError::UnsupportedQuantization { .. }), "{s}");
+            assert!(s.contains("model.safetensors"), "{s}");
+            for want in wants {
+                assert!(s.contains(want), "`{want}` not in: {s}");
+            }
+        }
+        // The same weights without a quantization_config load.
+        let dir = model_dir();
+        write_st(&dir.path().join(SINGLE_WEIGHTS_FILE), &[("a.weight", StDtype::F32, vec![2])]);
+        assert!(open_weights_checked(dir.path()).is_ok());
     }
 
     #[test]

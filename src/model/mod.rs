@@ -30,6 +30,13 @@ pub enum ModelError {
     ShapeMismatch { file: PathBuf, tensor: String, expected: Vec<usize>, found: Vec<usize> },
     #[error("{}: tensor `{tensor}` has unsupported dtype {dtype}", file.display())]
     UnsupportedDType { file: PathBuf, tensor: String, dtype: String },
+    #[error(
+        "{}: tensor {tensor} is stored with quantization scheme {scheme}, which this build cannot compute with \
+         (quantized formats supported: GGUF Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K); refusing rather than \
+         converting it to another precision",
+        file.display()
+    )]
+    UnsupportedQuantization { file: PathBuf, scheme: String, tensor: String },
     #[error("{}: unsupported architecture `{arch}` (supported: llama, mistral, qwen2, qwen3)", file.display())]
     UnsupportedArchitecture { file: PathBuf, arch: String },
     #[error("{}: invalid file: {msg}", file.display())]

@@ -28,7 +28,8 @@ fn encode(dtype: DType, values: &[f32]) -> Vec<u8> {
 }
 
 impl SyntheticWeights {
-    /// Matrices get `matrix_dtype` (F32/F16/BF16/Q8_0/Q4_0/Q4_1) with values uniform in
+    /// Matrices get `matrix_dtype` (F32/F16/BF16/Q8_0/Q4_0/Q4_1, or Q4_K/Q5_K/Q6_K when every
+    /// matrix width is a multiple of 256) with values uniform in
     /// ±1/√fan_in; norms are 1 ± 0.1, biases ±0.1. Same seed, same weights.
     pub fn new(cfg: &LlamaConfig, matrix_dtype: DType, seed: u64) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);

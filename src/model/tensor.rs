@@ -5,7 +5,8 @@
 use std::fmt;
 
 /// Element type of a stored tensor. Quantized types are stored in blocks along the innermost
-/// dimension (the GGML layouts).
+/// dimension (the GGML layouts). Variants carry GGML's type names (`Q4_K`).
+#[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
@@ -17,6 +18,14 @@ pub enum DType {
     Q4_0,
     /// 32 values: f16 scale `d`, f16 min `m`, then 16 bytes of 4-bit codes. value = d · q + m.
     Q4_1,
+    /// 256 values (8 sub-blocks of 32): f16 `d`, f16 `dmin`, 12 bytes of 6-bit sub-block scales
+    /// and mins, 128 bytes of 4-bit codes. value = d · sc · q − dmin · m.
+    Q4_K,
+    /// As [`DType::Q4_K`] plus 32 bytes holding each code's fifth bit (codes 0..31).
+    Q5_K,
+    /// 256 values (16 groups of 16): 128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 i8
+    /// group scales, f16 `d` (last). value = d · sc · (q − 32).
+    Q6_K,
 }
 
 impl DType {
@@ -25,6 +34,7 @@ impl DType {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
             DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => 32,
+            DType::Q4_K | DType::Q5_K | DType::Q6_K => 256,
         }
     }
 
@@ -36,6 +46,9 @@ impl DType {
             DType::Q8_0 => 34,
             DType::Q4_0 => 18,
             DType::Q4_1 => 20,
+            DType::Q4_K => 144,
+            DType::Q5_K => 176,
+            DType::Q6_K => 210,
         }
     }
 
@@ -57,6 +70,9 @@ impl DType {
             DType::Q8_0 => "Q8_0",
             DType::Q4_0 => "Q4_0",
             DType::Q4_1 => "Q4_1",
+            DType::Q4_K => "Q4_K",
+            DType::Q5_K => "Q5_K",
+            DType::Q6_K => "Q6_K",
         }
     }
 }

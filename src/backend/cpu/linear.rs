@@ -28,7 +28,7 @@ pub struct CpuLinear {
 /// Whether weights stored as `dtype` stay in that format in memory (the GGML blocks the dot
 /// kernels read); every other format is widened to f32 at load.
 pub fn stays_quantized(dtype: DType) -> bool {
-    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
+    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q5_K | DType::Q6_K)
 }
 
 fn to_rows(view: &TensorView<'_>) -> WeightRows {
@@ -49,10 +49,14 @@ impl CpuLinear {
     /// Load `name.weight` (`[out, inp]`) and, when `bias`, `name.bias`.
     pub fn load(w: &dyn WeightSource, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self, ModelError> {
         let view = w.expect(&format!("{name}.weight"), &[out, inp])?;
-        if view.dtype.is_quantized() && inp % QK != 0 {
+        let block = view.dtype.block_elems();
+        if view.dtype.is_quantized() && inp % block != 0 {
             return Err(ModelError::Format {
                 file: w.file_of(name),
-                msg: format!("quantized tensor `{name}.weight` has {inp} columns, not a multiple of {QK}"),
+                msg: format!(
+                    "{} tensor `{name}.weight` has {inp} columns, not a multiple of its block ({block})",
+                    view.dtype
+                ),
             });
         }
         let bias = if bias { Some(load_vector(w, &format!("{name}.bias"), out)?) } else { None };
@@ -125,9 +129,11 @@ impl CpuLinear {
         let (rows, cols) = (self.rows, self.cols);
         let weight = match self.weight {
             WeightRows::F32(v) => WeightRows::F32(crate::parallel::plan::take_cols(&v, cols, range.clone())),
-            WeightRows::Quant { dtype, data } if range.start % QK == 0 && range.end % QK == 0 => {
-                let (rb, bb) = (dtype.storage_bytes(cols).unwrap_or(0), dtype.block_bytes());
-                let (a, b) = (range.start / QK * bb, range.end / QK * bb);
+            WeightRows::Quant { dtype, data }
+                if range.start % dtype.block_elems() == 0 && range.end % dtype.block_elems() == 0 =>
+            {
+                let (rb, bb, be) = (dtype.storage_bytes(cols).unwrap_or(0), dtype.block_bytes(), dtype.block_elems());
+                let (a, b) = (range.start / be * bb, range.end / be * bb);
                 WeightRows::Quant {
                     dtype,
                     data: data.chunks_exact(rb).flat_map(|row| row[a..b].iter().copied()).collect(),
@@ -210,7 +216,7 @@ impl CpuLinear {
                     xq.chunks_mut(nb).zip(x.chunks(self.cols)).for_each(|(q, xr)| quantize_row_q8(xr, q, simd));
                 }
                 let xq = &*xq;
-                let rb = nb * dtype.block_bytes();
+                let rb = dtype.storage_bytes(self.cols).unwrap_or(0);
                 // Activation rows are taken in groups that stay in L1 (~16 KiB of Q8 blocks)
                 // while the chunk's weight rows pass over them; within a group the dot kernel
                 // decodes each weight block once per tile of rows.
@@ -308,6 +314,24 @@ mod tests {
             let u = linear(dtype, rows, cols).take_cols(16..80, true);
             assert!(matches!(u.weight, WeightRows::F32(_)) && u.bias.is_some());
             assert_eq!(dense(&u), crate::parallel::plan::take_cols(&full, cols, 16..80), "{dtype:?}");
+        }
+    }
+
+    /// K-quant rows are whole 256-weight super-blocks: a column shard stays quantized only on
+    /// super-block boundaries (a 32-aligned range still splits a super-block's shared scales).
+    #[test]
+    fn k_quant_shards_split_only_on_super_blocks() {
+        let (rows, cols) = (4, 512);
+        for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+            let full = dense(&linear(Some(dtype), rows, cols));
+            let r = linear(Some(dtype), rows, cols).take_rows(1..3);
+            assert_eq!(dense(&r), full[cols..3 * cols], "{dtype:?}");
+            let c = linear(Some(dtype), rows, cols).take_cols(256..512, true);
+            assert!(matches!(c.weight, WeightRows::Quant { .. }), "{dtype:?}");
+            assert_eq!(dense(&c), crate::parallel::plan::take_cols(&full, cols, 256..512), "{dtype:?}");
+            let u = linear(Some(dtype), rows, cols).take_cols(32..288, true);
+            assert!(matches!(u.weight, WeightRows::F32(_)), "{dtype:?}");
+            assert_eq!(dense(&u), crate::parallel::plan::take_cols(&full, cols, 32..288), "{dtype:?}");
         }
     }
 }

@@ -282,7 +282,7 @@ fn proj_bytes(p: &Proj) -> usize {
 }
 
 /// The KV precision the CPU backend gives a model unless told otherwise: f16 when its embedding
-/// stays quantized in memory (GGUF Q8_0/Q4_0/Q4_1, whose reference, llama.cpp, keeps an f16
+/// stays quantized in memory (GGUF Q8_0/Q4_0/Q4_1 and the K-quants, whose reference, llama.cpp, keeps an f16
 /// cache), f32 otherwise. The capacity card prices the pool with this before anything loads.
 pub fn default_kv_precision(cfg: &LlamaConfig, w: &dyn WeightSource) -> KvPrecision {
     let embed = LlamaSpec::new(cfg).embed;
@@ -648,8 +648,9 @@ mod tests {
         let mut ggml = tiny_llama_config();
         ggml.rope_ggml_style = true;
         cfgs.push(ggml);
+        cfgs.push(k_quant_config());
         for cfg in &cfgs {
-            for dtype in [DType::F32, DType::Q8_0, DType::Q4_1, DType::Q4_0] {
+            for dtype in dtypes_for(cfg) {
                 let mut b = backend(cfg, dtype, 32);
                 let a_ids = seq_ids(11, 1);
                 let b_ids = seq_ids(7, 2);
@@ -706,13 +707,31 @@ mod tests {
         }
         let mut cfg = tiny_llama_config();
         cfg.rope_ggml_style = true;
-        for dtype in [DType::F32, DType::Q8_0, DType::Q4_1, DType::Q4_0] {
-            let (mut a, mut b) = (backend(&cfg, dtype, 4), backend(&cfg, dtype, 4));
-            b.simd = false;
-            let ids = seq_ids(13, 3);
-            let table: Vec<u32> = (0..4).collect();
-            let (x, y) = (alone(&mut a, &ids, &table), alone(&mut b, &ids, &table));
-            assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "{dtype}");
+        for cfg in [cfg, k_quant_config()] {
+            for dtype in dtypes_for(&cfg) {
+                let (mut a, mut b) = (backend(&cfg, dtype, 4), backend(&cfg, dtype, 4));
+                b.simd = false;
+                let ids = seq_ids(13, 3);
+                let table: Vec<u32> = (0..4).collect();
+                let (x, y) = (alone(&mut a, &ids, &table), alone(&mut b, &ids, &table));
+                assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "{dtype}");
+            }
+        }
+    }
+
+    /// A GGUF-style model whose every matrix width is a multiple of 256, as K-quants need.
+    fn k_quant_config() -> LlamaConfig {
+        let mut cfg = tiny_llama_config();
+        (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.rope_ggml_style) = (256, 256, 64, true);
+        cfg
+    }
+
+    /// The weight formats a test config can be stored in.
+    fn dtypes_for(cfg: &LlamaConfig) -> Vec<DType> {
+        if cfg.hidden_size % 256 == 0 {
+            vec![DType::Q4_K, DType::Q5_K, DType::Q6_K]
+        } else {
+            vec![DType::F32, DType::Q8_0, DType::Q4_1, DType::Q4_0]
         }
     }
 

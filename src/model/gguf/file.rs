@@ -469,7 +469,7 @@ impl GgufFile {
         info.ggml_type.dtype().ok_or_else(|| ModelError::UnsupportedDType {
             file: self.path.clone(),
             tensor: info.name.clone(),
-            dtype: format!("{} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)", info.ggml_type.name()),
+            dtype: format!("{} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)", info.ggml_type.name()),
         })
     }
 }

@@ -156,13 +156,13 @@ fn unknown_and_unsupported_tensor_types() {
 
     // A known GGML type we cannot compute with: the file opens, the tensor does not.
     let mut b = GgufBuilder::new();
-    b.tensor("blk.0.attn_q.weight", &[1, 256], 12, vec![0; 144]);
-    let p = b.write(dir.path(), "q4k.gguf");
+    b.tensor("blk.0.attn_q.weight", &[1, 256], 10, vec![0; 84]);
+    let p = b.write(dir.path(), "q2k.gguf");
     let g = GgufFile::open(&p).unwrap();
     let e = g.tensor("blk.0.attn_q.weight").unwrap_err();
     assert!(matches!(e, ModelError::UnsupportedDType { .. }));
     let e = e.to_string();
-    assert!(e.contains("q4k.gguf") && e.contains("blk.0.attn_q.weight") && e.contains("Q4_K"), "{e}");
+    assert!(e.contains("q2k.gguf") && e.contains("blk.0.attn_q.weight") && e.contains("Q2_K"), "{e}");
 }
 
 #[test]
@@ -308,11 +308,11 @@ fn wrong_architecture_and_unsupported_weight_type_are_named() {
     assert!(e.to_string().contains("gemma.gguf"));
 
     let mut b = tiny_llama(false);
-    b.tensor("output.weight", &[4, 256], 14, vec![0; 4 * 210]);
-    let e = open_file(&b.write(dir.path(), "q6k.gguf")).err().expect("Q6_K output");
+    b.tensor("output.weight", &[4, 256], 11, vec![0; 4 * 110]);
+    let e = open_file(&b.write(dir.path(), "q3k.gguf")).err().expect("Q3_K output");
     assert!(matches!(e, ModelError::UnsupportedDType { .. }), "{e}");
     let e = e.to_string();
-    assert!(e.contains("q6k.gguf") && e.contains("output.weight") && e.contains("Q6_K"), "{e}");
+    assert!(e.contains("q3k.gguf") && e.contains("output.weight") && e.contains("Q3_K"), "{e}");
 }
 
 #[test]

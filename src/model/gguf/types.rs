@@ -79,6 +79,9 @@ impl GgmlType {
             8 => Some(DType::Q8_0),
             2 => Some(DType::Q4_0),
             3 => Some(DType::Q4_1),
+            12 => Some(DType::Q4_K),
+            13 => Some(DType::Q5_K),
+            14 => Some(DType::Q6_K),
             _ => None,
         }
     }

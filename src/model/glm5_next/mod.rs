@@ -23,7 +23,7 @@ use std::path::Path;
 
 pub use self::config::Glm5Config;
 use crate::config::LlamaConfig;
-use crate::model::hf::{self, SafetensorsWeights};
+use crate::model::hf;
 use crate::model::{ModelBundle, ModelError};
 
 /// The HF `model_type` values this module serves.
@@ -77,7 +77,7 @@ fn summary(c: &Glm5Config) -> LlamaConfig {
 pub fn open_dir(dir: &Path) -> Result<ModelBundle, ModelError> {
     let cfg = read_config(dir)?;
     let config = summary(&cfg);
-    let weights = SafetensorsWeights::open_dir(dir)?;
+    let weights = hf::open_weights_checked(dir)?;
     let generation = hf::read_generation_config(dir)?;
     let tokenizer = hf::load_tokenizer(dir, &config, &generation)?;
     tracing::info!(dir = %dir.display(), layers = cfg.num_hidden_layers, tensors = weights.len(), "opened glm5_next model");

@@ -12,7 +12,7 @@ use std::arch::x86_64::*;
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum(v: __m256) -> f32 {
+pub(super) unsafe fn hsum(v: __m256) -> f32 {
     let lo = _mm256_castps256_ps128(v);
     let hi = _mm256_extractf128_ps(v, 1);
     let s = _mm_add_ps(lo, hi);
@@ -52,7 +52,7 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
 /// The f16 at `p` as f32 (exact), without leaving the vector unit.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_at(p: *const u8) -> f32 {
+pub(super) unsafe fn f16_at(p: *const u8) -> f32 {
     let bits = (p as *const u16).read_unaligned();
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
@@ -75,7 +75,7 @@ unsafe fn round_f16(x: f32) -> f32 {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn qs(xb: &BlockQ8) -> __m256i {
+pub(super) unsafe fn qs(xb: &BlockQ8) -> __m256i {
     _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i)
 }
 

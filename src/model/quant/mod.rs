@@ -1,5 +1,6 @@
-//! GGML block formats (Q8_0, Q4_0, Q4_1) and 16-bit floats: decoding to f32, quantizing
-//! activation rows to 8-bit blocks, and block dot products. The dot products follow llama.cpp's
+//! GGML block formats (Q8_0, Q4_0, Q4_1, and the K-quants Q4_K, Q5_K, Q6_K in `kquant`) and
+//! 16-bit floats: decoding to f32, quantizing activation rows to 8-bit blocks, and block dot
+//! products. The dot products follow llama.cpp's
 //! scheme (weights × activations quantized to Q8, integer sums per 32-element block, one scale
 //! multiply per block), which is both what makes quantized matmul fast and what keeps our
 //! numbers close to llama.cpp's. Every routine reduces in a fixed order, so a row's result never
@@ -12,7 +13,9 @@
 //! give bit-identical results.
 //!
 //! Files: this one (formats, dispatch), `avx2` (AVX2 + FMA + F16C kernels, including the tiled
-//! weight-rows × activation-rows dot of [`dot_q_block`]), `scalar` (the portable twins).
+//! weight-rows × activation-rows dot of [`dot_q_block`]), `scalar` (the portable twins),
+//! `kquant` (K-quant super-block layouts, dequantization, portable dots) and `avx2_k` (their
+//! AVX2 twins).
 //! It must not know about models, backends or threads: callers split the work.
 
 use super::DType;
@@ -78,6 +81,7 @@ pub fn dequantize_into(dtype: DType, src: &[u8], dst: &mut [f32]) {
                 }
             }
         }
+        DType::Q4_K | DType::Q5_K | DType::Q6_K => kquant::dequantize(dtype, src, dst),
         DType::Q4_1 => {
             for (out, b) in dst.chunks_exact_mut(QK).zip(src.chunks_exact(20)) {
                 let d = f16_at(b, 0);
@@ -142,15 +146,40 @@ pub fn dot_q_block(dtype: DType, w: &[u8], xs: &[BlockQ8], nb: usize, out: &mut 
         return;
     }
     let n = xs.len() / nb;
-    let rb = nb * dtype.block_bytes();
-    let rows = w.len() / rb;
+    let rb = dtype.storage_bytes(nb * QK).unwrap_or(0);
+    let rows = w.len().checked_div(rb).unwrap_or(0);
     assert!(
-        nb * n == xs.len() && rows * rb == w.len() && n <= stride && out.len() >= (rows - 1) * stride + n,
+        rb > 0 && nb * n == xs.len() && rows * rb == w.len() && n <= stride && out.len() >= (rows - 1) * stride + n,
         "dot_q_block: {} weight bytes, {} activation blocks, {} outputs (stride {stride})",
         w.len(),
         xs.len(),
         out.len()
     );
+    #[cfg(target_arch = "x86_64")]
+    if simd && matches!(dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K) {
+        use avx2_k::{dot_rows, Q4_K, Q5_K, Q6_K};
+        for (t, xt) in xs.chunks(DOT_TILE * nb).enumerate() {
+            let ot = &mut out[t * DOT_TILE..];
+            // SAFETY: as below.
+            unsafe {
+                match (dtype, xt.len() / nb) {
+                    (DType::Q4_K, 4) => dot_rows::<Q4_K, 4>(w, rb, xt, nb, ot, stride),
+                    (DType::Q4_K, 3) => dot_rows::<Q4_K, 3>(w, rb, xt, nb, ot, stride),
+                    (DType::Q4_K, 2) => dot_rows::<Q4_K, 2>(w, rb, xt, nb, ot, stride),
+                    (DType::Q4_K, _) => dot_rows::<Q4_K, 1>(w, rb, xt, nb, ot, stride),
+                    (DType::Q5_K, 4) => dot_rows::<Q5_K, 4>(w, rb, xt, nb, ot, stride),
+                    (DType::Q5_K, 3) => dot_rows::<Q5_K, 3>(w, rb, xt, nb, ot, stride),
+                    (DType::Q5_K, 2) => dot_rows::<Q5_K, 2>(w, rb, xt, nb, ot, stride),
+                    (DType::Q5_K, _) => dot_rows::<Q5_K, 1>(w, rb, xt, nb, ot, stride),
+                    (_, 4) => dot_rows::<Q6_K, 4>(w, rb, xt, nb, ot, stride),
+                    (_, 3) => dot_rows::<Q6_K, 3>(w, rb, xt, nb, ot, stride),
+                    (_, 2) => dot_rows::<Q6_K, 2>(w, rb, xt, nb, ot, stride),
+                    (_, _) => dot_rows::<Q6_K, 1>(w, rb, xt, nb, ot, stride),
+                }
+            }
+        }
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if simd {
         use avx2::{dot_rows, Q4_0, Q4_1, Q8_0};
@@ -185,6 +214,7 @@ pub fn dot_q_block(dtype: DType, w: &[u8], xs: &[BlockQ8], nb: usize, out: &mut 
                 DType::Q8_0 => scalar::dot_q8_0(wr, x),
                 DType::Q4_0 => scalar::dot_q4_0(wr, x),
                 DType::Q4_1 => scalar::dot_q4_1(wr, x),
+                DType::Q4_K | DType::Q5_K | DType::Q6_K => kquant::dot(dtype, wr, x),
                 _ => unreachable!("dot_q on a float dtype"),
             };
         }
@@ -334,9 +364,13 @@ fn expf_ggml_scalar(x: f32) -> f32 {
     }
 }
 
-/// Quantize a float row (length a multiple of 32) to a GGML weight block format, round-to-nearest
-/// (no importance weighting): used for synthetic weights and tests.
+/// Quantize a float row (length a multiple of the format's block: 32, or 256 for the K formats)
+/// to a GGML weight block format, round-to-nearest (no importance weighting): used for synthetic
+/// weights and tests.
 pub fn quantize_weight(dtype: DType, x: &[f32]) -> Vec<u8> {
+    if matches!(dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K) {
+        return kquant::quantize(dtype, x);
+    }
     let mut out = Vec::new();
     for xs in x.chunks_exact(QK) {
         match dtype {
@@ -382,6 +416,9 @@ pub fn simd_available() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_k;
+pub mod kquant;
 mod scalar;
 #[cfg(test)]
 mod tests;

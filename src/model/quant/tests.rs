@@ -14,8 +14,9 @@ fn quantized_dots_match_dequantized_reference_and_simd_matches_scalar() {
     let mut xq = vec![BlockQ8::default(); n / QK];
     quantize_row_q8(&x, &mut xq, false);
     let xd: Vec<f32> = xq.iter().flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d)).collect();
-    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q5_K, DType::Q6_K] {
         let wq = quantize_weight(dtype, &w);
+        assert_eq!(Some(wq.len()), dtype.storage_bytes(n), "{dtype}");
         let mut wd = vec![0f32; n];
         dequantize_into(dtype, &wq, &mut wd);
         // The dequantized weights are close to the originals…
@@ -136,13 +137,16 @@ fn q8_row_quantization_simd_matches_scalar() {
 #[test]
 fn tiled_dots_equal_single_row_dots_bitwise() {
     let mut seed = 21;
-    let (n, wrows, xrows) = (192usize, 5usize, 9usize);
-    let nb = n / QK;
-    let w: Vec<f32> = (0..wrows * n).map(|_| lcg(&mut seed)).collect();
-    let x: Vec<f32> = (0..xrows * n).map(|_| 2.0 * lcg(&mut seed)).collect();
-    let mut xq = vec![BlockQ8::default(); xrows * nb];
-    quantize_row_q8(&x, &mut xq, false);
-    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+    let (wrows, xrows) = (5usize, 9usize);
+    for (dtype, n) in [(DType::Q8_0, 192), (DType::Q4_0, 192), (DType::Q4_1, 192)]
+        .into_iter()
+        .chain([DType::Q4_K, DType::Q5_K, DType::Q6_K].map(|d| (d, 512)))
+    {
+        let nb = n / QK;
+        let w: Vec<f32> = (0..wrows * n).map(|_| lcg(&mut seed)).collect();
+        let x: Vec<f32> = (0..xrows * n).map(|_| 2.0 * lcg(&mut seed)).collect();
+        let mut xq = vec![BlockQ8::default(); xrows * nb];
+        quantize_row_q8(&x, &mut xq, false);
         let wq = quantize_weight(dtype, &w);
         let rb = wq.len() / wrows;
         let single = |r: usize, j: usize| dot_q(dtype, &wq[r * rb..(r + 1) * rb], &xq[j * nb..(j + 1) * nb], false);
@@ -182,6 +186,44 @@ fn f32_row_tiles_equal_single_dots_bitwise() {
                 let got: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
                 assert_eq!(got, want, "n {n}, rows {rows}, simd {simd}");
             }
+        }
+    }
+}
+
+/// K-quant super-blocks of arbitrary bytes (every code, 6-bit scale and min pattern, negative
+/// Q6_K group scales, which llama.cpp's quantizer produces and our round-to-nearest one does
+/// not), with finite f16 super-scales: the dot equals the f64 dot of the dequantized values,
+/// and the AVX2 kernel equals the portable one bit for bit.
+#[test]
+fn k_quant_dots_of_arbitrary_blocks_match_dequantized_reference_on_every_path() {
+    let mut seed = 0x5eed_u64;
+    let mut byte = move || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (seed >> 56) as u8
+    };
+    let n = 1024;
+    let x: Vec<f32> = (0..n).map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0).collect();
+    let mut xq = vec![BlockQ8::default(); n / QK];
+    quantize_row_q8(&x, &mut xq, false);
+    let xd: Vec<f32> = xq.iter().flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d)).collect();
+    for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+        let mut wq: Vec<u8> = (0..dtype.storage_bytes(n).unwrap()).map(|_| byte()).collect();
+        for b in wq.chunks_exact_mut(dtype.block_bytes()) {
+            let scales_at = if dtype == DType::Q6_K { vec![208] } else { vec![0, 2] };
+            for (k, at) in scales_at.into_iter().enumerate() {
+                let v = half::f16::from_f32(0.001 * (1 + (b[at] % 16) as usize + k) as f32);
+                b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        let mut wd = vec![0f32; n];
+        dequantize_into(dtype, &wq, &mut wd);
+        let reference: f64 = wd.iter().zip(&xd).map(|(&a, &b)| a as f64 * b as f64).sum();
+        let scale: f64 = wd.iter().zip(&xd).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+        let s = dot_q(dtype, &wq, &xq, false);
+        assert!((s as f64 - reference).abs() < 1e-5 * scale.max(1.0), "{dtype}: scalar {s} vs {reference}");
+        if simd_available() {
+            let v = dot_q(dtype, &wq, &xq, true);
+            assert_eq!(v.to_bits(), s.to_bits(), "{dtype}: simd {v} vs scalar {s}");
         }
     }
 }
