@@ -12,11 +12,12 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::scheduler::SchedulerMsg;
 use super::spill::SpillMsg;
-use crate::backend::{Backend, DeviceSampleSpec, SeqStep};
+use crate::backend::{Backend, DeviceSampleSpec, HiddenTaps, SeqStep};
 use crate::kv::{EvictedPage, PageHash, SlotSnapshot};
 use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::SeqId;
 use crate::spec::step::{sample_with_drafts, StepTokens};
+use crate::spec::HiddenChunk;
 
 /// What to sample for a sequence whose chunk ends at its last known token.
 #[derive(Clone, Debug)]
@@ -67,6 +68,10 @@ pub struct StepResult {
     pub error: Option<String>,
     /// Recurrent state at the page boundary each `PlanSeq::snapshot` sequence reached (for the pool).
     pub snapshots: Vec<SlotSnapshot>,
+    /// The target's tapped hidden states of the tokens each sequence kept this step (every token
+    /// of a prefill chunk; the last known token and the accepted drafts of a verification), when
+    /// the backend taps layers for a drafter (`Backend::set_hidden_taps`). Rank 0 only.
+    pub hidden: Vec<(SeqId, HiddenChunk)>,
 }
 
 pub enum ExecutorMsg {
@@ -190,6 +195,7 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResu
         decode_tokens,
         error: None,
         snapshots: Vec::new(),
+        hidden: Vec::new(),
     };
     // Sequences verifying drafts ask the backend to keep per-token recurrent state, and are
     // committed to their accepted length right after sampling (a no-op without recurrent state).
@@ -206,6 +212,9 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResu
         }
     } else {
         sample_on_host(backend, &steps, &verify, plan, rank, &mut result);
+    }
+    if let Some(taps) = backend.take_hidden_taps().filter(|_| rank == 0 && result.error.is_none()) {
+        result.hidden = kept_hidden(&taps, plan, &result.sampled);
     }
     // A verify run's state is at its end only when all its drafts were accepted; otherwise the
     // page it would have completed stays unpublished (recomputed on a later hit).
@@ -226,6 +235,24 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResu
     }
     result.elapsed = start.elapsed();
     result
+}
+
+/// Each sequence's tapped states for the tokens it kept: a verification keeps the last known token
+/// and its accepted drafts (rejected drafts' states are never handed on); anything else all rows.
+fn kept_hidden(taps: &HiddenTaps, plan: &StepPlan, sampled: &[(SeqId, StepTokens)]) -> Vec<(SeqId, HiddenChunk)> {
+    plan.seqs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let kept = if s.num_draft > 0 && s.sample.is_some() {
+                sampled.iter().find(|(id, _)| *id == s.seq).map_or(0, |(_, e)| e.accepted + 1)
+            } else {
+                s.tokens.len()
+            };
+            (s.seq, HiddenChunk::from_taps(taps, i, s.start_pos, kept))
+        })
+        .filter(|(_, c)| !c.data.is_empty())
+        .collect()
 }
 
 /// Device sampling for a step without drafts: `Ok(None)` when the backend samples on the host.
@@ -385,6 +412,7 @@ impl Actor for ExecutorActor {
                                 prefill_tokens: 0,
                                 decode_tokens: 0,
                                 error: Some(format!("the backend of rank {rank} panicked")),
+                                hidden: Vec::new(),
                             }
                         });
                         if scheduler.cast(SchedulerMsg::StepDone(result)).is_err() {

@@ -273,7 +273,7 @@ pub fn run_generate(args: &GenerateArgs) -> Result<(), CliError> {
     let row_cost = crate::spec::adaptive::verify_row_cost_for(device.kind);
     let pricing = LanePricing { row_cost, draft_cost: None };
     let target = VocabIdentity::of(&bundle);
-    let mut drafter = sources_for(&[method], &[pricing], &target, bundle.stored_weight_bytes(), draft_opts)
+    let mut drafter = sources_for(&[method], &[pricing], &bundle, &target, bundle.stored_weight_bytes(), draft_opts)
         .map_err(|e| CliError::Usage(format!("--speculative: {e}")))?
         .pop()
         .flatten();
