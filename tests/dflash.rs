@@ -110,7 +110,12 @@ fn a_drafter_for_another_target_is_refused_with_the_reason() {
 #[test]
 fn runner_with_dflash_drafts_equals_plain_generate() {
     let bundle = target();
-    let opts = GenerateOptions { max_tokens: 40, sampling: SamplingParams::default(), eos_token_ids: vec![], prefill_chunk: 5 };
+    let opts = GenerateOptions {
+        max_tokens: 40,
+        sampling: SamplingParams::default(),
+        eos_token_ids: vec![],
+        prefill_chunk: 5,
+    };
     let prompt: Vec<u32> = (0..12).map(|i| (i * 37 + 11) % 500 + 3).collect();
     let run = |drafter: Option<&mut DFlashDrafter>| {
         let geom = single_sequence_geometry(prompt.len() + opts.max_tokens + 8, 16);
@@ -194,7 +199,10 @@ async fn dflash_drafted_greedy_equals_undrafted_through_the_engine() {
         assert_eq!(got, want[i], "prompt {i}, k {k}, concurrent");
     }
     let s = engine.stats().await.unwrap();
-    eprintln!("dflash2 (random weights): drafted {} accepted {} over {} steps", s.drafted_tokens, s.accepted_tokens, s.steps);
+    eprintln!(
+        "dflash2 (random weights): drafted {} accepted {} over {} steps",
+        s.drafted_tokens, s.accepted_tokens, s.steps
+    );
     assert!(s.drafted_tokens > 100, "the DFlash drafter proposed too little: {s:?}");
     assert!(s.drafted_tokens > s.accepted_tokens, "no draft was rejected: {s:?}");
     assert_eq!(engine.drafter_sequences().await, Some(vec![0; 8]), "every sequence's drafter state was dropped");

@@ -12,13 +12,13 @@
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
+use crate::model::ModelBundle;
 use crate::sched::SeqId;
 use crate::spec::adaptive::{draft_cost_from_weights, Adaptive, AdaptiveConfig};
+use crate::spec::dflash::DFlashDrafter;
 use crate::spec::draft_model::{DraftModel, DraftModelOptions, VocabIdentity};
 use crate::spec::ngram::{NgramConfig, NgramDrafter};
-use crate::spec::dflash::DFlashDrafter;
 use crate::spec::{DraftError, DraftRequest, DraftSource, HiddenChunk, SpeculativeMethod};
-use crate::model::ModelBundle;
 
 /// New context for one sequence and a request for up to `k` drafts.
 #[derive(Clone, Debug)]

@@ -133,7 +133,11 @@ impl TapRecorder {
         use rayon::prelude::*;
         let (h, width) = (self.taps.hidden, self.taps.row_width());
         for (col, _) in self.taps.layers.iter().enumerate().filter(|(_, &l)| l == layer) {
-            self.taps.data.par_chunks_mut(width).enumerate().for_each(|(r, row)| state(r, &mut row[col * h..(col + 1) * h]));
+            self.taps
+                .data
+                .par_chunks_mut(width)
+                .enumerate()
+                .for_each(|(r, row)| state(r, &mut row[col * h..(col + 1) * h]));
         }
     }
 

@@ -145,7 +145,10 @@ impl DFlashConfig {
         };
         if let Some(v2) = &dflash2 {
             if v2.conv_group_size == 0 || hidden_size % v2.conv_group_size != 0 {
-                return Err(format!("conv_group_size {} does not divide hidden_size {hidden_size}", v2.conv_group_size));
+                return Err(format!(
+                    "conv_group_size {} does not divide hidden_size {hidden_size}",
+                    v2.conv_group_size
+                ));
             }
             if v2.selector_top_k == 0 || v2.selector_top_k > vocab_size || v2.conv_kernel_size == 0 {
                 return Err("selector_top_k and conv_kernel_size must be positive".into());

@@ -56,7 +56,9 @@ impl DFlashDrafter {
         let fail = |msg: String| DraftError::DraftModel { path: path.to_string(), msg };
         let dir = Path::new(path);
         if !dir.is_dir() {
-            return Err(fail("not a directory (a DFlash drafter is a directory with config.json and model.safetensors)".into()));
+            return Err(fail(
+                "not a directory (a DFlash drafter is a directory with config.json and model.safetensors)".into(),
+            ));
         }
         let cfg = DFlashConfig::read(dir)?;
         let weights = crate::model::hf::SafetensorsWeights::open_dir(dir).map_err(|e| fail(e.to_string()))?;
@@ -73,7 +75,10 @@ impl DFlashDrafter {
         let fail = |msg: String| DraftError::DraftModel { path: path.to_string(), msg };
         let t = &target.config;
         if crate::model::glm5_next::MODEL_TYPES.contains(&t.model_type.as_str()) {
-            return Err(fail(format!("a DFlash drafter for a `{}` target is not supported yet (llama-family targets only)", t.model_type)));
+            return Err(fail(format!(
+                "a DFlash drafter for a `{}` target is not supported yet (llama-family targets only)",
+                t.model_type
+            )));
         }
         if t.hidden_size != cfg.hidden_size || t.vocab_size != cfg.vocab_size {
             return Err(fail(format!(
@@ -248,7 +253,11 @@ impl DFlashDrafter {
         let (model, scratch) = (&self.model, &mut self.scratch);
         let results = self.pool.install(|| -> Result<Vec<Vec<u32>>, crate::backend::BackendError> {
             let rows = model.block_logits(&blocks, scratch)?;
-            blocks.iter().zip(rows).map(|(b, (logits, hidden))| model.choose(b.anchor, &logits, &hidden, scratch)).collect()
+            blocks
+                .iter()
+                .zip(rows)
+                .map(|(b, (logits, hidden))| model.choose(b.anchor, &logits, &hidden, scratch))
+                .collect()
         })?;
         for (&i, drafts) in active.iter().zip(results) {
             out[i] = drafts;
@@ -260,12 +269,7 @@ impl DFlashDrafter {
     pub fn block_logits(&mut self, seq: SeqId, rows: usize) -> Option<Vec<f32>> {
         self.ingest(&[seq]).ok()?;
         let s = self.seqs.get(&seq).filter(|s| !s.tokens.is_empty())?;
-        let b = BlockSeq {
-            cache: &s.cache,
-            anchor: *s.tokens.last()?,
-            anchor_pos: s.tokens.len() - 1,
-            rows,
-        };
+        let b = BlockSeq { cache: &s.cache, anchor: *s.tokens.last()?, anchor_pos: s.tokens.len() - 1, rows };
         let (model, scratch) = (&self.model, &mut self.scratch);
         let mut out = self.pool.install(|| model.block_logits(&[b], scratch)).ok()?;
         Some(out.pop()?.0)

@@ -188,7 +188,13 @@ fn rms_norm_rows(x: &mut [f32], w: &[f32], eps: f32) {
     });
 }
 
-fn linear(l: &CpuLinear, x: &[f32], m: usize, scratch: &mut LinearScratch, simd: bool) -> Result<Vec<f32>, BackendError> {
+fn linear(
+    l: &CpuLinear,
+    x: &[f32],
+    m: usize,
+    scratch: &mut LinearScratch,
+    simd: bool,
+) -> Result<Vec<f32>, BackendError> {
     let mut y = vec![0f32; m * l.rows];
     l.forward(x, m, &mut y, scratch, simd)?;
     Ok(y)
@@ -488,8 +494,7 @@ impl DFlashModel {
         let mut prev = anchor as usize;
         for (p, row) in logits.chunks_exact(vocab).enumerate() {
             let candidates = top_k(row, sel.top_k);
-            let modulated: Vec<f32> =
-                (0..r).map(|i| sel.predecessor[prev * r + i] * proj[p * r + i]).collect();
+            let modulated: Vec<f32> = (0..r).map(|i| sel.predecessor[prev * r + i] * proj[p * r + i]).collect();
             let mut best = (f32::NEG_INFINITY, candidates[0]);
             for &cand in &candidates {
                 let succ = &sel.successor[cand as usize * r..(cand as usize + 1) * r];
@@ -547,7 +552,10 @@ mod tests {
             values: vec![vec![0.0; 8]],
         };
         c.truncate(2, 2);
-        assert_eq!((c.positions.clone(), c.keys[0].clone(), c.values[0].len()), (vec![0, 1], vec![0.0, 0.0, 1.0, 1.0], 4));
+        assert_eq!(
+            (c.positions.clone(), c.keys[0].clone(), c.values[0].len()),
+            (vec![0, 1], vec![0.0, 0.0, 1.0, 1.0], 4)
+        );
         assert_eq!(c.next_position(), 2);
     }
 }
