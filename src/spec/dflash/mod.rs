@@ -253,11 +253,7 @@ impl DFlashDrafter {
         let (model, scratch) = (&self.model, &mut self.scratch);
         let results = self.pool.install(|| -> Result<Vec<Vec<u32>>, crate::backend::BackendError> {
             let rows = model.block_logits(&blocks, scratch)?;
-            blocks
-                .iter()
-                .zip(rows)
-                .map(|(b, (logits, hidden))| model.choose(b.anchor, &logits, &hidden, scratch))
-                .collect()
+            blocks.iter().zip(rows).map(|(b, r)| model.choose(b.anchor, &r.logits, &r.hidden, scratch)).collect()
         })?;
         for (&i, drafts) in active.iter().zip(results) {
             out[i] = drafts;
@@ -272,7 +268,7 @@ impl DFlashDrafter {
         let b = BlockSeq { cache: &s.cache, anchor: *s.tokens.last()?, anchor_pos: s.tokens.len() - 1, rows };
         let (model, scratch) = (&self.model, &mut self.scratch);
         let mut out = self.pool.install(|| model.block_logits(&[b], scratch)).ok()?;
-        Some(out.pop()?.0)
+        Some(out.pop()?.logits)
     }
 }
 

@@ -245,6 +245,13 @@ impl DynamicConv {
     }
 }
 
+/// One sequence's draft rows out of a block pass: logits `[rows, vocab]` and the final hidden
+/// rows `[rows, hidden]` (DFlash2's selector reads both).
+pub struct DraftRows {
+    pub logits: Vec<f32>,
+    pub hidden: Vec<f32>,
+}
+
 /// One sequence's share of a block pass.
 pub struct BlockSeq<'a> {
     pub cache: &'a ContextCache,
@@ -312,7 +319,7 @@ impl DFlashModel {
         &self,
         seqs: &[BlockSeq<'_>],
         scratch: &mut LinearScratch,
-    ) -> Result<Vec<(Vec<f32>, Vec<f32>)>, BackendError> {
+    ) -> Result<Vec<DraftRows>, BackendError> {
         let c = &self.cfg;
         let (h, bs, hd) = (c.hidden_size, c.block_size, c.head_dim);
         let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
@@ -437,7 +444,10 @@ impl DFlashModel {
         let mut at = 0;
         for s in seqs {
             let r = s.rows.min(bs - 1);
-            out.push((logits[at * vocab..(at + r) * vocab].to_vec(), rows[at * h..(at + r) * h].to_vec()));
+            out.push(DraftRows {
+                logits: logits[at * vocab..(at + r) * vocab].to_vec(),
+                hidden: rows[at * h..(at + r) * h].to_vec(),
+            });
             at += r;
         }
         Ok(out)
