@@ -472,3 +472,53 @@ impl Actor for ExecutorActor {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan_seq(seq: SeqId, tokens: Vec<u32>, start_pos: usize, num_draft: usize, sample: bool) -> PlanSeq {
+        PlanSeq {
+            seq,
+            tokens,
+            start_pos,
+            block_table: vec![0],
+            state_slot: 0,
+            num_draft,
+            sample: sample.then(|| SampleSpec {
+                params: Arc::new(SamplingParams::default()),
+                step: 0,
+                penalties: None,
+            }),
+            snapshot: false,
+        }
+    }
+
+    #[test]
+    fn only_kept_tokens_hidden_states_are_handed_on() {
+        // Row r of the step holds the value r in every column (two layers of width 2).
+        let taps = HiddenTaps {
+            layers: vec![3, 5],
+            hidden: 2,
+            data: (0..9).flat_map(|r| [r as f32; 4]).collect(),
+            offsets: vec![0, 3, 7, 9],
+        };
+        let plan = StepPlan {
+            step_id: 1,
+            seqs: vec![
+                plan_seq(1, vec![10, 11, 12], 0, 0, false),     // a prefill chunk: every row
+                plan_seq(2, vec![20, 21, 22, 23], 40, 3, true), // last token + 3 drafts, 1 accepted
+                plan_seq(3, vec![30, 31], 8, 1, true),          // last token + 1 draft, all rejected
+            ],
+        };
+        let emitted = |accepted| StepTokens { tokens: Vec::new(), drafted: 0, accepted };
+        let sampled = vec![(2, emitted(1)), (3, emitted(0))];
+        let kept = kept_hidden(&taps, &plan, &sampled);
+        let rows = |c: &HiddenChunk| c.data.chunks(4).map(|r| r[0] as usize).collect::<Vec<_>>();
+        assert_eq!(kept.len(), 3);
+        assert_eq!((kept[0].0, kept[0].1.start_pos, rows(&kept[0].1)), (1, 0, vec![0, 1, 2]));
+        assert_eq!((kept[1].0, kept[1].1.start_pos, rows(&kept[1].1)), (2, 40, vec![3, 4]));
+        assert_eq!((kept[2].0, kept[2].1.start_pos, rows(&kept[2].1)), (3, 8, vec![7]));
+        assert_eq!(&*kept[0].1.layers, &[3, 5]);
+    }
+}
