@@ -8,8 +8,9 @@
 //! drafts are dropped by the scheduler, and `forget` tells the drafter), the target model or its
 //! logits beyond what it is handed.
 //!
-//! Draft sources are pluggable behind [`DraftSource`]: the model-free n-gram drafter and the
-//! draft-model drafter (`draft_model`, a smaller checkpoint with the target's tokenizer) live here.
+//! Draft sources are pluggable behind [`DraftSource`]: the model-free n-gram drafter, the
+//! draft-model drafter (`draft_model`, a smaller checkpoint with the target's tokenizer) and the
+//! DFlash / DFlash2 block drafter (`dflash`, which reads the target's hidden states) live here.
 //! `extend` feeds a source the accepted tokens, `propose` asks for up to k more for one sequence,
 //! and `propose_batch` for many sequences at once: a model-backed source overrides it to run one
 //! batched forward per draft position instead of one per sequence.
