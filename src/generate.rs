@@ -9,7 +9,7 @@ use crate::backend::{Backend, BackendError, KvGeometry, SeqStep, StepLogits};
 use crate::model::{ModelBundle, ModelError};
 use crate::sampling::{sample, PenaltyState, Sampled, SamplingParams};
 use crate::spec::step::sample_with_drafts;
-use crate::spec::DraftSource;
+use crate::spec::{DraftSource, HiddenChunk};
 
 /// Prefill chunk used when nothing else is said: large enough to amortise weight reads, small
 /// enough to bound scratch memory.
@@ -462,6 +462,14 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     fn abort_collectives(&self, reason: &str) {
         (**self).abort_collectives(reason)
     }
+
+    fn set_hidden_taps(&mut self, layers: &[usize]) -> Result<(), BackendError> {
+        (**self).set_hidden_taps(layers)
+    }
+
+    fn take_hidden_taps(&mut self) -> Option<crate::backend::HiddenTaps> {
+        (**self).take_hidden_taps()
+    }
 }
 
 /// One sequence at a time over a backend.
@@ -537,6 +545,10 @@ impl<B: Backend> Runner<B> {
         self.check_fits(prompt.len(), opts.max_tokens)?;
         let chunk = opts.prefill_chunk.max(1);
         let mut logits = Vec::new();
+        // A drafter that reads the target's hidden states gets those of every token kept.
+        let taps = drafter.as_ref().map(|(d, _)| d.hidden_taps()).unwrap_or_default();
+        self.backend.set_hidden_taps(&taps)?;
+        let mut prompt_hidden = Vec::new();
         for (ci, c) in prompt.chunks(chunk).enumerate() {
             let last = (ci + 1) * chunk >= prompt.len();
             let step = SeqStep {
@@ -547,6 +559,9 @@ impl<B: Backend> Runner<B> {
                 state_slot: 0,
             };
             logits = self.backend.forward(&[step])?.data;
+            if let Some(t) = self.backend.take_hidden_taps() {
+                prompt_hidden.push(HiddenChunk::from_taps(&t, 0, ci * chunk, c.len()));
+            }
         }
         let mut penalties = PenaltyState::new(prompt);
         let mut out = Vec::new();
@@ -555,6 +570,7 @@ impl<B: Backend> Runner<B> {
             const SEQ: u64 = 0;
             d.forget(SEQ);
             d.extend(SEQ, prompt);
+            d.extend_hidden(SEQ, prompt_hidden);
             let mut emitted = sample_with_drafts(&[&logits], &[], &opts.sampling, Some(&penalties), 0);
             loop {
                 let mut last = None;
@@ -593,6 +609,9 @@ impl<B: Backend> Runner<B> {
                 emitted = sample_with_drafts(&rows, &draft, &opts.sampling, Some(&penalties), out.len() as u64);
                 if !draft.is_empty() {
                     self.backend.commit_verified(0, emitted.accepted + 1)?;
+                }
+                if let Some(t) = self.backend.take_hidden_taps() {
+                    d.extend_hidden(SEQ, vec![HiddenChunk::from_taps(&t, 0, pos, emitted.accepted + 1)]);
                 }
                 pos += emitted.accepted + 1;
             }

@@ -12,11 +12,13 @@
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
+use crate::model::ModelBundle;
 use crate::sched::SeqId;
 use crate::spec::adaptive::{draft_cost_from_weights, Adaptive, AdaptiveConfig};
+use crate::spec::dflash::DFlashDrafter;
 use crate::spec::draft_model::{DraftModel, DraftModelOptions, VocabIdentity};
 use crate::spec::ngram::{NgramConfig, NgramDrafter};
-use crate::spec::{DraftError, DraftRequest, DraftSource, SpeculativeMethod};
+use crate::spec::{DraftError, DraftRequest, DraftSource, HiddenChunk, SpeculativeMethod};
 
 /// New context for one sequence and a request for up to `k` drafts.
 #[derive(Clone, Debug)]
@@ -25,6 +27,9 @@ pub struct DraftUpdate {
     pub lane: usize,
     /// Tokens appended to the sequence since the last update (the prompt on the first one).
     pub append: Vec<u32>,
+    /// The target's hidden states for tokens it ran since the last update (lanes whose drafter
+    /// reads them; empty otherwise).
+    pub hidden: Vec<HiddenChunk>,
     pub k: usize,
 }
 
@@ -65,6 +70,7 @@ pub struct LanePricing {
 pub fn sources_for(
     methods: &[SpeculativeMethod],
     pricing: &[LanePricing],
+    target: &ModelBundle,
     target_vocab: &VocabIdentity,
     target_weight_bytes: u64,
     draft_opts: DraftModelOptions,
@@ -96,6 +102,15 @@ pub fn sources_for(
                 let cfg = AdaptiveConfig::with_costs(price.row_cost, draft_cost);
                 Ok(Some(Box::new(Adaptive::new(model, cfg)) as Box<dyn DraftSource>))
             }
+            SpeculativeMethod::DFlash(path) => {
+                let drafter = DFlashDrafter::open(path, target, draft_opts.threads)?;
+                // One pass proposes the whole block: its cost per proposed token is the drafter's
+                // weight bytes over the target's, spread over the block.
+                let per_pass = draft_cost_from_weights(drafter.weight_bytes(), target_weight_bytes);
+                let estimate = per_pass / (drafter.config().block_size - 1) as f64;
+                let cfg = AdaptiveConfig::with_costs(price.row_cost, price.draft_cost.unwrap_or(estimate));
+                Ok(Some(Box::new(Adaptive::new(drafter, cfg)) as Box<dyn DraftSource>))
+            }
         })
         .collect()
 }
@@ -106,6 +121,9 @@ fn propose_all(sources: &mut LaneSources, updates: Vec<DraftUpdate>) -> Vec<(Seq
     for u in updates {
         let Some(Some(src)) = sources.get_mut(u.lane) else { continue };
         src.extend(u.seq, &u.append);
+        if !u.hidden.is_empty() {
+            src.extend_hidden(u.seq, u.hidden);
+        }
         by_lane[u.lane].push(DraftRequest { seq: u.seq, k: u.k });
     }
     let mut out = Vec::new();

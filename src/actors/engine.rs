@@ -186,6 +186,9 @@ pub async fn start_engine(
     );
     // Unnamed actors: ractor's registry is process-wide, and tests run several engines.
     let methods: Vec<_> = config.lanes.iter().map(|l| l.speculative.clone()).collect();
+    let bundle = Arc::new(bundle);
+    // Target layers some lane's drafter reads: every rank's backend taps them.
+    let mut hidden_taps: Vec<usize> = Vec::new();
     let drafter = if methods.iter().any(|m| *m != SpeculativeMethod::None) {
         // A draft model shares the target's vocabulary (checked here, before anything runs), gets
         // a KV store as large as the target's pool, and loads on the blocking pool.
@@ -201,12 +204,18 @@ pub async fn start_engine(
             })
             .collect();
         let target_weight_bytes = bundle.stored_weight_bytes();
+        let target = Arc::clone(&bundle);
         let sources = tokio::task::spawn_blocking(move || {
-            sources_for(&methods, &pricing, &target_vocab, target_weight_bytes, draft_opts)
+            sources_for(&methods, &pricing, &target, &target_vocab, target_weight_bytes, draft_opts)
         })
         .await
         .map_err(|e| EngineError::Executor(format!("loading the draft model: {e}")))?
         .map_err(|e| EngineError::Invalid(e.to_string()))?;
+        for src in sources.iter().flatten() {
+            hidden_taps.extend(src.hidden_taps());
+        }
+        hidden_taps.sort_unstable();
+        hidden_taps.dedup();
         let (d, _) =
             Actor::spawn(None, DrafterActor, sources).await.map_err(|e| EngineError::Executor(e.to_string()))?;
         for l in config.lanes.iter().filter(|l| l.speculative != SpeculativeMethod::None) {
@@ -218,7 +227,7 @@ pub async fn start_engine(
     };
     // One executor per tensor-parallel rank, each loading its shard on its own thread; the
     // scheduler learns them from their ready reports and sends every step to all of them.
-    let makers = rank_backend_makers(Arc::new(bundle), &device, kv).map_err(|e| EngineError::Invalid(e.to_string()))?;
+    let makers = rank_backend_makers(bundle, &device, kv).map_err(|e| EngineError::Invalid(e.to_string()))?;
     let (scheduler, _) = Actor::spawn(
         None,
         SchedulerActor,
@@ -243,7 +252,12 @@ pub async fn start_engine(
         card.gpu.filter(|_| makers.len() == 1).map(|g| WorkspaceProbe { tokens: budget, reserved: g.workspace });
     let mut executors = Vec::with_capacity(makers.len());
     for (rank, make) in makers.into_iter().enumerate() {
-        let make_backend = Box::new(move || make().map_err(|e| e.to_string()));
+        let taps = hidden_taps.clone();
+        let make_backend = Box::new(move || {
+            let mut backend = make().map_err(|e| e.to_string())?;
+            backend.set_hidden_taps(&taps).map_err(|e| format!("hidden-state taps for the drafter: {e}"))?;
+            Ok(backend)
+        });
         let (executor, _) = Actor::spawn(
             None,
             ExecutorActor,

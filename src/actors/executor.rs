@@ -12,11 +12,12 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::scheduler::SchedulerMsg;
 use super::spill::SpillMsg;
-use crate::backend::{Backend, DeviceSampleSpec, SeqStep};
+use crate::backend::{Backend, DeviceSampleSpec, HiddenTaps, SeqStep};
 use crate::kv::{EvictedPage, PageHash, SlotSnapshot};
 use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::SeqId;
 use crate::spec::step::{sample_with_drafts, StepTokens};
+use crate::spec::HiddenChunk;
 
 /// What to sample for a sequence whose chunk ends at its last known token.
 #[derive(Clone, Debug)]
@@ -67,6 +68,10 @@ pub struct StepResult {
     pub error: Option<String>,
     /// Recurrent state at the page boundary each `PlanSeq::snapshot` sequence reached (for the pool).
     pub snapshots: Vec<SlotSnapshot>,
+    /// The target's tapped hidden states of the tokens each sequence kept this step (every token
+    /// of a prefill chunk; the last known token and the accepted drafts of a verification), when
+    /// the backend taps layers for a drafter (`Backend::set_hidden_taps`). Rank 0 only.
+    pub hidden: Vec<(SeqId, HiddenChunk)>,
 }
 
 pub enum ExecutorMsg {
@@ -206,6 +211,7 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResu
         decode_tokens,
         error: None,
         snapshots: Vec::new(),
+        hidden: Vec::new(),
     };
     // Sequences verifying drafts ask the backend to keep per-token recurrent state, and are
     // committed to their accepted length right after sampling (a no-op without recurrent state).
@@ -222,6 +228,9 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResu
         }
     } else {
         sample_on_host(backend, &steps, &verify, plan, rank, &mut result);
+    }
+    if let Some(taps) = backend.take_hidden_taps().filter(|_| rank == 0 && result.error.is_none()) {
+        result.hidden = kept_hidden(&taps, plan, &result.sampled);
     }
     // A verify run's state is at its end only when all its drafts were accepted; otherwise the
     // page it would have completed stays unpublished (recomputed on a later hit).
@@ -242,6 +251,24 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResu
     }
     result.elapsed = start.elapsed();
     result
+}
+
+/// Each sequence's tapped states for the tokens it kept: a verification keeps the last known token
+/// and its accepted drafts (rejected drafts' states are never handed on); anything else all rows.
+fn kept_hidden(taps: &HiddenTaps, plan: &StepPlan, sampled: &[(SeqId, StepTokens)]) -> Vec<(SeqId, HiddenChunk)> {
+    plan.seqs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let kept = if s.num_draft > 0 && s.sample.is_some() {
+                sampled.iter().find(|(id, _)| *id == s.seq).map_or(0, |(_, e)| e.accepted + 1)
+            } else {
+                s.tokens.len()
+            };
+            (s.seq, HiddenChunk::from_taps(taps, i, s.start_pos, kept))
+        })
+        .filter(|(_, c)| !c.data.is_empty())
+        .collect()
 }
 
 /// Device sampling for a step without drafts: `Ok(None)` when the backend samples on the host.
@@ -403,6 +430,7 @@ impl Actor for ExecutorActor {
                                 prefill_tokens: 0,
                                 decode_tokens: 0,
                                 error: Some(format!("the backend of rank {rank} panicked")),
+                                hidden: Vec::new(),
                             }
                         });
                         if scheduler.cast(SchedulerMsg::StepDone(result)).is_err() {
@@ -460,5 +488,55 @@ impl Actor for ExecutorActor {
             let _ = tokio::task::spawn_blocking(move || t.join()).await;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan_seq(seq: SeqId, tokens: Vec<u32>, start_pos: usize, num_draft: usize, sample: bool) -> PlanSeq {
+        PlanSeq {
+            seq,
+            tokens,
+            start_pos,
+            block_table: vec![0],
+            state_slot: 0,
+            num_draft,
+            sample: sample.then(|| SampleSpec {
+                params: Arc::new(SamplingParams::default()),
+                step: 0,
+                penalties: None,
+            }),
+            snapshot: false,
+        }
+    }
+
+    #[test]
+    fn only_kept_tokens_hidden_states_are_handed_on() {
+        // Row r of the step holds the value r in every column (two layers of width 2).
+        let taps = HiddenTaps {
+            layers: vec![3, 5],
+            hidden: 2,
+            data: (0..9).flat_map(|r| [r as f32; 4]).collect(),
+            offsets: vec![0, 3, 7, 9],
+        };
+        let plan = StepPlan {
+            step_id: 1,
+            seqs: vec![
+                plan_seq(1, vec![10, 11, 12], 0, 0, false),     // a prefill chunk: every row
+                plan_seq(2, vec![20, 21, 22, 23], 40, 3, true), // last token + 3 drafts, 1 accepted
+                plan_seq(3, vec![30, 31], 8, 1, true),          // last token + 1 draft, all rejected
+            ],
+        };
+        let emitted = |accepted| StepTokens { tokens: Vec::new(), drafted: 0, accepted };
+        let sampled = vec![(2, emitted(1)), (3, emitted(0))];
+        let kept = kept_hidden(&taps, &plan, &sampled);
+        let rows = |c: &HiddenChunk| c.data.chunks(4).map(|r| r[0] as usize).collect::<Vec<_>>();
+        assert_eq!(kept.len(), 3);
+        assert_eq!((kept[0].0, kept[0].1.start_pos, rows(&kept[0].1)), (1, 0, vec![0, 1, 2]));
+        assert_eq!((kept[1].0, kept[1].1.start_pos, rows(&kept[1].1)), (2, 40, vec![3, 4]));
+        assert_eq!((kept[2].0, kept[2].1.start_pos, rows(&kept[2].1)), (3, 8, vec![7]));
+        assert_eq!(&*kept[0].1.layers, &[3, 5]);
     }
 }

@@ -106,6 +106,7 @@ mod tests {
             prefill_tokens: 3,
             decode_tokens: 1,
             error: error.map(String::from),
+            hidden: Vec::new(),
         }
     }
 

@@ -27,6 +27,7 @@ use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::admission::Admission;
 use crate::sched::{NewSeq, Pacing, Planner, PolicyConfig, SeqId, StepPlanOut, StepShape};
 use crate::spec::stats::AcceptanceStats;
+use crate::spec::HiddenChunk;
 use crate::tokenizer::TokenizerBundle;
 
 pub enum SchedulerMsg {
@@ -131,6 +132,9 @@ struct LiveSeq {
     spec_k: usize,
     /// Leading tokens of the sequence the drafter has already been given.
     drafter_len: usize,
+    /// The target's hidden states of this sequence not yet given to the drafter (lanes whose
+    /// drafter reads them).
+    hidden: Vec<HiddenChunk>,
     /// The first admission's prefix hit was reported to the request (usage.cached_tokens).
     hit_reported: bool,
     /// When the scheduler received it, and when it last emitted tokens (lane target metrics).
@@ -225,6 +229,7 @@ impl SchedulerState {
                 seq: id,
                 lane: l.lane,
                 append: v.tokens[l.drafter_len..].to_vec(),
+                hidden: std::mem::take(&mut l.hidden),
                 k: l.spec_k,
             });
             l.drafter_len = v.tokens.len();
@@ -403,6 +408,13 @@ impl SchedulerState {
         let Some(policy) = self.policy.as_mut() else { return };
         if r.error.is_none() {
             policy.observe_step(&self.in_flight_shape, r.elapsed.as_secs_f64());
+        }
+        for (id, chunk) in r.hidden {
+            if let Some(l) = self.live.get_mut(&id) {
+                if l.spec_k > 0 && self.args.lanes[l.lane].speculative.reads_hidden_states() {
+                    l.hidden.push(chunk);
+                }
+            }
         }
         if let Some(err) = r.error {
             tracing::error!(step = r.step_id, error = %err, "step failed");
@@ -610,6 +622,7 @@ impl Actor for SchedulerActor {
                             _ => st.args.lanes[lane].num_speculative_tokens,
                         },
                         drafter_len: 0,
+                        hidden: Vec::new(),
                         hit_reported: false,
                         arrived: Instant::now(),
                         last_emit: None,

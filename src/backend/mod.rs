@@ -75,6 +75,87 @@ impl StepLogits {
     }
 }
 
+/// Hidden states of chosen target layers for every token row of a step: what a drafter that reads
+/// the target (DFlash, MTP) is fed. Layer `l`'s state is the residual stream after decoder layer
+/// `l` (HF's `hidden_states[l + 1]`); for models with several residual streams (mHC) their mean,
+/// the collapse the final head uses. Each row holds the tapped layers' states side by side, in
+/// the order of [`HiddenTaps::layers`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HiddenTaps {
+    pub layers: Vec<usize>,
+    /// Width of one layer's state.
+    pub hidden: usize,
+    /// `[rows, layers.len() * hidden]`, rows in batch order (every token of every sequence).
+    pub data: Vec<f32>,
+    /// Row offset of each sequence's first row (`offsets[i]..offsets[i + 1]`).
+    pub offsets: Vec<usize>,
+}
+
+impl HiddenTaps {
+    /// Floats in one row (every tapped layer).
+    pub fn row_width(&self) -> usize {
+        self.layers.len() * self.hidden
+    }
+
+    /// Rows `from..to` of sequence `i` (relative to its first row), as one slice.
+    pub fn seq_rows(&self, i: usize, from: usize, to: usize) -> &[f32] {
+        let (a, b) = (self.offsets[i], self.offsets[i + 1]);
+        let (from, to) = ((a + from).min(b), (a + to).min(b));
+        &self.data[from * self.row_width()..to * self.row_width()]
+    }
+}
+
+/// Collects [`HiddenTaps`] while a forward pass runs: the pass offers each layer's output and the
+/// recorder copies it only for the layers asked for.
+#[derive(Debug)]
+pub struct TapRecorder {
+    taps: HiddenTaps,
+}
+
+impl TapRecorder {
+    /// `None` when no layer is tapped (the forward pass then copies nothing).
+    pub fn new(layers: &[usize], hidden: usize, batch: &[SeqStep<'_>]) -> Option<Self> {
+        if layers.is_empty() {
+            return None;
+        }
+        let mut offsets = Vec::with_capacity(batch.len() + 1);
+        offsets.push(0);
+        for s in batch {
+            offsets.push(offsets.last().copied().unwrap_or(0) + s.tokens.len());
+        }
+        let rows = offsets.last().copied().unwrap_or(0);
+        let data = vec![0f32; rows * layers.len() * hidden];
+        Some(TapRecorder { taps: HiddenTaps { layers: layers.to_vec(), hidden, data, offsets } })
+    }
+
+    /// Offer layer `layer`'s output: `state(row, out)` writes row `row`'s state into `out`.
+    pub fn offer(&mut self, layer: usize, state: impl Fn(usize, &mut [f32]) + Sync) {
+        use rayon::prelude::*;
+        let (h, width) = (self.taps.hidden, self.taps.row_width());
+        for (col, _) in self.taps.layers.iter().enumerate().filter(|(_, &l)| l == layer) {
+            self.taps
+                .data
+                .par_chunks_mut(width)
+                .enumerate()
+                .for_each(|(r, row)| state(r, &mut row[col * h..(col + 1) * h]));
+        }
+    }
+
+    pub fn finish(self) -> HiddenTaps {
+        self.taps
+    }
+}
+
+/// Refuse tap layers the model does not have.
+pub fn check_tap_layers(layers: &[usize], num_layers: usize) -> Result<(), BackendError> {
+    match layers.iter().find(|&&l| l >= num_layers) {
+        Some(l) => Err(BackendError::InvalidStep(format!(
+            "hidden-state tap at layer {l}, but the model has {num_layers} layers (0..{num_layers})"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// What to sample on the device for one sequence of a step: its last logits row, drawn exactly as
 /// [`crate::sampling::sample`] draws it on the host (same order of operations, same tie rules,
 /// the same `uniform(seed, step)`).
@@ -151,6 +232,25 @@ pub trait Backend: Send {
             ));
         }
         Ok(())
+    }
+
+    /// From now on, record the hidden states of `layers` (see [`HiddenTaps`]) in every step, for
+    /// [`Backend::take_hidden_taps`]; an empty list stops recording. The states come out of the
+    /// same pass that computes the logits. Backends that cannot tap refuse a non-empty list.
+    fn set_hidden_taps(&mut self, layers: &[usize]) -> Result<(), BackendError> {
+        if layers.is_empty() {
+            return Ok(());
+        }
+        Err(BackendError::Unavailable {
+            device: self.device_name(),
+            reason: "this backend cannot return hidden states of the target's layers (needed by dflash/mtp drafters)"
+                .into(),
+        })
+    }
+    /// The tapped hidden states of the last step (`None` when nothing is tapped or the step
+    /// failed). Taking them leaves nothing behind.
+    fn take_hidden_taps(&mut self) -> Option<HiddenTaps> {
+        None
     }
 
     /// Bytes one block takes in a [`Backend::read_kv_blocks`] image (every layer's K and V).

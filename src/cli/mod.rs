@@ -122,8 +122,9 @@ pub struct GenerateArgs {
     /// Print the generated token ids (comma-separated) instead of text.
     #[arg(long, env = "SHELFSERVE_PRINT_IDS")]
     pub print_ids: bool,
-    /// Speculative decoding: `none`, `ngram` (suffix match over the prompt and output) or
-    /// `draft:PATH` (a smaller checkpoint with the same tokenizer).
+    /// Speculative decoding: `none`, `ngram` (suffix match over the prompt and output),
+    /// `draft:PATH` (a smaller checkpoint with the same tokenizer) or `dflash:DIR` (a DFlash /
+    /// DFlash2 block drafter that reads the target's hidden states).
     #[arg(long, env = "SHELFSERVE_SPECULATIVE", default_value = "none")]
     pub speculative: String,
     /// Draft tokens verified per step (1..=7).
@@ -273,7 +274,7 @@ pub fn run_generate(args: &GenerateArgs) -> Result<(), CliError> {
     let row_cost = crate::spec::adaptive::verify_row_cost_for(device.kind);
     let pricing = LanePricing { row_cost, draft_cost: None };
     let target = VocabIdentity::of(&bundle);
-    let mut drafter = sources_for(&[method], &[pricing], &target, bundle.stored_weight_bytes(), draft_opts)
+    let mut drafter = sources_for(&[method], &[pricing], &bundle, &target, bundle.stored_weight_bytes(), draft_opts)
         .map_err(|e| CliError::Usage(format!("--speculative: {e}")))?
         .pop()
         .flatten();

@@ -29,8 +29,8 @@ pub struct LaneConfig {
     /// so a burst the scheduler can run at once is never refused.
     #[serde(default)]
     pub max_queue: usize,
-    /// Speculative decoding for this lane: `none`, `ngram` (model-free suffix match) or
-    /// `draft:PATH`.
+    /// Speculative decoding for this lane: `none`, `ngram` (model-free suffix match),
+    /// `draft:PATH` or `dflash:DIR`.
     #[serde(default)]
     pub speculative: crate::spec::SpeculativeMethod,
     /// Draft tokens verified per step (1..=7) when `speculative` is on.

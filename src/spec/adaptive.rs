@@ -166,6 +166,14 @@ impl<S: DraftSource> DraftSource for Adaptive<S> {
         self.inner.extend(seq, tokens);
     }
 
+    fn hidden_taps(&self) -> Vec<usize> {
+        self.inner.hidden_taps()
+    }
+
+    fn extend_hidden(&mut self, seq: SeqId, chunks: Vec<super::HiddenChunk>) {
+        self.inner.extend_hidden(seq, chunks);
+    }
+
     fn propose(&mut self, seq: SeqId, k: usize) -> Vec<u32> {
         self.propose_batch(&[DraftRequest { seq, k }]).pop().unwrap_or_default()
     }

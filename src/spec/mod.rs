@@ -8,20 +8,23 @@
 //! drafts are dropped by the scheduler, and `forget` tells the drafter), the target model or its
 //! logits beyond what it is handed.
 //!
-//! Draft sources are pluggable behind [`DraftSource`]: the model-free n-gram drafter and the
-//! draft-model drafter (`draft_model`, a smaller checkpoint with the target's tokenizer) live here.
+//! Draft sources are pluggable behind [`DraftSource`]: the model-free n-gram drafter, the
+//! draft-model drafter (`draft_model`, a smaller checkpoint with the target's tokenizer) and the
+//! DFlash / DFlash2 block drafter (`dflash`, which reads the target's hidden states) live here.
 //! `extend` feeds a source the accepted tokens, `propose` asks for up to k more for one sequence,
 //! and `propose_batch` for many sequences at once: a model-backed source overrides it to run one
 //! batched forward per draft position instead of one per sequence.
 //!
-//! How an MTP head or a DFlash-style block drafter (one forward proposes k tokens from the
-//! target's hidden states) plugs in: it implements `DraftSource` the same way, overriding
-//! `propose_batch` with its single batched forward; what it needs beyond tokens (the target's last
-//! hidden state per sequence) arrives with `extend`'s tokens once the executor returns hidden
-//! states in its `StepResult` and the scheduler forwards them in `DraftUpdate`. Its per-sequence
-//! state follows the same rules: fed only accepted tokens, dropped on `forget`.
+//! Drafters that read the target (`dflash`, the DFlash/DFlash2 block drafter: one forward proposes
+//! a block from the target's hidden states) say which target layers they read
+//! (`DraftSource::hidden_taps`); the engine asks the backend to tap those layers, the executor
+//! returns the states of the tokens each step kept ([`HiddenChunk`], in its `StepResult`), and
+//! the scheduler forwards them in `DraftUpdate`, where `extend_hidden` hands them to the source
+//! beside `extend`'s tokens. Their per-sequence state follows the same rules: fed only accepted
+//! tokens, dropped on `forget`.
 
 pub mod adaptive;
+pub mod dflash;
 pub mod draft_model;
 pub mod ngram;
 pub mod stats;
@@ -44,6 +47,23 @@ pub enum DraftError {
     DraftModel { path: String, msg: String },
 }
 
+/// The target's tapped hidden states (see `backend::HiddenTaps`) for consecutive positions of one
+/// sequence, from `start_pos` on: one row per token the target ran and kept, each row the states
+/// of `layers` side by side.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HiddenChunk {
+    pub start_pos: usize,
+    pub layers: std::sync::Arc<[usize]>,
+    pub data: Vec<f32>,
+}
+
+impl HiddenChunk {
+    /// Rows `0..rows` of sequence `i` of a step's taps (its tokens from `start_pos` on).
+    pub fn from_taps(taps: &crate::backend::HiddenTaps, i: usize, start_pos: usize, rows: usize) -> Self {
+        HiddenChunk { start_pos, layers: taps.layers.clone().into(), data: taps.seq_rows(i, 0, rows).to_vec() }
+    }
+}
+
 /// One sequence's share of a batched proposal: up to `k` drafts for `seq`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DraftRequest {
@@ -58,6 +78,14 @@ pub trait DraftSource: Send {
     fn name(&self) -> &'static str;
     /// Append accepted tokens (prompt first, then output) to `seq`'s context.
     fn extend(&mut self, seq: SeqId, tokens: &[u32]);
+    /// Target layers whose hidden states this source reads (none for most sources).
+    fn hidden_taps(&self) -> Vec<usize> {
+        Vec::new()
+    }
+    /// The target's hidden states for tokens `seq` already holds (sources that read none drop them).
+    fn extend_hidden(&mut self, seq: SeqId, chunks: Vec<HiddenChunk>) {
+        let _ = (seq, chunks);
+    }
     /// Up to `k` proposed next tokens for `seq` (possibly none).
     fn propose(&mut self, seq: SeqId, k: usize) -> Vec<u32>;
     /// Drop `seq`'s state (finished, cancelled, preempted).
@@ -75,8 +103,9 @@ pub trait DraftSource: Send {
     }
 }
 
-/// Which drafter a lane uses: `none`, `ngram`, or `draft:PATH` (a smaller checkpoint with the
-/// same tokenizer: a GGUF file, an HF directory or `default`).
+/// Which drafter a lane uses: `none`, `ngram`, `draft:PATH` (a smaller checkpoint with the
+/// same tokenizer: a GGUF file, an HF directory or `default`) or `dflash:PATH` (a DFlash/DFlash2
+/// drafter directory that reads the target's hidden states).
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum SpeculativeMethod {
@@ -84,6 +113,7 @@ pub enum SpeculativeMethod {
     None,
     Ngram,
     DraftModel(String),
+    DFlash(String),
 }
 
 impl SpeculativeMethod {
@@ -93,7 +123,13 @@ impl SpeculativeMethod {
             Self::None => None,
             Self::Ngram => Some("ngram"),
             Self::DraftModel(_) => Some("draft-model"),
+            Self::DFlash(_) => Some("dflash"),
         }
+    }
+
+    /// Whether the lane's drafter reads the target's hidden states.
+    pub fn reads_hidden_states(&self) -> bool {
+        matches!(self, Self::DFlash(_))
     }
 }
 
@@ -104,10 +140,11 @@ impl FromStr for SpeculativeMethod {
         match s.trim() {
             "" | "none" | "off" => Ok(Self::None),
             "ngram" => Ok(Self::Ngram),
-            other => match other.strip_prefix("draft:") {
-                Some(path) if !path.is_empty() => Ok(Self::DraftModel(path.to_string())),
+            other => match (other.strip_prefix("draft:"), other.strip_prefix("dflash:")) {
+                (Some(path), _) if !path.is_empty() => Ok(Self::DraftModel(path.to_string())),
+                (_, Some(path)) if !path.is_empty() => Ok(Self::DFlash(path.to_string())),
                 _ => Err(DraftError::InvalidConfig(format!(
-                    "`{other}` is not a speculative method; use none, ngram or draft:PATH"
+                    "`{other}` is not a speculative method; use none, ngram, draft:PATH or dflash:PATH"
                 ))),
             },
         }
@@ -128,6 +165,7 @@ impl From<SpeculativeMethod> for String {
             SpeculativeMethod::None => "none".into(),
             SpeculativeMethod::Ngram => "ngram".into(),
             SpeculativeMethod::DraftModel(p) => format!("draft:{p}"),
+            SpeculativeMethod::DFlash(p) => format!("dflash:{p}"),
         }
     }
 }
@@ -155,10 +193,15 @@ mod tests {
             "draft:/m/small".parse::<SpeculativeMethod>().unwrap(),
             SpeculativeMethod::DraftModel("/m/small".into())
         );
-        for bad in ["draft:", "eagle", "ngram2"] {
+        assert_eq!(
+            "dflash:/m/drafter".parse::<SpeculativeMethod>().unwrap(),
+            SpeculativeMethod::DFlash("/m/drafter".into())
+        );
+        for bad in ["draft:", "dflash:", "eagle", "ngram2"] {
             let e = bad.parse::<SpeculativeMethod>().unwrap_err().to_string();
-            assert!(e.contains("none, ngram or draft:PATH"), "{e}");
+            assert!(e.contains("none, ngram, draft:PATH or dflash:PATH"), "{e}");
         }
+        assert_eq!(String::from(SpeculativeMethod::DFlash("d".into())), "dflash:d");
         assert_eq!(String::from(SpeculativeMethod::DraftModel("x".into())), "draft:x");
         assert!(validate_num_tokens(0).is_err() && validate_num_tokens(8).is_err());
         assert_eq!(validate_num_tokens(7).unwrap(), 7);

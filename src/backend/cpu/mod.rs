@@ -18,7 +18,8 @@ use self::attention::{paged_attention, AttnShape, PagedKv, TokenRef};
 use self::linear::{load_vector, CpuLinear, LinearScratch};
 pub use self::tp::{TpCpuBackend, COLLECTIVE_TIMEOUT};
 use super::{
-    check_token_ids, validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits,
+    check_tap_layers, check_token_ids, validate_batch, validate_kv_image, Backend, BackendError, HiddenTaps,
+    KvGeometry, SeqStep, StepLogits, TapRecorder,
 };
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::model::llama::{LinearSpec, LlamaSpec};
@@ -128,6 +129,9 @@ pub struct CpuBackend {
     simd: bool,
     weight_bytes: usize,
     scratch: LinearScratch,
+    /// Layers whose hidden states each step records (`Backend::set_hidden_taps`).
+    tap_layers: Vec<usize>,
+    last_taps: Option<HiddenTaps>,
 }
 
 /// RMSNorm of each `dim`-sized row of `x` in place: `x · w / sqrt(mean(x²) + eps)`, with GGML's
@@ -389,6 +393,8 @@ impl CpuBackend {
             simd: simd_available(),
             weight_bytes,
             scratch: LinearScratch::default(),
+            tap_layers: Vec::new(),
+            last_taps: None,
         })
     }
 
@@ -439,6 +445,7 @@ impl CpuBackend {
         let ggml_rope = self.rope.ggml();
         let shape = AttnShape { n_heads: nh, n_kv_heads: nkv, head_dim: hd, sliding_window: c.sliding_window };
         let qkv_w = qd + 2 * kvd;
+        let mut taps = TapRecorder::new(&self.tap_layers, h, batch);
         for (li, layer) in self.layers.iter().enumerate() {
             let mut xn = x.clone();
             rms_norm_rows(&mut xn, &layer.input_norm, c.rms_norm_eps);
@@ -491,7 +498,11 @@ impl CpuBackend {
             for (a, b) in x.iter_mut().zip(&d) {
                 *a += b;
             }
+            if let Some(taps) = taps.as_mut() {
+                taps.offer(li, |r, out| out.copy_from_slice(&x[r * h..(r + 1) * h]));
+            }
         }
+        self.last_taps = taps.map(TapRecorder::finish);
 
         // Only the rows that asked for logits go through the final norm and the vocabulary.
         let mut offsets = Vec::with_capacity(batch.len() + 1);
@@ -592,7 +603,18 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn set_hidden_taps(&mut self, layers: &[usize]) -> Result<(), BackendError> {
+        check_tap_layers(layers, self.layers.len())?;
+        self.tap_layers = layers.to_vec();
+        Ok(())
+    }
+
+    fn take_hidden_taps(&mut self) -> Option<HiddenTaps> {
+        self.last_taps.take()
+    }
+
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {
+        self.last_taps = None;
         validate_batch(batch, self.kv.geom)?;
         check_token_ids(batch, self.cfg.vocab_size)?;
         let pool = std::sync::Arc::clone(&self.pool);
@@ -634,6 +656,59 @@ mod tests {
         b.forward(&[SeqStep { tokens: ids, start_pos: 0, block_table: table, logits_rows: ids.len(), state_slot: 0 }])
             .unwrap()
             .data
+    }
+
+    /// The final norm and output head of `b` applied to hidden rows `x`.
+    fn head_of(b: &mut CpuBackend, x: &[f32]) -> Vec<f32> {
+        let h = b.cfg.hidden_size;
+        let m = x.len() / h;
+        let mut xs = x.to_vec();
+        rms_norm_rows(&mut xs, &b.final_norm, b.cfg.rms_norm_eps);
+        let head = b.lm_head.as_ref().unwrap_or(&b.embed);
+        let mut out = vec![0f32; m * head.rows];
+        head.forward(&xs, m, &mut out, &mut b.scratch, b.simd).unwrap();
+        out
+    }
+
+    #[test]
+    fn tapped_states_are_the_layer_outputs_a_separate_run_computes() {
+        let cfg = tiny_llama_config();
+        let w = SyntheticWeights::new(&cfg, DType::F32, 11);
+        let opts = CpuOptions {
+            threads: 2,
+            kv: KvGeometry { block_size: 4, num_blocks: 16, state_slots: 1 },
+            kv_precision: None,
+        };
+        let mut full = CpuBackend::new(&cfg, &w, opts).unwrap();
+        // The same weights cut after layer 0: its last hidden state is layer 0's output.
+        let cut_cfg = LlamaConfig { num_hidden_layers: 1, ..cfg.clone() };
+        let mut cut = CpuBackend::new(&cut_cfg, &w, opts).unwrap();
+        assert!(full.set_hidden_taps(&[2]).unwrap_err().to_string().contains("has 2 layers"));
+        full.set_hidden_taps(&[1, 0]).unwrap();
+        let (a, b) = (seq_ids(7, 1), seq_ids(3, 2));
+        let batch = [
+            SeqStep { tokens: &a, start_pos: 0, block_table: &[0, 1], logits_rows: 7, state_slot: 0 },
+            SeqStep { tokens: &b, start_pos: 0, block_table: &[4], logits_rows: 3, state_slot: 0 },
+        ];
+        let logits = full.forward(&batch).unwrap();
+        let taps = full.take_hidden_taps().expect("taps were asked for");
+        assert!(full.take_hidden_taps().is_none(), "taking them leaves nothing");
+        assert_eq!((taps.layers.clone(), taps.hidden, taps.offsets.clone()), (vec![1, 0], 64, vec![0, 7, 10]));
+        let h = cfg.hidden_size;
+        let column = |rows: &[f32], col: usize| -> Vec<f32> {
+            rows.chunks_exact(2 * h).flat_map(|r| r[col * h..(col + 1) * h].to_vec()).collect()
+        };
+        // Layer 1 is the last: the model's own logits are its head over that tap.
+        assert_eq!(head_of(&mut full, &column(&taps.data, 0)), logits.data);
+        // Layer 0: the one-layer model's logits (each sequence run alone) are its head over that tap.
+        for (i, (ids, table)) in [(&a, &[8u32, 9][..]), (&b, &[12][..])].into_iter().enumerate() {
+            let alone = alone(&mut cut, ids, table);
+            assert_eq!(head_of(&mut cut, &column(taps.seq_rows(i, 0, ids.len()), 1)), alone, "sequence {i}");
+        }
+        // Without taps nothing is recorded.
+        full.set_hidden_taps(&[]).unwrap();
+        full.forward(&batch[1..]).unwrap();
+        assert!(full.take_hidden_taps().is_none());
     }
 
     #[test]

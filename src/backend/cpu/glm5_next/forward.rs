@@ -10,7 +10,7 @@ use super::{ffn, kda, mla};
 use crate::backend::cpu::linear::LinearScratch;
 pub use crate::backend::glm5_steps::SeqRows;
 use crate::backend::glm5_steps::{logits_rows, plan_rows};
-use crate::backend::{BackendError, SeqStep, StepLogits};
+use crate::backend::{BackendError, SeqStep, StepLogits, TapRecorder};
 use crate::model::glm5_next::config::{IndexerKind, MixerKind};
 use crate::model::glm5_next::Glm5Config;
 
@@ -49,6 +49,14 @@ fn hc_site(
     Ok((u, hcw))
 }
 
+/// The mean of a row's `m` residual streams (`out` is one stream wide).
+fn collapse_streams(xr: &[f32], m: usize, out: &mut [f32]) {
+    let d = out.len();
+    for (ch, v) in out.iter_mut().enumerate() {
+        *v = (0..m).map(|s| xr[s * d + ch]).sum::<f32>() / m as f32;
+    }
+}
+
 fn expand(c: &Glm5Config, hcw: &[HcWeights], x: &[f32], y: &[f32]) -> Vec<f32> {
     let (m, d) = (c.hc_mult, c.hidden_size);
     let mut out = vec![0f32; x.len()];
@@ -71,6 +79,19 @@ impl Glm5Model {
         batch: &[SeqStep<'_>],
         verify: &[bool],
         simd: bool,
+    ) -> Result<StepLogits, BackendError> {
+        self.forward_tapped(cache, batch, verify, simd, None)
+    }
+
+    /// [`Glm5Model::forward`], also offering every layer's output (the mean of its mHC streams)
+    /// to `taps`.
+    pub fn forward_tapped(
+        &self,
+        cache: &mut Glm5Cache,
+        batch: &[SeqStep<'_>],
+        verify: &[bool],
+        simd: bool,
+        mut taps: Option<&mut TapRecorder>,
     ) -> Result<StepLogits, BackendError> {
         let c = &self.cfg;
         let (m, d) = (c.hc_mult, c.hidden_size);
@@ -122,15 +143,15 @@ impl Glm5Model {
                 Ffn::Moe(w) => ffn::moe(c, w, &u, n_rows, simd)?,
             };
             x = expand(c, &hcw, &x, &z);
+            if let Some(taps) = taps.as_deref_mut() {
+                taps.offer(l, |r, out| collapse_streams(&x[r * m * d..(r + 1) * m * d], m, out));
+            }
         }
         // Logits rows: each sequence's last `logits_rows` tokens.
         let (rows, offsets) = logits_rows(batch, &seqs);
         let mut h = vec![0f32; rows.len() * d];
         for (hr, &r) in h.chunks_mut(d).zip(&rows) {
-            let xr = &x[r * m * d..(r + 1) * m * d];
-            for (ch, v) in hr.iter_mut().enumerate() {
-                *v = (0..m).map(|s| xr[s * d + ch]).sum::<f32>() / m as f32;
-            }
+            collapse_streams(&x[r * m * d..(r + 1) * m * d], m, hr);
             rms_norm(hr, &self.weights.norm, c.rms_norm_eps);
         }
         let mut data = vec![0f32; rows.len() * c.vocab_size];

@@ -28,11 +28,16 @@ pub mod forward;
 mod kda;
 mod mla;
 pub mod ops;
+#[cfg(test)]
+mod tap_tests;
 pub mod weights;
 
 use self::cache::Glm5Cache;
 use self::forward::Glm5Model;
-use crate::backend::{validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
+use crate::backend::{
+    check_tap_layers, validate_batch, validate_kv_image, Backend, BackendError, HiddenTaps, KvGeometry, SeqStep,
+    StepLogits, TapRecorder,
+};
 use crate::model::glm5_next::Glm5Config;
 use crate::model::quant::simd_available;
 use crate::model::{ModelError, WeightSource};
@@ -43,6 +48,9 @@ pub struct Glm5Backend {
     pool: Arc<rayon::ThreadPool>,
     simd: bool,
     weight_bytes: usize,
+    /// Layers whose hidden states each step records (`Backend::set_hidden_taps`).
+    tap_layers: Vec<usize>,
+    last_taps: Option<HiddenTaps>,
 }
 
 impl Glm5Backend {
@@ -69,6 +77,8 @@ impl Glm5Backend {
             pool: Arc::new(pool),
             simd: simd_available(),
             weight_bytes,
+            tap_layers: Vec::new(),
+            last_taps: None,
         })
     }
 
@@ -118,10 +128,24 @@ impl Backend for Glm5Backend {
     }
 
     fn forward_verify(&mut self, batch: &[SeqStep<'_>], verify: &[bool]) -> Result<StepLogits, BackendError> {
+        self.last_taps = None;
         validate_batch(batch, self.cache.geom)?;
         let pool = Arc::clone(&self.pool);
         let (model, cache, simd) = (&self.model, &mut self.cache, self.simd);
-        pool.install(|| model.forward(cache, batch, verify, simd))
+        let mut taps = TapRecorder::new(&self.tap_layers, model.cfg.hidden_size, batch);
+        let logits = pool.install(|| model.forward_tapped(cache, batch, verify, simd, taps.as_mut()))?;
+        self.last_taps = taps.map(TapRecorder::finish);
+        Ok(logits)
+    }
+
+    fn set_hidden_taps(&mut self, layers: &[usize]) -> Result<(), BackendError> {
+        check_tap_layers(layers, self.model.weights.layers.len())?;
+        self.tap_layers = layers.to_vec();
+        Ok(())
+    }
+
+    fn take_hidden_taps(&mut self) -> Option<HiddenTaps> {
+        self.last_taps.take()
     }
 
     fn commit_verified(&mut self, slot: u32, kept: usize) -> Result<(), BackendError> {
