@@ -207,3 +207,166 @@ fn images_from_files_score_through_chunked_prefill() {
     let e = Runner::new(be).score_with_images(&ids, 7, &images).unwrap_err().to_string();
     assert!(e.contains("no vision tower"), "{e}");
 }
+
+// Unit tests of the public media pieces, kept in this binary so one build runs them all.
+
+mod decode_units {
+    use shelfserve::media::decode::*;
+    use shelfserve::media::MediaError;
+
+    #[test]
+    fn opaque_and_transparent_pixels_composite_as_pil_does() {
+        assert_eq!(composite_on_white([10, 20, 30], 255), [10, 20, 30]);
+        assert_eq!(composite_on_white([10, 20, 30], 0), [255, 255, 255]);
+        // Half alpha lands half way to white (PIL gives 132 for 10 at alpha 128).
+        assert_eq!(composite_on_white([10, 10, 10], 128)[0], 132);
+    }
+
+    #[test]
+    fn garbage_and_oversized_inputs_are_errors_not_panics() {
+        assert!(matches!(decode_image(b"not an image at all", DecodeLimits::default()), Err(MediaError::Decode(_))));
+        assert!(matches!(decode_image(&[], DecodeLimits::default()), Err(MediaError::Decode(_))));
+        let png = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/media/gray.png")).unwrap();
+        let small = DecodeLimits { max_bytes: 100, ..DecodeLimits::default() };
+        assert!(matches!(decode_image(&png, small), Err(MediaError::TooManyBytes { .. })));
+        let few = DecodeLimits { max_pixels: 1000, ..DecodeLimits::default() };
+        assert!(matches!(decode_image(&png, few), Err(MediaError::TooManyPixels { width: 200, height: 120, .. })));
+        // A truncated PNG is a decode error.
+        assert!(matches!(decode_image(&png[..png.len() / 2], DecodeLimits::default()), Err(MediaError::Decode(_))));
+    }
+}
+
+mod processor_units {
+    use shelfserve::media::processor::*;
+
+    #[test]
+    fn budget_rule_matches_transformers_examples() {
+        // A 3x5 image is scaled up to the 16-token minimum (transformers: grid 8x12).
+        assert_eq!(smart_resize(2, 3, 5, 2, 28, 16, 8000).unwrap(), (112, 168));
+        // An aligned image inside the budget keeps its size.
+        assert_eq!(smart_resize(2, 56, 56, 2, 28, 4, 64).unwrap(), (56, 56));
+        // A budget below one aligned patch is an error, not a panic.
+        assert!(smart_resize(2, 56, 56, 2, 28, 0, 0).is_err());
+    }
+
+    #[test]
+    fn settings_come_from_preprocessor_config_with_defaults_for_the_rest() {
+        let p = ImageProcessor::from_json(r#"{"max_image_tokens": 12, "image_processor_type": "Glm5NextImageProcessor"}"#)
+            .unwrap();
+        assert_eq!(p.max_image_tokens, 12);
+        assert_eq!(p.min_image_tokens, 16);
+        assert!(ImageProcessor::from_json(r#"{"min_image_tokens": 20, "max_image_tokens": 10}"#).is_err());
+        assert!(ImageProcessor::from_json("[").is_err());
+    }
+}
+
+mod source_units {
+    use shelfserve::media::source::*;
+    use shelfserve::media::MediaError;
+    use std::path::Path;
+
+    fn policy(dir: Option<&Path>, remote: bool) -> MediaPolicy {
+        MediaPolicy { allowed_local_path: dir.map(Path::to_path_buf), allow_remote: remote, max_bytes: 1000 }
+    }
+
+    #[test]
+    fn data_urls_decode_and_bad_ones_are_refused() {
+        let p = policy(None, false);
+        assert_eq!(resolve("data:image/png;base64,aGVsbG8=", &p).unwrap(), MediaBytes::Inline(b"hello".to_vec()));
+        assert!(matches!(resolve("data:image/png,hello", &p), Err(MediaError::Refused(_))));
+        assert!(matches!(resolve("data:image/png;base64,!!!", &p), Err(MediaError::Decode(_))));
+        let big = format!("data:image/png;base64,{}", "A".repeat(4000));
+        assert!(matches!(resolve(&big, &p), Err(MediaError::TooManyBytes { .. })));
+    }
+
+    #[test]
+    fn remote_urls_only_when_allowed() {
+        let e = resolve("https://example.invalid/a.png", &policy(None, false)).unwrap_err();
+        assert!(e.to_string().contains("--allow-remote-media"), "{e}");
+        assert_eq!(
+            resolve("HTTPS://example.invalid/a.png", &policy(None, true)).unwrap(),
+            MediaBytes::Remote("HTTPS://example.invalid/a.png".into())
+        );
+        assert!(resolve("ftp://x/y.png", &policy(None, true)).is_err());
+    }
+
+    #[test]
+    fn local_files_only_inside_the_allowed_directory_links_included() {
+        let root = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(root.path().join("a.png"), b"inside").unwrap();
+        std::fs::write(outside.path().join("b.png"), b"outside").unwrap();
+        std::os::unix::fs::symlink(outside.path().join("b.png"), root.path().join("link.png")).unwrap();
+        let url = |p: &Path| format!("file://{}", p.display());
+        let off = resolve(&url(&root.path().join("a.png")), &policy(None, false)).unwrap_err();
+        assert!(off.to_string().contains("--allowed-local-media-path"), "{off}");
+        let p = policy(Some(root.path()), false);
+        assert_eq!(resolve(&url(&root.path().join("a.png")), &p).unwrap(), MediaBytes::Inline(b"inside".to_vec()));
+        for escape in [outside.path().join("b.png"), root.path().join("link.png"), root.path().join("../x")] {
+            assert!(matches!(resolve(&url(&escape), &p), Err(MediaError::Refused(_))), "{}", escape.display());
+        }
+        std::fs::write(root.path().join("big.png"), vec![0u8; 2000]).unwrap();
+        assert!(matches!(resolve(&url(&root.path().join("big.png")), &p), Err(MediaError::TooManyBytes { .. })));
+    }
+}
+
+mod placeholder_units {
+    use shelfserve::model::glm5_next::vision::*;
+    use std::path::Path;
+
+    const MM: MultimodalIds = MultimodalIds { image_token_id: 9, video_start_token_id: Some(7), video_end_token_id: Some(8) };
+
+    #[test]
+    fn spans_skip_video_frames_and_split_at_other_tokens() {
+        let ids = [1, 9, 9, 2, 7, 9, 9, 8, 9, 3];
+        assert_eq!(image_spans(&ids, &MM), vec![1..3, 8..9]);
+    }
+
+    #[test]
+    fn single_placeholders_expand_and_counts_are_checked() {
+        assert_eq!(expand_placeholders(&[1, 9, 2, 9], &MM, &[3, 1]).unwrap(), vec![1, 9, 9, 9, 2, 9]);
+        // Already expanded: unchanged.
+        assert_eq!(expand_placeholders(&[9, 9, 2], &MM, &[2]).unwrap(), vec![9, 9, 2]);
+        let e = expand_placeholders(&[1, 9, 2], &MM, &[4, 4]).unwrap_err();
+        assert!(e.contains("1 image placeholders for 2 images"), "{e}");
+        assert!(expand_placeholders(&[9, 9, 2], &MM, &[3]).is_err());
+        assert!(expand_placeholders(&[1, 2], &MM, &[]).unwrap() == vec![1, 2]);
+    }
+
+    #[test]
+    fn config_without_vision_is_none_and_bad_vision_configs_are_errors() {
+        let p = Path::new("config.json");
+        assert!(from_hf_json(r#"{"model_type": "glm5_next_text"}"#, p).unwrap().is_none());
+        let (c, ids) = from_hf_json(r#"{"image_token_id": 5, "vision_config": {"hidden_size": 16, "num_heads": 2}}"#, p)
+            .unwrap()
+            .unwrap();
+        assert_eq!((c.head_dim(), c.patch_dim(), ids.image_token_id), (8, 1176, 5));
+        assert!(from_hf_json(r#"{"vision_config": {}}"#, p).is_err());
+        assert!(from_hf_json(r#"{"image_token_id": 5, "vision_config": {"hidden_size": 12, "num_heads": 2}}"#, p).is_err());
+    }
+}
+
+mod page_identity_units {
+    use shelfserve::kv::{PageHasher, PoolIdentity};
+
+    fn hasher() -> PageHasher {
+        PageHasher::new(&PoolIdentity { model_fingerprint: "m".into(), kv_layout: "f32/b4".into(), rank: 0 })
+    }
+
+    #[test]
+    fn images_enter_the_identity_of_their_pages_and_every_later_page() {
+        let h = hasher();
+        // Pages of 4: text, image rows 4..10, text.
+        let tokens = [1, 2, 3, 4, 9, 9, 9, 9, 9, 9, 5, 6];
+        let plain = h.chain(&tokens, 4);
+        assert_eq!(h.chain_with_media(&tokens, 4, &[]), plain, "no images: the text identity");
+        let a = h.chain_with_media(&tokens, 4, &[(4..10, 111)]);
+        let b = h.chain_with_media(&tokens, 4, &[(4..10, 222)]);
+        assert_eq!(a[0], plain[0], "the page before the image is shared");
+        assert_ne!(a[1], b[1], "different images never share a page");
+        assert_ne!(a[2], b[2], "nor does anything after them");
+        assert_eq!(a, h.chain_with_media(&tokens, 4, &[(4..10, 111)]), "the same image hits");
+        // The same content in a different span is another identity.
+        assert_ne!(a[2], h.chain_with_media(&tokens, 4, &[(5..10, 111)])[2]);
+    }
+}

@@ -162,29 +162,3 @@ pub struct PrefixHit {
     pub hit_tokens: usize,
     pub miss: Option<MissReason>,
 }
-
-#[cfg(test)]
-mod media_tests {
-    use super::*;
-
-    fn hasher() -> PageHasher {
-        PageHasher::new(&PoolIdentity { model_fingerprint: "m".into(), kv_layout: "f32/b4".into(), rank: 0 })
-    }
-
-    #[test]
-    fn images_enter_the_identity_of_their_pages_and_every_later_page() {
-        let h = hasher();
-        // Pages of 4: text, image rows 4..10, text.
-        let tokens = [1, 2, 3, 4, 9, 9, 9, 9, 9, 9, 5, 6];
-        let plain = h.chain(&tokens, 4);
-        assert_eq!(h.chain_with_media(&tokens, 4, &[]), plain, "no images: the text identity");
-        let a = h.chain_with_media(&tokens, 4, &[(4..10, 111)]);
-        let b = h.chain_with_media(&tokens, 4, &[(4..10, 222)]);
-        assert_eq!(a[0], plain[0], "the page before the image is shared");
-        assert_ne!(a[1], b[1], "different images never share a page");
-        assert_ne!(a[2], b[2], "nor does anything after them");
-        assert_eq!(a, h.chain_with_media(&tokens, 4, &[(4..10, 111)]), "the same image hits");
-        // The same content in a different span is another identity.
-        assert_ne!(a[2], h.chain_with_media(&tokens, 4, &[(5..10, 111)])[2]);
-    }
-}

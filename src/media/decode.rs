@@ -99,29 +99,3 @@ pub fn composite_on_white(src: [u8; 3], alpha: u8) -> [u8; 3] {
         (shift_div_255(tmp + (0x80 << PRECISION_BITS)) >> PRECISION_BITS) as u8
     })
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn opaque_and_transparent_pixels_composite_as_pil_does() {
-        assert_eq!(composite_on_white([10, 20, 30], 255), [10, 20, 30]);
-        assert_eq!(composite_on_white([10, 20, 30], 0), [255, 255, 255]);
-        // Half alpha lands half way to white (PIL gives 132 for 10 at alpha 128).
-        assert_eq!(composite_on_white([10, 10, 10], 128)[0], 132);
-    }
-
-    #[test]
-    fn garbage_and_oversized_inputs_are_errors_not_panics() {
-        assert!(matches!(decode_image(b"not an image at all", DecodeLimits::default()), Err(MediaError::Decode(_))));
-        assert!(matches!(decode_image(&[], DecodeLimits::default()), Err(MediaError::Decode(_))));
-        let png = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/media/gray.png")).unwrap();
-        let small = DecodeLimits { max_bytes: 100, ..DecodeLimits::default() };
-        assert!(matches!(decode_image(&png, small), Err(MediaError::TooManyBytes { .. })));
-        let few = DecodeLimits { max_pixels: 1000, ..DecodeLimits::default() };
-        assert!(matches!(decode_image(&png, few), Err(MediaError::TooManyPixels { width: 200, height: 120, .. })));
-        // A truncated PNG is a decode error.
-        assert!(matches!(decode_image(&png[..png.len() / 2], DecodeLimits::default()), Err(MediaError::Decode(_))));
-    }
-}

@@ -228,28 +228,3 @@ impl ImageProcessor {
         Ok(ProcessedImage { pixel_values: out, grid: [1, gh, gw] })
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn budget_rule_matches_transformers_examples() {
-        // A 3x5 image is scaled up to the 16-token minimum (transformers: grid 8x12).
-        assert_eq!(smart_resize(2, 3, 5, 2, 28, 16, 8000).unwrap(), (112, 168));
-        // An aligned image inside the budget keeps its size.
-        assert_eq!(smart_resize(2, 56, 56, 2, 28, 4, 64).unwrap(), (56, 56));
-        // A budget below one aligned patch is an error, not a panic.
-        assert!(smart_resize(2, 56, 56, 2, 28, 0, 0).is_err());
-    }
-
-    #[test]
-    fn settings_come_from_preprocessor_config_with_defaults_for_the_rest() {
-        let p = ImageProcessor::from_json(r#"{"max_image_tokens": 12, "image_processor_type": "Glm5NextImageProcessor"}"#)
-            .unwrap();
-        assert_eq!(p.max_image_tokens, 12);
-        assert_eq!(p.min_image_tokens, 16);
-        assert!(ImageProcessor::from_json(r#"{"min_image_tokens": 20, "max_image_tokens": 10}"#).is_err());
-        assert!(ImageProcessor::from_json("[").is_err());
-    }
-}

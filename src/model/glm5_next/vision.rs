@@ -262,39 +262,3 @@ pub fn expand_placeholders(ids: &[u32], mm: &MultimodalIds, counts: &[usize]) ->
     out.extend_from_slice(&ids[at..]);
     Ok(out)
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MM: MultimodalIds = MultimodalIds { image_token_id: 9, video_start_token_id: Some(7), video_end_token_id: Some(8) };
-
-    #[test]
-    fn spans_skip_video_frames_and_split_at_other_tokens() {
-        let ids = [1, 9, 9, 2, 7, 9, 9, 8, 9, 3];
-        assert_eq!(image_spans(&ids, &MM), vec![1..3, 8..9]);
-    }
-
-    #[test]
-    fn single_placeholders_expand_and_counts_are_checked() {
-        assert_eq!(expand_placeholders(&[1, 9, 2, 9], &MM, &[3, 1]).unwrap(), vec![1, 9, 9, 9, 2, 9]);
-        // Already expanded: unchanged.
-        assert_eq!(expand_placeholders(&[9, 9, 2], &MM, &[2]).unwrap(), vec![9, 9, 2]);
-        let e = expand_placeholders(&[1, 9, 2], &MM, &[4, 4]).unwrap_err();
-        assert!(e.contains("1 image placeholders for 2 images"), "{e}");
-        assert!(expand_placeholders(&[9, 9, 2], &MM, &[3]).is_err());
-        assert!(expand_placeholders(&[1, 2], &MM, &[]).unwrap() == vec![1, 2]);
-    }
-
-    #[test]
-    fn config_without_vision_is_none_and_bad_vision_configs_are_errors() {
-        let p = Path::new("config.json");
-        assert!(from_hf_json(r#"{"model_type": "glm5_next_text"}"#, p).unwrap().is_none());
-        let (c, ids) = from_hf_json(r#"{"image_token_id": 5, "vision_config": {"hidden_size": 16, "num_heads": 2}}"#, p)
-            .unwrap()
-            .unwrap();
-        assert_eq!((c.head_dim(), c.patch_dim(), ids.image_token_id), (8, 1176, 5));
-        assert!(from_hf_json(r#"{"vision_config": {}}"#, p).is_err());
-        assert!(from_hf_json(r#"{"image_token_id": 5, "vision_config": {"hidden_size": 12, "num_heads": 2}}"#, p).is_err());
-    }
-}
