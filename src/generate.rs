@@ -545,7 +545,11 @@ impl<B: Backend> Runner<B> {
         let mm = MultimodalIds { image_token_id, video_start_token_id: None, video_end_token_id: None };
         let spans = image_spans(ids, &mm);
         if spans.len() != images.len() {
-            return Err(invalid(format!("the ids hold {} image placeholder runs for {} images", spans.len(), images.len())));
+            return Err(invalid(format!(
+                "the ids hold {} image placeholder runs for {} images",
+                spans.len(),
+                images.len()
+            )));
         }
         let mut embeds = Vec::with_capacity(images.len());
         for (k, (img, span)) in images.iter().zip(&spans).enumerate() {

@@ -200,7 +200,9 @@ fn images_from_files_score_through_chunked_prefill() {
     assert!(e.contains("3 placeholder tokens") && e.contains("makes 4 embeddings"), "{e}");
     // A model without a vision tower refuses images.
     let flat = common::fixture("glm5/tiny-flat");
-    let bundle = shelfserve::model::open(flat.to_str().unwrap(), &shelfserve::model::default_model::CacheDir::from_env()).unwrap();
+    let bundle =
+        shelfserve::model::open(flat.to_str().unwrap(), &shelfserve::model::default_model::CacheDir::from_env())
+            .unwrap();
     let cfg = shelfserve::model::glm5_next::read_config(bundle.weights.origin()).unwrap();
     let geom = shelfserve::backend::KvGeometry { block_size: 16, num_blocks: 8, state_slots: 1 };
     let be = shelfserve::backend::cpu::glm5_next::Glm5Backend::new(cfg, bundle.weights.as_ref(), 2, geom).unwrap();
@@ -251,8 +253,9 @@ mod processor_units {
 
     #[test]
     fn settings_come_from_preprocessor_config_with_defaults_for_the_rest() {
-        let p = ImageProcessor::from_json(r#"{"max_image_tokens": 12, "image_processor_type": "Glm5NextImageProcessor"}"#)
-            .unwrap();
+        let p =
+            ImageProcessor::from_json(r#"{"max_image_tokens": 12, "image_processor_type": "Glm5NextImageProcessor"}"#)
+                .unwrap();
         assert_eq!(p.max_image_tokens, 12);
         assert_eq!(p.min_image_tokens, 16);
         assert!(ImageProcessor::from_json(r#"{"min_image_tokens": 20, "max_image_tokens": 10}"#).is_err());
@@ -314,7 +317,8 @@ mod placeholder_units {
     use shelfserve::model::glm5_next::vision::*;
     use std::path::Path;
 
-    const MM: MultimodalIds = MultimodalIds { image_token_id: 9, video_start_token_id: Some(7), video_end_token_id: Some(8) };
+    const MM: MultimodalIds =
+        MultimodalIds { image_token_id: 9, video_start_token_id: Some(7), video_end_token_id: Some(8) };
 
     #[test]
     fn spans_skip_video_frames_and_split_at_other_tokens() {
@@ -337,12 +341,15 @@ mod placeholder_units {
     fn config_without_vision_is_none_and_bad_vision_configs_are_errors() {
         let p = Path::new("config.json");
         assert!(from_hf_json(r#"{"model_type": "glm5_next_text"}"#, p).unwrap().is_none());
-        let (c, ids) = from_hf_json(r#"{"image_token_id": 5, "vision_config": {"hidden_size": 16, "num_heads": 2}}"#, p)
-            .unwrap()
-            .unwrap();
+        let (c, ids) =
+            from_hf_json(r#"{"image_token_id": 5, "vision_config": {"hidden_size": 16, "num_heads": 2}}"#, p)
+                .unwrap()
+                .unwrap();
         assert_eq!((c.head_dim(), c.patch_dim(), ids.image_token_id), (8, 1176, 5));
         assert!(from_hf_json(r#"{"vision_config": {}}"#, p).is_err());
-        assert!(from_hf_json(r#"{"image_token_id": 5, "vision_config": {"hidden_size": 12, "num_heads": 2}}"#, p).is_err());
+        assert!(
+            from_hf_json(r#"{"image_token_id": 5, "vision_config": {"hidden_size": 12, "num_heads": 2}}"#, p).is_err()
+        );
     }
 }
 

@@ -63,7 +63,12 @@ impl PageHasher {
     /// every image, so the images' content must be part of the identity or two different
     /// pictures at the same positions would share cached KV. With no images this is
     /// [`Self::page`], so text-only pages keep their identity (and their spilled files).
-    pub fn page_with_media(&self, parent: Option<PageHash>, tokens: &[u32], images: &[(usize, usize, u64)]) -> PageHash {
+    pub fn page_with_media(
+        &self,
+        parent: Option<PageHash>,
+        tokens: &[u32],
+        images: &[(usize, usize, u64)],
+    ) -> PageHash {
         if images.is_empty() {
             return self.page(parent, tokens);
         }

@@ -44,9 +44,8 @@ pub fn decode_image(bytes: &[u8], limits: DecodeLimits) -> Result<RgbImage, Medi
     if bytes.len() > limits.max_bytes {
         return Err(MediaError::TooManyBytes { bytes: bytes.len(), limit: limits.max_bytes });
     }
-    let reader = ImageReader::new(Cursor::new(bytes))
-        .with_guessed_format()
-        .map_err(|e| MediaError::Decode(e.to_string()))?;
+    let reader =
+        ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(|e| MediaError::Decode(e.to_string()))?;
     if reader.format().is_none() {
         return Err(MediaError::Decode("unknown format (PNG, JPEG, WebP and GIF are accepted)".into()));
     }

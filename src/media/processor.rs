@@ -92,7 +92,8 @@ pub fn smart_resize(
     let per_token = temporal_factor * factor * factor;
     let (min_pixels, max_pixels) = (min_tokens * per_token, max_tokens * per_token);
     // Python's round() rounds half to even.
-    let aligned_frames = temporal_factor.max((frames as f64 / temporal_factor as f64).round_ties_even() as usize * temporal_factor);
+    let aligned_frames =
+        temporal_factor.max((frames as f64 / temporal_factor as f64).round_ties_even() as usize * temporal_factor);
     let (mut ah, mut aw) = (align(height, factor), align(width, factor));
     if aligned_frames * ah * aw < min_pixels {
         let scale = (min_pixels as f64 / (frames * height * width) as f64).sqrt();
@@ -143,7 +144,11 @@ impl ImageProcessor {
     }
 
     fn validate(&self) -> Result<(), MediaError> {
-        if self.patch_size == 0 || self.temporal_patch_size == 0 || self.merge_size == 0 || self.patch_expand_factor == 0 {
+        if self.patch_size == 0
+            || self.temporal_patch_size == 0
+            || self.merge_size == 0
+            || self.patch_expand_factor == 0
+        {
             return Err(MediaError::Settings("patch, temporal patch, merge sizes must be positive".into()));
         }
         if self.min_image_tokens > self.max_image_tokens {

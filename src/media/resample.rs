@@ -40,8 +40,7 @@ fn taps(in_size: usize, out_size: usize) -> Taps {
         let xmin = ((center - support + 0.5) as i64).max(0) as usize;
         let xmax = ((center + support + 0.5) as i64).min(in_size as i64) as usize;
         let n = xmax.saturating_sub(xmin);
-        let mut k: Vec<f64> =
-            (0..n).map(|x| bicubic((x as f64 + xmin as f64 - center + 0.5) / filter_scale)).collect();
+        let mut k: Vec<f64> = (0..n).map(|x| bicubic((x as f64 + xmin as f64 - center + 0.5) / filter_scale)).collect();
         let total: f64 = k.iter().sum();
         if total != 0.0 {
             k.iter_mut().for_each(|w| *w /= total);

@@ -44,7 +44,9 @@ pub fn resolve(url: &str, policy: &MediaPolicy) -> Result<MediaBytes, MediaError
     let lower = url.get(..8).unwrap_or(url).to_ascii_lowercase();
     if lower.starts_with("http://") || lower.starts_with("https://") {
         if !policy.allow_remote {
-            return Err(refused("remote media URLs are off on this server (it was not started with --allow-remote-media)"));
+            return Err(refused(
+                "remote media URLs are off on this server (it was not started with --allow-remote-media)",
+            ));
         }
         return Ok(MediaBytes::Remote(url.to_string()));
     }
@@ -75,7 +77,9 @@ fn data_url(rest: &str, max_bytes: usize) -> Result<Vec<u8>, MediaError> {
 
 fn local_file(path: &Path, policy: &MediaPolicy) -> Result<Vec<u8>, MediaError> {
     let Some(root) = &policy.allowed_local_path else {
-        return Err(refused("local media paths are off on this server (it was not started with --allowed-local-media-path)"));
+        return Err(refused(
+            "local media paths are off on this server (it was not started with --allowed-local-media-path)",
+        ));
     };
     let not_found = |p: &Path, e: std::io::Error| refused(format!("`{}` cannot be read: {e}", p.display()));
     let root = root.canonicalize().map_err(|e| not_found(root.as_path(), e))?;

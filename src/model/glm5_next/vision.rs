@@ -250,7 +250,10 @@ pub fn expand_placeholders(ids: &[u32], mm: &MultimodalIds, counts: &[usize]) ->
         return Ok(ids.to_vec());
     }
     if let Some((s, c)) = spans.iter().zip(counts).find(|(s, _)| s.len() != 1) {
-        return Err(format!("an image placeholder run of {} tokens matches neither one placeholder nor the image's {c} tokens", s.len()));
+        return Err(format!(
+            "an image placeholder run of {} tokens matches neither one placeholder nor the image's {c} tokens",
+            s.len()
+        ));
     }
     let mut out = Vec::with_capacity(ids.len() + counts.iter().sum::<usize>());
     let mut at = 0;

@@ -34,7 +34,10 @@ pub mod weights;
 use self::cache::Glm5Cache;
 use self::forward::Glm5Model;
 use self::vision::VisionTower;
-use crate::backend::{validate_batch, EmbeddedRows, ImageEmbedding, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
+use crate::backend::{
+    validate_batch, validate_kv_image, Backend, BackendError, EmbeddedRows, ImageEmbedding, KvGeometry, SeqStep,
+    StepLogits,
+};
 use crate::model::glm5_next::vision::{read_vision_config, MultimodalIds};
 use crate::model::glm5_next::Glm5Config;
 use crate::model::quant::simd_available;
@@ -185,8 +188,7 @@ impl Backend for Glm5Backend {
                 }
             }
         }
-        let steps: Vec<SeqStep<'_>> =
-            batch.iter().zip(&tokens).map(|(s, t)| SeqStep { tokens: t, ..*s }).collect();
+        let steps: Vec<SeqStep<'_>> = batch.iter().zip(&tokens).map(|(s, t)| SeqStep { tokens: t, ..*s }).collect();
         validate_batch(&steps, self.cache.geom)?;
         let pool = Arc::clone(&self.pool);
         let (model, cache, simd) = (&self.model, &mut self.cache, self.simd);

@@ -89,10 +89,8 @@ impl VisionTower {
     fn rope(&self, pos: &[(usize, usize)]) -> (Vec<f32>, Vec<f32>) {
         let hd = self.cfg.head_dim();
         let spatial = hd / 2;
-        let inv: Vec<f32> = (0..spatial)
-            .step_by(2)
-            .map(|i| 1.0 / self.cfg.rope_theta.powf(i as f32 / spatial as f32))
-            .collect();
+        let inv: Vec<f32> =
+            (0..spatial).step_by(2).map(|i| 1.0 / self.cfg.rope_theta.powf(i as f32 / spatial as f32)).collect();
         let (mut cos, mut sin) = (vec![0f32; pos.len() * hd], vec![0f32; pos.len() * hd]);
         for (n, &(ph, pw)) in pos.iter().enumerate() {
             let angles = inv.iter().map(|&f| ph as f32 * f).chain(inv.iter().map(|&f| pw as f32 * f));
@@ -114,7 +112,9 @@ impl VisionTower {
         let [t, h, w] = grid;
         let n = t * h * w;
         if n == 0 || h % m != 0 || w % m != 0 {
-            return Err(BackendError::InvalidStep(format!("image grid {t}x{h}x{w} is not whole {m}x{m} merge windows")));
+            return Err(BackendError::InvalidStep(format!(
+                "image grid {t}x{h}x{w} is not whole {m}x{m} merge windows"
+            )));
         }
         if pixel_values.len() != n * c.patch_dim() {
             return Err(BackendError::InvalidStep(format!(
