@@ -258,7 +258,9 @@ mod processor_units {
                 .unwrap();
         assert_eq!(p.max_image_tokens, 12);
         assert_eq!(p.min_image_tokens, 16);
-        assert!(ImageProcessor::from_json(r#"{"min_image_tokens": 20, "max_image_tokens": 10}"#).is_err());
+        // transformers accepts a minimum above the maximum (the maximum wins in `smart_resize`).
+        assert!(ImageProcessor::from_json(r#"{"min_image_tokens": 20, "max_image_tokens": 10}"#).is_ok());
+        assert!(ImageProcessor::from_json(r#"{"patch_size": 0}"#).is_err());
         assert!(ImageProcessor::from_json("[").is_err());
     }
 }

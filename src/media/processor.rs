@@ -151,9 +151,6 @@ impl ImageProcessor {
         {
             return Err(MediaError::Settings("patch, temporal patch, merge sizes must be positive".into()));
         }
-        if self.min_image_tokens > self.max_image_tokens {
-            return Err(MediaError::Settings("min_image_tokens is above max_image_tokens".into()));
-        }
         if self.image_std.contains(&0.0) {
             return Err(MediaError::Settings("image_std has a zero".into()));
         }
