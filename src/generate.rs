@@ -5,7 +5,9 @@
 
 use crate::backend::cpu::{CpuBackend, CpuOptions, TpCpuBackend};
 use crate::backend::cuda::{CudaOptions, Precision, TpCudaBackend};
-use crate::backend::{Backend, BackendError, KvGeometry, SeqStep, StepLogits};
+use crate::backend::{Backend, BackendError, EmbeddedRows, ImageEmbedding, KvGeometry, SeqStep, StepLogits};
+use crate::media::ProcessedImage;
+use crate::model::glm5_next::vision::{image_spans, MultimodalIds};
 use crate::model::{ModelBundle, ModelError};
 use crate::sampling::{sample, PenaltyState, Sampled, SamplingParams};
 use crate::spec::step::sample_with_drafts;
@@ -435,6 +437,23 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         (**self).commit_verified(slot, kept)
     }
 
+    fn image_token_id(&self) -> Option<u32> {
+        (**self).image_token_id()
+    }
+
+    fn encode_image(&mut self, pixel_values: &[f32], grid: [usize; 3]) -> Result<ImageEmbedding, BackendError> {
+        (**self).encode_image(pixel_values, grid)
+    }
+
+    fn forward_embedded(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        verify: &[bool],
+        embeds: &[Vec<EmbeddedRows<'_>>],
+    ) -> Result<StepLogits, BackendError> {
+        (**self).forward_embedded(batch, verify, embeds)
+    }
+
     fn kv_block_bytes(&self) -> usize {
         (**self).kv_block_bytes()
     }
@@ -505,6 +524,70 @@ impl<B: Backend> Runner<B> {
                 state_slot: 0,
             };
             out.extend(self.backend.forward(&[step])?.data);
+        }
+        Ok(out)
+    }
+
+    /// [`Self::score`] for ids that hold each image's placeholder tokens already expanded (one
+    /// run per image, as transformers' processor writes them): the images go through the
+    /// backend's vision tower and their embeddings replace the placeholder rows, a prefill
+    /// chunk boundary may fall inside an image. Placeholder runs and images must match in
+    /// number and length.
+    pub fn score_with_images(
+        &mut self,
+        ids: &[u32],
+        chunk: usize,
+        images: &[ProcessedImage],
+    ) -> Result<Vec<f32>, GenerateError> {
+        if images.is_empty() {
+            return self.score(ids, chunk);
+        }
+        if ids.is_empty() {
+            return Err(GenerateError::EmptyPrompt);
+        }
+        let invalid = |m: String| GenerateError::Backend(BackendError::InvalidStep(m));
+        let Some(image_token_id) = self.backend.image_token_id() else {
+            return Err(invalid("this model has no vision tower, so it takes no images".into()));
+        };
+        self.check_fits(ids.len(), 0)?;
+        let mm = MultimodalIds { image_token_id, video_start_token_id: None, video_end_token_id: None };
+        let spans = image_spans(ids, &mm);
+        if spans.len() != images.len() {
+            return Err(invalid(format!(
+                "the ids hold {} image placeholder runs for {} images",
+                spans.len(),
+                images.len()
+            )));
+        }
+        let mut embeds = Vec::with_capacity(images.len());
+        for (k, (img, span)) in images.iter().zip(&spans).enumerate() {
+            let e = self.backend.encode_image(&img.pixel_values, img.grid)?;
+            if e.rows != span.len() {
+                return Err(invalid(format!(
+                    "image {k} has {} placeholder tokens in the ids, but its grid {:?} makes {} embeddings",
+                    span.len(),
+                    img.grid,
+                    e.rows
+                )));
+            }
+            embeds.push(e);
+        }
+        let chunk = chunk.max(1);
+        let mut out = Vec::with_capacity(ids.len() * self.backend.vocab_size());
+        for (ci, c) in ids.chunks(chunk).enumerate() {
+            let (lo, hi) = (ci * chunk, ci * chunk + c.len());
+            let runs: Vec<EmbeddedRows<'_>> = spans
+                .iter()
+                .zip(&embeds)
+                .filter(|(s, _)| s.start < hi && s.end > lo)
+                .map(|(s, e)| {
+                    let (a, b, d) = (s.start.max(lo), s.end.min(hi), e.hidden);
+                    EmbeddedRows { first_row: a - lo, hidden: d, data: &e.data[(a - s.start) * d..(b - s.start) * d] }
+                })
+                .collect();
+            let step =
+                SeqStep { tokens: c, start_pos: lo, block_table: &self.table, logits_rows: c.len(), state_slot: 0 };
+            out.extend(self.backend.forward_embedded(&[step], &[], &[runs])?.data);
         }
         Ok(out)
     }

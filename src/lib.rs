@@ -10,6 +10,7 @@ pub mod config;
 pub mod fidelity;
 pub mod generate;
 pub mod kv;
+pub mod media;
 pub mod model;
 pub mod parallel;
 pub mod sampling;

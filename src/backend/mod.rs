@@ -52,6 +52,26 @@ pub struct SeqStep<'a> {
     pub state_slot: u32,
 }
 
+/// A run of consecutive query rows of one sequence in a step whose input embeddings are given
+/// (an image's placeholder tokens) instead of looked up from their token ids.
+#[derive(Clone, Copy, Debug)]
+pub struct EmbeddedRows<'a> {
+    /// Index into the sequence's `tokens` of the run's first row.
+    pub first_row: usize,
+    /// Width of one embedding (the text model's hidden size).
+    pub hidden: usize,
+    /// `rows × hidden` values.
+    pub data: &'a [f32],
+}
+
+/// One image's placeholder embeddings from the vision tower: `rows × hidden` values.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ImageEmbedding {
+    pub rows: usize,
+    pub hidden: usize,
+    pub data: Vec<f32>,
+}
+
 /// Logits for a step: rows in batch order, each sequence contributing its `logits_rows` rows.
 #[derive(Clone, Debug, Default)]
 pub struct StepLogits {
@@ -251,6 +271,30 @@ pub trait Backend: Send {
     /// failed). Taking them leaves nothing behind.
     fn take_hidden_taps(&mut self) -> Option<HiddenTaps> {
         None
+    }
+    /// The token id whose rows an image's embeddings replace, `None` for a model without a
+    /// vision tower (every multimodal method below then refuses).
+    fn image_token_id(&self) -> Option<u32> {
+        None
+    }
+    /// Encode one image (`pixel_values` `[t·h·w, C·T·P·P]` from `media::ImageProcessor`, grid
+    /// `(t, h, w)`) with the vision tower into its placeholder rows' embeddings.
+    fn encode_image(&mut self, pixel_values: &[f32], grid: [usize; 3]) -> Result<ImageEmbedding, BackendError> {
+        let _ = (pixel_values, grid);
+        Err(BackendError::InvalidStep("this model has no vision tower".into()))
+    }
+    /// [`Backend::forward_verify`] where `embeds[i]` gives input embeddings for runs of sequence
+    /// `i`'s rows (their token ids are then not looked up and may lie outside the vocabulary).
+    fn forward_embedded(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        verify: &[bool],
+        embeds: &[Vec<EmbeddedRows<'_>>],
+    ) -> Result<StepLogits, BackendError> {
+        if embeds.iter().any(|e| !e.is_empty()) {
+            return Err(BackendError::InvalidStep("this backend takes no image embeddings".into()));
+        }
+        self.forward_verify(batch, verify)
     }
 
     /// Bytes one block takes in a [`Backend::read_kv_blocks`] image (every layer's K and V).

@@ -3,7 +3,7 @@
 //! terminal output only; all work is delegated to the library modules.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand};
@@ -142,6 +142,11 @@ pub struct ScoreArgs {
     /// Output safetensors file (tensors `input_ids` and `logits`).
     #[arg(long, env = "SHELFSERVE_OUTPUT")]
     pub output: PathBuf,
+    /// An image (PNG, JPEG, WebP, GIF) for the next run of image placeholder ids in
+    /// --input-ids, which must already be expanded as transformers' processor writes them;
+    /// repeat in order. Processed by the engine with the model's `preprocessor_config.json`.
+    #[arg(long = "image", value_name = "FILE")]
+    pub images: Vec<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -337,8 +342,9 @@ fn no_tokenizer(bundle: &ModelBundle, flag: &str) -> CliError {
 pub fn run_score(args: &ScoreArgs) -> Result<(), CliError> {
     let bundle = args.model.open()?;
     let device = args.model.device_selection()?.resolve();
+    let images = load_images(&args.images, bundle.weights.origin())?;
     let mut runner = args.model.runner(&bundle, &device, args.input_ids.len())?;
-    let logits = runner.score(&args.input_ids, args.model.prefill_chunk)?;
+    let logits = runner.score_with_images(&args.input_ids, args.model.prefill_chunk, &images)?;
     let file = LogitsFile { input_ids: args.input_ids.clone(), vocab: bundle.config.vocab_size, logits };
     file.write(&args.output)?;
     println!(
@@ -348,6 +354,24 @@ pub fn run_score(args: &ScoreArgs) -> Result<(), CliError> {
         args.output.display()
     );
     Ok(())
+}
+
+/// Decode and process `paths` with the processor settings of the model in `model_dir`.
+fn load_images(paths: &[PathBuf], model_dir: &Path) -> Result<Vec<crate::media::ProcessedImage>, CliError> {
+    use crate::media::{decode_image, DecodeLimits, ImageProcessor};
+    if paths.is_empty() {
+        return Ok(Vec::new());
+    }
+    let processor = ImageProcessor::from_dir(model_dir).map_err(|e| CliError::Usage(e.to_string()))?;
+    paths
+        .iter()
+        .map(|p| {
+            let bytes = std::fs::read(p).map_err(|e| CliError::Usage(format!("{}: {e}", p.display())))?;
+            decode_image(&bytes, DecodeLimits::default())
+                .and_then(|img| processor.process(&img))
+                .map_err(|e| CliError::Usage(format!("{}: {e}", p.display())))
+        })
+        .collect()
 }
 
 pub fn run_kld(args: &KldArgs) -> Result<(), CliError> {

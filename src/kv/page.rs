@@ -58,6 +58,65 @@ impl PageHasher {
         PageHash(out)
     }
 
+    /// Identity of a page whose token rows `images` cover: `(first row in the page, rows,
+    /// content hash)` per image span inside it. Image placeholder tokens are the same id for
+    /// every image, so the images' content must be part of the identity or two different
+    /// pictures at the same positions would share cached KV. With no images this is
+    /// [`Self::page`], so text-only pages keep their identity (and their spilled files).
+    pub fn page_with_media(
+        &self,
+        parent: Option<PageHash>,
+        tokens: &[u32],
+        images: &[(usize, usize, u64)],
+    ) -> PageHash {
+        if images.is_empty() {
+            return self.page(parent, tokens);
+        }
+        let mut h = Sha256::new();
+        h.update(self.page(parent, tokens).0);
+        h.update(b"images");
+        for &(first, rows, content) in images {
+            h.update((first as u64).to_le_bytes());
+            h.update((rows as u64).to_le_bytes());
+            h.update(content.to_le_bytes());
+        }
+        let digest = h.finalize();
+        let mut out = [0u8; 16];
+        out.copy_from_slice(&digest[..16]);
+        PageHash(out)
+    }
+
+    /// [`Self::chain`] for a prompt with images: `images` lists each image's span of
+    /// placeholder positions and its content hash (`media::content_hash`), in any order.
+    pub fn chain_with_media(
+        &self,
+        tokens: &[u32],
+        page_tokens: usize,
+        images: &[(std::ops::Range<usize>, u64)],
+    ) -> Vec<PageHash> {
+        let mut parent = None;
+        tokens
+            .chunks_exact(page_tokens)
+            .enumerate()
+            .map(|(i, page)| {
+                let (lo, hi) = (i * page_tokens, (i + 1) * page_tokens);
+                let inside: Vec<(usize, usize, u64)> = images
+                    .iter()
+                    .filter(|(r, _)| r.start < hi && r.end > lo)
+                    .map(|(r, c)| {
+                        let (a, b) = (r.start.max(lo), r.end.min(hi));
+                        // The offset of the page's part within the image too: a page boundary
+                        // that cuts an image elsewhere holds different rows of it.
+                        (a - lo, b - a, c ^ ((a - r.start) as u64).rotate_left(32))
+                    })
+                    .collect();
+                let h = self.page_with_media(parent, page, &inside);
+                parent = Some(h);
+                h
+            })
+            .collect()
+    }
+
     /// Identities of every whole page of `tokens`, in order.
     pub fn chain(&self, tokens: &[u32], page_tokens: usize) -> Vec<PageHash> {
         let mut parent = None;

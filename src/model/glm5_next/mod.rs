@@ -10,13 +10,14 @@
 //!
 //! Owns the description only: the compute lives in the backends (`backend::cpu::glm5_next`,
 //! `backend::cuda::glm5_next`), and nothing here imports `backend`. Never decides which blocks,
-//! slots or sequences (the scheduler and KV pool do). The vision tower and the MTP layer are not
-//! run.
+//! slots or sequences (the scheduler and KV pool do). The vision tower is described in
+//! [`vision`] (its tensors are loaded apart from the text model's); the MTP layer is not run.
 
 pub mod accounting;
 pub mod cache_layout;
 pub mod config;
 pub mod layout;
+pub mod vision;
 pub mod weights;
 
 use std::path::Path;

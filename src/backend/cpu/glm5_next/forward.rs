@@ -10,7 +10,7 @@ use super::{ffn, kda, mla};
 use crate::backend::cpu::linear::LinearScratch;
 pub use crate::backend::glm5_steps::SeqRows;
 use crate::backend::glm5_steps::{logits_rows, plan_rows};
-use crate::backend::{BackendError, SeqStep, StepLogits, TapRecorder};
+use crate::backend::{BackendError, EmbeddedRows, SeqStep, StepLogits, TapRecorder};
 use crate::model::glm5_next::config::{IndexerKind, MixerKind};
 use crate::model::glm5_next::Glm5Config;
 
@@ -68,6 +68,38 @@ fn expand(c: &Glm5Config, hcw: &[HcWeights], x: &[f32], y: &[f32]) -> Vec<f32> {
     out
 }
 
+/// Overwrite the given rows of `x` (`streams` mHC streams of width `d` per row) with their
+/// embeddings, after a check that each run has the model's width and lies inside its
+/// sequence's step.
+fn place_embeddings(
+    x: &mut [f32],
+    streams: usize,
+    d: usize,
+    seqs: &[SeqRows<'_>],
+    embeds: &[Vec<EmbeddedRows<'_>>],
+) -> Result<(), BackendError> {
+    let stride = streams * d;
+    for (s, runs) in seqs.iter().zip(embeds.iter().chain(std::iter::repeat(&Vec::new()))) {
+        for run in runs {
+            let rows = run.data.len() / d;
+            if run.hidden != d || run.data.len() % d != 0 || run.first_row + rows > s.n {
+                return Err(BackendError::InvalidStep(format!(
+                    "embedded rows {}..{} of width {} do not fit a step of {} tokens of width {d}",
+                    run.first_row,
+                    run.first_row + rows,
+                    run.hidden,
+                    s.n
+                )));
+            }
+            for (r, e) in run.data.chunks(d).enumerate() {
+                let row = &mut x[(s.row0 + run.first_row + r) * stride..][..stride];
+                row.chunks_mut(d).for_each(|stream| stream.copy_from_slice(e));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl Glm5Model {
     /// Run one step over `batch`, appending to the cache, and return the requested logits.
     /// Slots of sequences starting at position 0 are reset first. Sequences with `verify[i]` set
@@ -80,7 +112,20 @@ impl Glm5Model {
         verify: &[bool],
         simd: bool,
     ) -> Result<StepLogits, BackendError> {
-        self.forward_tapped(cache, batch, verify, simd, None)
+        self.forward_full(cache, batch, verify, &[], simd, None)
+    }
+
+    /// [`Self::forward`] where the rows `embeds[i]` of sequence `i` take the given embeddings
+    /// (image placeholders) instead of their token's; `embeds` may be shorter than the batch.
+    pub fn forward_embedded(
+        &self,
+        cache: &mut Glm5Cache,
+        batch: &[SeqStep<'_>],
+        verify: &[bool],
+        embeds: &[Vec<EmbeddedRows<'_>>],
+        simd: bool,
+    ) -> Result<StepLogits, BackendError> {
+        self.forward_full(cache, batch, verify, embeds, simd, None)
     }
 
     /// [`Glm5Model::forward`], also offering every layer's output (the mean of its mHC streams)
@@ -90,6 +135,20 @@ impl Glm5Model {
         cache: &mut Glm5Cache,
         batch: &[SeqStep<'_>],
         verify: &[bool],
+        simd: bool,
+        taps: Option<&mut TapRecorder>,
+    ) -> Result<StepLogits, BackendError> {
+        self.forward_full(cache, batch, verify, &[], simd, taps)
+    }
+
+    /// The forward with image embeddings and layer taps both optional.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_full(
+        &self,
+        cache: &mut Glm5Cache,
+        batch: &[SeqStep<'_>],
+        verify: &[bool],
+        embeds: &[Vec<EmbeddedRows<'_>>],
         simd: bool,
         mut taps: Option<&mut TapRecorder>,
     ) -> Result<StepLogits, BackendError> {
@@ -115,6 +174,7 @@ impl Glm5Model {
             let (first, rest) = xr.split_at_mut(d);
             rest.chunks_mut(d).for_each(|s| s.copy_from_slice(first));
         }
+        place_embeddings(&mut x, m, d, &seqs, embeds)?;
         let mut carried: Option<mla::Selection> = None;
         for (l, layer) in self.weights.layers.iter().enumerate() {
             let (u, hcw) = hc_site(c, &layer.attn_hc, &layer.input_norm, &x, simd)?;

@@ -30,20 +30,25 @@ mod mla;
 pub mod ops;
 #[cfg(test)]
 mod tap_tests;
+pub mod vision;
 pub mod weights;
 
 use self::cache::Glm5Cache;
 use self::forward::Glm5Model;
+use self::vision::VisionTower;
 use crate::backend::{
-    check_tap_layers, validate_batch, validate_kv_image, Backend, BackendError, HiddenTaps, KvGeometry, SeqStep,
-    StepLogits, TapRecorder,
+    check_tap_layers, validate_batch, validate_kv_image, Backend, BackendError, EmbeddedRows, HiddenTaps,
+    ImageEmbedding, KvGeometry, SeqStep, StepLogits, TapRecorder,
 };
+use crate::model::glm5_next::vision::{read_vision_config, MultimodalIds};
 use crate::model::glm5_next::Glm5Config;
 use crate::model::quant::simd_available;
 use crate::model::{ModelError, WeightSource};
 
 pub struct Glm5Backend {
     model: Glm5Model,
+    /// The vision tower and its placeholder id, when the checkpoint has one.
+    vision: Option<(VisionTower, MultimodalIds)>,
     cache: Glm5Cache,
     pool: Arc<rayon::ThreadPool>,
     simd: bool,
@@ -51,6 +56,26 @@ pub struct Glm5Backend {
     /// Layers whose hidden states each step records (`Backend::set_hidden_taps`).
     tap_layers: Vec<usize>,
     last_taps: Option<HiddenTaps>,
+}
+
+/// The vision tower of the checkpoint in `w`'s directory, when its config has one and its
+/// tensors are there; its output width must be the text model's hidden size.
+fn load_vision(cfg: &Glm5Config, w: &dyn WeightSource) -> Result<Option<(VisionTower, MultimodalIds)>, ModelError> {
+    let dir = w.origin();
+    if !dir.join("config.json").is_file() {
+        return Ok(None);
+    }
+    let Some((vc, ids)) = read_vision_config(dir)? else { return Ok(None) };
+    if vc.out_hidden_size != cfg.hidden_size {
+        return Err(ModelError::Config {
+            file: dir.join("config.json"),
+            msg: format!(
+                "vision out_hidden_size {} must equal the text hidden_size {} for image merging",
+                vc.out_hidden_size, cfg.hidden_size
+            ),
+        });
+    }
+    Ok(VisionTower::load(vc, w)?.map(|t| (t, ids)))
 }
 
 impl Glm5Backend {
@@ -69,10 +94,12 @@ impl Glm5Backend {
             .build()
             .map_err(|e| bad(format!("could not start the CPU thread pool: {e}")))?;
         let weights = pool.install(|| weights::load(&cfg, w))?;
-        let weight_bytes = weights.bytes();
+        let vision = pool.install(|| load_vision(&cfg, w))?;
+        let weight_bytes = weights.bytes() + vision.as_ref().map_or(0, |(t, _)| t.weight_bytes());
         let cache = Glm5Cache::new(&cfg, kv);
         Ok(Glm5Backend {
             model: Glm5Model { cfg, weights },
+            vision,
             cache,
             pool: Arc::new(pool),
             simd: simd_available(),
@@ -146,6 +173,47 @@ impl Backend for Glm5Backend {
 
     fn take_hidden_taps(&mut self) -> Option<HiddenTaps> {
         self.last_taps.take()
+    }
+
+    fn image_token_id(&self) -> Option<u32> {
+        self.vision.as_ref().map(|(_, ids)| ids.image_token_id)
+    }
+
+    fn encode_image(&mut self, pixel_values: &[f32], grid: [usize; 3]) -> Result<ImageEmbedding, BackendError> {
+        let Some((tower, _)) = &self.vision else {
+            return Err(BackendError::InvalidStep("this model has no vision tower".into()));
+        };
+        let simd = self.simd;
+        let data = self.pool.install(|| tower.encode(pixel_values, grid, simd))?;
+        let hidden = tower.cfg.out_hidden_size;
+        Ok(ImageEmbedding { rows: data.len() / hidden, hidden, data })
+    }
+
+    fn forward_embedded(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        verify: &[bool],
+        embeds: &[Vec<EmbeddedRows<'_>>],
+    ) -> Result<StepLogits, BackendError> {
+        if embeds.iter().all(Vec::is_empty) {
+            return self.forward_verify(batch, verify);
+        }
+        // Rows that take an embedding are looked up as token 0 first (their ids, the image
+        // placeholder, may lie outside the text vocabulary), then overwritten.
+        let mut tokens: Vec<Vec<u32>> = batch.iter().map(|s| s.tokens.to_vec()).collect();
+        for (t, runs) in tokens.iter_mut().zip(embeds) {
+            for run in runs {
+                let rows = run.data.len() / run.hidden.max(1);
+                if let Some(span) = t.get_mut(run.first_row..run.first_row + rows) {
+                    span.fill(0);
+                }
+            }
+        }
+        let steps: Vec<SeqStep<'_>> = batch.iter().zip(&tokens).map(|(s, t)| SeqStep { tokens: t, ..*s }).collect();
+        validate_batch(&steps, self.cache.geom)?;
+        let pool = Arc::clone(&self.pool);
+        let (model, cache, simd) = (&self.model, &mut self.cache, self.simd);
+        pool.install(|| model.forward_embedded(cache, &steps, verify, embeds, simd))
     }
 
     fn commit_verified(&mut self, slot: u32, kept: usize) -> Result<(), BackendError> {

@@ -1,0 +1,47 @@
+//! Images in: decoding user media into RGB pixels and turning them into the vision tower's input
+//! exactly as transformers' `Glm5NextImageProcessor` does (resize under the image-token budget
+//! with PIL's bicubic filter, rescale, normalize, temporal duplication, patch flattening), plus
+//! the content hash that identifies an image to the caches.
+//!
+//! Owns pixels and their layout only: no model weights, no tokens, no HTTP. The API decides which
+//! bytes are allowed in (data URLs, local paths, remote fetches) and the backend runs the tower
+//! on what this module produces. Nothing here touches the scheduler, the KV pool or a device.
+
+pub mod decode;
+pub mod processor;
+pub mod resample;
+pub mod source;
+
+pub use self::decode::{decode_image, DecodeLimits, RgbImage};
+pub use self::processor::{ImageProcessor, ProcessedImage};
+
+/// Why an image could not be turned into model input; every variant is the client's fault (400).
+#[derive(Debug, thiserror::Error)]
+pub enum MediaError {
+    #[error("the image could not be decoded: {0}")]
+    Decode(String),
+    #[error("the image is {width}x{height} pixels, more than the limit of {limit} pixels")]
+    TooManyPixels { width: u32, height: u32, limit: u64 },
+    #[error("the image is {bytes} bytes, more than the limit of {limit} bytes")]
+    TooManyBytes { bytes: usize, limit: usize },
+    /// The server's media policy refuses the reference (scheme, directory, remote fetching).
+    #[error("{0}")]
+    Refused(String),
+    #[error("image processor: {0}")]
+    Settings(String),
+}
+
+/// A stable 64-bit content hash of an image's model input (grid and pixel values): equal inputs
+/// share a cache identity, different images never do (except by a 2^-64 accident).
+pub fn content_hash(image: &ProcessedImage) -> u64 {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for g in image.grid {
+        h.update((g as u64).to_le_bytes());
+    }
+    for v in &image.pixel_values {
+        h.update(v.to_le_bytes());
+    }
+    let d = h.finalize();
+    u64::from_le_bytes(d[..8].try_into().expect("a SHA-256 digest has 32 bytes"))
+}
