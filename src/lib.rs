@@ -16,4 +16,5 @@ pub mod sampling;
 pub mod sched;
 pub mod spec;
 pub mod spill;
+pub mod structured;
 pub mod tokenizer;
