@@ -82,8 +82,9 @@ fn a_schema_refuses_wrong_types_keys_and_enum_values() {
     assert!(m.is_allowed(ids("happy")[0]) || m.is_allowed(ids("h")[0]));
     assert!(!m.is_allowed(ids("angry")[0]) && !m.is_allowed(ids("a")[0]), "not an enum value");
     let mut g = state(&GrammarSpec::JsonSchema { schema: schema(), strict: true });
-    walk(&mut g, "{");
-    assert!(!g.next_mask().unwrap().is_allowed(ids("\"x")[0]), "an unknown key");
+    walk(&mut g, "{\"");
+    let m = g.next_mask().unwrap();
+    assert!(m.is_allowed(ids("name")[0]) && !m.is_allowed(ids("x")[0]), "an unknown key");
 }
 
 #[test]
@@ -144,20 +145,20 @@ fn masks_for_drafts_equal_stepwise_masks_and_leave_the_matcher_in_place() {
     }
     expected.push(stepwise.next_mask());
     let mut g = state(&spec);
-    let before = g.next_mask();
+    let before = g.next_mask().map(|m| m.to_list());
     let masks = g.masks_for(&drafts);
     assert_eq!(masks.len(), drafts.len() + 1);
     for (i, (a, b)) in masks.iter().zip(&expected).enumerate() {
         assert_eq!(a.as_ref().map(|m| m.to_list()), b.as_ref().map(|m| m.to_list()), "row {i}");
     }
-    assert_eq!(g.next_mask().map(|m| m.to_list()), before.map(|m| m.to_list()), "rolled back");
+    assert_eq!(g.next_mask().map(|m| m.to_list()), before, "rolled back");
     // A draft the grammar refuses: later rows repeat its row, and the matcher is still in place.
     let bad = [ids("{")[0], ids("Hello")[0], ids("x")[0]];
     let masks = g.masks_for(&bad);
     assert_eq!(masks.len(), 4);
     assert_eq!(masks[2].as_ref().map(|m| m.to_list()), masks[1].as_ref().map(|m| m.to_list()));
     assert_eq!(masks[3].as_ref().map(|m| m.to_list()), masks[1].as_ref().map(|m| m.to_list()));
-    assert_eq!(g.next_mask().map(|m| m.to_list()), before.map(|m| m.to_list()));
+    assert_eq!(g.next_mask().map(|m| m.to_list()), before);
 }
 
 #[test]
