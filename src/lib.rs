@@ -17,4 +17,5 @@ pub mod sampling;
 pub mod sched;
 pub mod spec;
 pub mod spill;
+pub mod structured;
 pub mod tokenizer;

@@ -1,8 +1,10 @@
 //! The agent API end to end.
 //!
 //! - The official `openai` and `anthropic` Python clients against the real binary serving the
-//!   default model (`tests/openai/test_agent_api.py`): forced and required tool calls (arguments
-//!   not grammar-constrained yet), streamed equal to non-streamed, an agent loop
+//!   default model (`tests/openai/test_agent_api.py`): forced and required tool calls whose
+//!   arguments validate against the tool's schema (grammar-constrained), `response_format`
+//!   json_schema / json_object and vLLM's guided fields, a bad schema's 400, constrained replies
+//!   with `--speculative ngram` equal to plain ones, streamed equal to non-streamed, an agent loop
 //!   (call → result → answer) with each client, the Messages API's events, usage with prefix-cache
 //!   reads, stop sequences, count_tokens, Anthropic-shaped errors, /tokenize and /detokenize.
 //! - The glm5 chat fixture (a real GLM template and tokenizer whose `<think>` / `</think>` are
@@ -35,21 +37,25 @@ const PATIENCE: Duration = Duration::from_secs(120);
 
 #[test]
 fn official_clients_drive_the_agent_api() {
-    if !python_has(&["openai", "anthropic"]) {
+    if !python_has(&["openai", "anthropic", "jsonschema"]) {
         assert!(
             std::env::var_os("CI").is_none(),
             "the python client packages are missing under CI; .ci/run installs them"
         );
-        eprintln!("skipped: `{}` cannot import openai and anthropic", python());
+        eprintln!("skipped: `{}` cannot import openai, anthropic and jsonschema", python());
         return;
     }
     let Some(model) = common::default_gguf() else { return };
     let server = Server::start(&model, "smollm2", &[], "agent-api");
+    // The same model drafting with n-grams: constrained greedy replies must not change.
+    let drafting = Server::start(&model, "smollm2", &["--speculative", "ngram"], "agent-api-ngram");
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai/test_agent_api.py");
     let out = Command::new(python())
         .arg(&script)
         .arg(format!("http://{}", server.addr("agent")))
         .args(["--model", "smollm2"])
+        .arg("--speculative-url")
+        .arg(format!("http://{}", drafting.addr("agent")))
         .output()
         .expect("run the python script");
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -78,6 +78,7 @@ async fn generate_n(
         ignore_eos,
         skip_special_tokens: true,
         loop_guard: shelfserve::sampling::loop_guard::LoopGuardConfig::off(),
+        grammar: None,
     };
     let mut events = engine.submit(req).expect("admitted");
     let mut ids = Vec::new();

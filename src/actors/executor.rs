@@ -18,6 +18,7 @@ use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::SeqId;
 use crate::spec::step::{sample_with_drafts, StepTokens};
 use crate::spec::HiddenChunk;
+use crate::structured::{apply_mask, PendingMasks};
 
 /// What to sample for a sequence whose chunk ends at its last known token.
 #[derive(Clone, Debug)]
@@ -27,6 +28,9 @@ pub struct SampleSpec {
     pub step: u64,
     /// Penalty history; `None` when the params use no penalties.
     pub penalties: Option<Arc<PenaltyState>>,
+    /// Structured output: the allowed-token masks of this step's rows, computed while the
+    /// forward pass runs and joined just before sampling.
+    pub grammar: Option<Arc<PendingMasks>>,
 }
 
 /// One sequence's share of a step, as plain data.
@@ -219,8 +223,10 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResu
     // models with recurrent state (see `generate::rank_backend_makers`).
     let verify: Vec<bool> = plan.seqs.iter().map(|s| s.num_draft > 0 && s.sample.is_some()).collect();
     // Without drafts, rank 0 first offers the backend to sample on its device (only ids cross
-    // back); a backend that samples on the host answers `None` having run nothing.
-    if rank == 0 && !verify.contains(&true) {
+    // back); a backend that samples on the host answers `None` having run nothing. Grammar masks
+    // are applied to host logits, so a step with a constrained sequence samples on the host.
+    let constrained = plan.seqs.iter().any(|s| s.sample.as_ref().is_some_and(|spec| spec.grammar.is_some()));
+    if rank == 0 && !verify.contains(&true) && !constrained {
         match sample_on_device(backend, &steps, plan) {
             Ok(Some(sampled)) => result.sampled = sampled,
             Ok(None) => sample_on_host(backend, &steps, &verify, plan, rank, &mut result),
@@ -332,7 +338,14 @@ fn sample_on_host(
                 }
                 let draft = &s.tokens[s.tokens.len() - s.num_draft..];
                 let penalties: Option<&PenaltyState> = spec.penalties.as_deref();
-                let emitted = sample_with_drafts(&rows, draft, &spec.params, penalties, spec.step);
+                let emitted = match &spec.grammar {
+                    None => sample_with_drafts(&rows, draft, &spec.params, penalties, spec.step),
+                    Some(pending) => {
+                        let masked = masked_rows(&rows, pending);
+                        let masked: Vec<&[f32]> = masked.iter().map(Vec::as_slice).collect();
+                        sample_with_drafts(&masked, draft, &spec.params, penalties, spec.step)
+                    }
+                };
                 if s.num_draft > 0 {
                     if let Err(e) = backend.commit_verified(s.state_slot, emitted.accepted + 1) {
                         result.error = Some(format!("rolling back sequence {} after verification: {e}", s.seq));
@@ -345,6 +358,22 @@ fn sample_on_host(
         }
         Err(e) => result.error = Some(e.to_string()),
     }
+}
+
+/// The rows with every token the grammar forbids at that position set to -inf (greedy, sampled
+/// and verified rows alike; logprobs are then those of the constrained distribution).
+fn masked_rows(rows: &[&[f32]], pending: &PendingMasks) -> Vec<Vec<f32>> {
+    let masks = pending.wait(rows.len());
+    rows.iter()
+        .zip(masks)
+        .map(|(row, mask)| {
+            let mut row = row.to_vec();
+            if let Some(mask) = mask {
+                apply_mask(&mask, &mut row);
+            }
+            row
+        })
+        .collect()
 }
 
 fn send(state: &ExecutorState, job: Job) -> Result<(), ActorProcessingErr> {
@@ -507,6 +536,7 @@ mod tests {
                 params: Arc::new(SamplingParams::default()),
                 step: 0,
                 penalties: None,
+                grammar: None,
             }),
             snapshot: false,
         }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use crate::sampling::loop_guard::LoopGuardConfig;
 use crate::sampling::SamplingParams;
+use crate::structured::GrammarHandle;
 use crate::tokenizer::TokenizerBundle;
 
 /// A generation request after the API layer validated and tokenized it.
@@ -27,6 +28,9 @@ pub struct GenerationRequest {
     pub skip_special_tokens: bool,
     /// Stop a generation that keeps repeating one span (the lane's setting).
     pub loop_guard: LoopGuardConfig,
+    /// Structured output: the compiled grammar the reply must follow (one per request: a clone
+    /// of the request shares it, so each choice gets its own).
+    pub grammar: Option<GrammarHandle>,
 }
 
 impl GenerationRequest {
@@ -43,6 +47,7 @@ impl GenerationRequest {
             ignore_eos: true,
             skip_special_tokens: true,
             loop_guard: LoopGuardConfig::off(),
+            grammar: None,
         }
     }
 }

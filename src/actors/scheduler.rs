@@ -28,6 +28,7 @@ use crate::sched::admission::Admission;
 use crate::sched::{NewSeq, Pacing, Planner, PolicyConfig, SeqId, StepPlanOut, StepShape};
 use crate::spec::stats::AcceptanceStats;
 use crate::spec::HiddenChunk;
+use crate::structured::{GrammarHandle, PendingMasks};
 use crate::tokenizer::TokenizerBundle;
 
 pub enum SchedulerMsg {
@@ -137,6 +138,8 @@ struct LiveSeq {
     hidden: Vec<HiddenChunk>,
     /// The first admission's prefix hit was reported to the request (usage.cached_tokens).
     hit_reported: bool,
+    /// Structured output: the matcher, always at the accepted tokens.
+    grammar: Option<GrammarHandle>,
     /// When the scheduler received it, and when it last emitted tokens (lane target metrics).
     arrived: Instant,
     last_emit: Option<Instant>,
@@ -172,9 +175,15 @@ pub struct SchedulerState {
     snapshot_page: usize,
     /// Per lane (by index), its latency targets when lane pacing is on (empty when off).
     targets: Vec<LaneTargetSecs>,
+    /// Where structured outputs' token masks are computed while the executor runs a step.
+    mask_pool: Arc<rayon::ThreadPool>,
 }
 
 pub struct SchedulerActor;
+
+/// Threads that compute grammar masks during forward passes: a mask takes well under a
+/// millisecond for most grammars, so two keep up with a batch of constrained sequences.
+const MASK_THREADS: usize = 2;
 
 /// How long a step waits for its drafts before running without them.
 const DRAFTER_TIMEOUT_MS: u64 = 10_000;
@@ -247,8 +256,15 @@ impl SchedulerState {
             }
         };
         if let Some(policy) = self.policy.as_mut() {
-            for (id, draft) in drafts {
-                policy.set_draft(id, draft);
+            for (id, mut draft) in drafts {
+                // A draft token the grammar forbids could never be accepted: cut it and the rest.
+                if let Some(g) = self.live.get(&id).and_then(|l| l.grammar.as_ref()) {
+                    let valid = g.lock().valid_prefix(&draft);
+                    draft.truncate(valid);
+                }
+                if !draft.is_empty() {
+                    policy.set_draft(id, draft);
+                }
             }
         }
     }
@@ -356,6 +372,11 @@ impl SchedulerState {
                         params: Arc::clone(&l.params),
                         step: l.generated as u64,
                         penalties: l.penalties.clone(),
+                        // Started now, joined by the executor after the forward pass.
+                        grammar: l.grammar.as_ref().map(|g| {
+                            let drafts = p.tokens[p.tokens.len() - p.num_draft..].to_vec();
+                            PendingMasks::start(&self.mask_pool, g, drafts)
+                        }),
                     })
                 } else {
                     None
@@ -466,6 +487,9 @@ impl SchedulerState {
             if let Some(reason) = finish {
                 ended.push((id, reason));
             }
+            if let (Some(g), false) = (&l.grammar, kept.is_empty()) {
+                g.lock().consume(&kept);
+            }
             if !kept.is_empty() {
                 sampled.push((id, kept));
             }
@@ -555,8 +579,14 @@ impl Actor for SchedulerActor {
                 .collect(),
             None => Vec::new(),
         };
+        let mask_pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(MASK_THREADS)
+            .thread_name(|i| format!("grammar-mask-{i}"))
+            .build()
+            .map_err(|e| format!("cannot start the grammar mask threads: {e}"))?;
         Ok(SchedulerState {
             targets,
+            mask_pool: Arc::new(mask_pool),
             args,
             policy: None,
             pool: None,
@@ -624,6 +654,7 @@ impl Actor for SchedulerActor {
                         drafter_len: 0,
                         hidden: Vec::new(),
                         hit_reported: false,
+                        grammar: req.grammar.clone(),
                         arrived: Instant::now(),
                         last_emit: None,
                     },

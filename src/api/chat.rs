@@ -21,7 +21,9 @@ use super::conversation::{self, Conversation};
 use super::errors::ApiError;
 use super::output::{ReplyParser, ReplyPiece, ReplySetup};
 use super::params::{self, json_kind, Plan};
+use super::reasoning::ReasoningStart;
 use super::sse::{self, Choices, SseSource};
+use super::structured;
 use super::tokens::{finite_logprob, TokenPieces};
 use super::tools::parse::ToolCall;
 use super::tools::{self, ToolChoice};
@@ -109,7 +111,7 @@ fn prepare(state: &LaneState, body: &[u8]) -> Result<Prepared, ApiError> {
         .map(|m| (m, "max_completion_tokens"))
         .or(common.max_tokens.map(|m| (m, "max_tokens")));
     let mut plan = params::plan(&common, max_tokens, logprobs, &state.lane, model)?;
-    check_response_format(chat.response_format.as_ref())?;
+    let constraint = structured::requested(&v)?;
     let tool_choice = ToolChoice::from_openai(chat.tool_choice.as_ref())?;
     let tools = tools::parse_openai_tools(chat.tools.as_deref().unwrap_or(&[]))?;
     tools::check_choice(&tool_choice, &tools, "tool_choice")?;
@@ -130,30 +132,16 @@ fn prepare(state: &LaneState, body: &[u8]) -> Result<Prepared, ApiError> {
     let ids = rendered.ids;
     let max_tokens = params::resolve_max_tokens(&plan, ids.len(), &state.lane, model, "messages")?;
     let prompt_len = ids.len();
-    let requests = params::requests(&plan, ids, max_tokens, &state.lane);
+    let mut requests = params::requests(&plan, ids, max_tokens, &state.lane);
+    // A forced tool call is the whole reply, so its grammar replaces any `response_format`.
+    let reasoning = rendered.reply.reasoning;
+    match (rendered.call_grammar, constraint) {
+        (Some(call), _) => structured::attach(state, &mut requests, &call, ReasoningStart::Off)?,
+        (None, Some(c)) => structured::attach(state, &mut requests, &c, reasoning)?,
+        (None, None) => {}
+    }
     let pieces = if logprobs.is_some() { state.shared.assets().pieces.clone() } else { None };
     Ok(Prepared { requests, plan, prompt_len, pieces, reply: rendered.reply })
-}
-
-fn check_response_format(v: Option<&Value>) -> Result<(), ApiError> {
-    match v {
-        None | Some(Value::Null) => Ok(()),
-        Some(Value::Object(o)) => match o.get("type").and_then(Value::as_str) {
-            Some("text") => Ok(()),
-            Some(t @ ("json_object" | "json_schema")) => Err(ApiError::unsupported(
-                "response_format",
-                format!("`response_format` type `{t}` is not supported yet (it needs constrained decoding)"),
-            )),
-            _ => Err(ApiError::invalid(
-                "response_format.type",
-                "`response_format.type` must be `text`, `json_object` or `json_schema`",
-            )),
-        },
-        Some(other) => Err(ApiError::invalid(
-            "response_format",
-            format!("`response_format` must be an object, not {}", json_kind(other)),
-        )),
-    }
 }
 
 /// Check each message and rewrite it into what templates expect (see the module doc).
@@ -690,14 +678,5 @@ mod tests {
         }
         assert_eq!(normalize_messages(Some(vec![])).unwrap_err().body().param, Some("messages"));
         assert_eq!(normalize_messages(None).unwrap_err().body().param, Some("messages"));
-    }
-
-    #[test]
-    fn response_format_is_checked() {
-        assert!(check_response_format(Some(&json!({"type": "text"}))).is_ok());
-        assert_eq!(
-            check_response_format(Some(&json!({"type": "json_object"}))).unwrap_err().body().param,
-            Some("response_format")
-        );
     }
 }

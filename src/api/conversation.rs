@@ -8,6 +8,7 @@ use serde_json::{Map, Value};
 use super::errors::ApiError;
 use super::output::ReplySetup;
 use super::reasoning::{ReasoningStart, THINK_CLOSE};
+use super::structured::{self, Constraint};
 use super::tools::{self, TemplateTools, ToolChoice, ToolFormat, ToolSpec};
 use super::{LaneState, TemplateState};
 use crate::tokenizer::bounded::proves_over;
@@ -31,6 +32,9 @@ pub(crate) struct RenderedPrompt {
     pub keep_special_tokens: bool,
     /// A stop string the request must add: a forced call ends the reply when it closes.
     pub stop_after_call: Option<&'static str>,
+    /// The grammar that makes a forced call's arguments follow the tool's schema (Hermes and GLM
+    /// syntax; `None` for other families and when nothing is forced).
+    pub call_grammar: Option<Constraint>,
 }
 
 /// `param` names the field the conversation came in, for errors.
@@ -98,6 +102,14 @@ pub(crate) fn render(state: &LaneState, conv: Conversation, param: &'static str)
         (c, _) => c.clone(),
     };
     let forced_prefix = if use_tools { tools::forced_call_prefix(syntax.format, &choice) } else { None };
+    let call_grammar = match &forced_prefix {
+        Some(_) => {
+            let compiler = structured::compiler(state, "tool_choice")?;
+            tools::grammar::forced_call_grammar(syntax.format, &choice, &conv.tools, compiler.vocab())
+                .map(|spec| Constraint { spec, param: "tools".into() })
+        }
+        None => None,
+    };
     let stop_after_call = match syntax.format {
         ToolFormat::Hermes | ToolFormat::Glm if forced_prefix.is_some() => Some("</tool_call>"),
         _ => None,
@@ -124,5 +136,6 @@ pub(crate) fn render(state: &LaneState, conv: Conversation, param: &'static str)
         reply: ReplySetup { reasoning, tools: parse_tools, forced_prefix, strip },
         keep_special_tokens,
         stop_after_call,
+        call_grammar,
     })
 }

@@ -25,6 +25,7 @@ mod output;
 pub mod params;
 pub mod reasoning;
 mod sse;
+mod structured;
 pub mod tls;
 mod tokenize;
 mod tokens;
@@ -322,11 +323,24 @@ pub(crate) struct Shared {
     /// Unix time the servers were built (`created` of the model card).
     pub created: u64,
     assets: OnceLock<ModelAssets>,
+    /// Structured outputs' grammar compiler over the model's vocabulary, built on first use.
+    grammar: OnceLock<Result<Arc<crate::structured::GrammarCompiler>, String>>,
 }
 
 impl Shared {
     fn new(engine: Arc<dyn InferenceEngine>, opts: ApiOptions) -> Arc<Self> {
-        Arc::new(Self { engine, opts, created: unix_now(), assets: OnceLock::new() })
+        Arc::new(Self { engine, opts, created: unix_now(), assets: OnceLock::new(), grammar: OnceLock::new() })
+    }
+
+    /// The grammar compiler (blocking on first use: it walks the vocabulary), or why this
+    /// model cannot have one (no tokenizer, a vocabulary llguidance cannot read).
+    pub fn grammar_compiler(&self) -> Result<Arc<crate::structured::GrammarCompiler>, String> {
+        self.grammar
+            .get_or_init(|| {
+                let tokenizer = self.assets().tokenizer.clone().ok_or("this model has no tokenizer")?;
+                crate::structured::GrammarCompiler::new(tokenizer).map(Arc::new).map_err(|e| e.to_string())
+            })
+            .clone()
     }
 
     /// Blocking on first use (compiles the chat template): call from the blocking pool, and

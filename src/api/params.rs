@@ -254,6 +254,7 @@ pub fn requests(plan: &Plan, prompt: Vec<u32>, max_tokens: usize, lane: &LaneCon
                 ignore_eos: plan.ignore_eos,
                 skip_special_tokens: plan.skip_special_tokens,
                 loop_guard: lane.loop_guard,
+                grammar: None,
             }
         })
         .collect()

@@ -2,7 +2,10 @@
 """The agent API of a running shelfserve, driven by the OFFICIAL `openai` and `anthropic` clients.
 
 Usage:
-  test_agent_api.py BASE_URL [--model NAME] [--only SUBSTRING]
+  test_agent_api.py BASE_URL [--model NAME] [--only SUBSTRING] [--speculative-url URL]
+
+--speculative-url: a second server of the same model drafting with `--speculative ngram`; its
+constrained greedy replies must equal this one's.
 
 BASE_URL is a lane's root without `/v1`, e.g. http://127.0.0.1:8889 (a server without an API
 key, serving the default model, whose chat template has no tool syntax: tools reach it through
@@ -22,6 +25,7 @@ import traceback
 import urllib.request
 
 import anthropic
+import jsonschema
 import openai
 
 CHECKS = []
@@ -107,9 +111,8 @@ def openai_named_tool_call_validates_and_streams_the_same():
     expect(call.type == "function" and call.id.startswith("call_"), f"call {call}")
     expect(call.function.name == "get_weather", call.function.name)
     args = json.loads(call.function.arguments)
-    # Arguments are not grammar-constrained yet (issue 20, structured outputs): only their shape
-    # is checked here.
-    expect(isinstance(args, dict), f"arguments {args!r}")
+    # The call's grammar makes the arguments follow the tool's schema.
+    jsonschema.validate(args, schema_of(WEATHER))
     expect(not c.message.content, f"content next to a forced call: {c.message.content!r}")
 
     content, _, scalls, finish = collect_stream(chat(stream=True, **kw))
@@ -125,7 +128,105 @@ def openai_required_tool_call_is_a_call_of_an_offered_tool():
     expect(c.finish_reason == "tool_calls", f"finish_reason {c.finish_reason}, message {c.message}")
     call = c.message.tool_calls[0]
     expect(call.function.name == "get_weather", call.function.name)
-    expect(isinstance(json.loads(call.function.arguments), dict), call.function.arguments)
+    jsonschema.validate(json.loads(call.function.arguments), schema_of(WEATHER))
+    # With two tools the grammar picks the tool too: one of those offered, arguments valid.
+    kw = dict(messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=96)
+    c = chat(**kw).choices[0]
+    expect(c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, f"message {c.message}")
+    call = c.message.tool_calls[0]
+    offered = {"get_weather": WEATHER, "get_time": TIME}
+    expect(call.function.name in offered, call.function.name)
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, schema_of(offered[call.function.name]))
+    _, _, scalls, finish = collect_stream(chat(stream=True, **kw))
+    expect(finish == "tool_calls", f"streamed finish {finish}")
+    expect([(n, json.loads(a)) for _, n, a in scalls] == [(call.function.name, args)], f"streamed {scalls}")
+
+
+# ---------------------------------------------------------------- structured outputs
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "mood": {"enum": ["happy", "sad", "calm"]},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 3},
+    },
+    "required": ["name", "age", "mood", "hobbies"],
+    "additionalProperties": False,
+}
+DESCRIBE = [{"role": "user", "content": "Describe a person called Ann as JSON: her name, age, mood and hobbies."}]
+
+
+def person_format():
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+@check
+def openai_json_schema_reply_validates_and_streams_the_same():
+    kw = dict(messages=DESCRIBE, response_format=person_format(), max_tokens=160)
+    c = chat(**kw).choices[0]
+    expect(c.finish_reason == "stop", f"finish_reason {c.finish_reason}: {c.message.content!r}")
+    jsonschema.validate(json.loads(c.message.content), PERSON)
+    content, _, calls, finish = collect_stream(chat(stream=True, **kw))
+    expect((content, calls, finish) == (c.message.content, [], "stop"), f"streamed {content!r} {finish}")
+
+
+@check
+def openai_json_object_reply_is_an_object():
+    msgs = [{"role": "user", "content": "Give the capital of France as a JSON object."}]
+    c = chat(messages=msgs, response_format={"type": "json_object"}, max_tokens=64).choices[0]
+    text = c.message.content
+    expect(text.startswith("{"), f"not an object: {text!r}")
+    if c.finish_reason == "stop":
+        expect(isinstance(json.loads(text), dict), text)
+    else:
+        expect(c.finish_reason == "length", c.finish_reason)
+
+
+@check
+def openai_vllm_spellings_constrain_too():
+    c = chat(messages=ASK, max_tokens=8, extra_body={"guided_choice": ["sunny", "rainy"]}).choices[0]
+    expect(c.message.content in ("sunny", "rainy") and c.finish_reason == "stop", f"{c.message.content!r} {c.finish_reason}")
+    c = chat(messages=ASK, max_tokens=16, extra_body={"structured_outputs": {"regex": "[0-9]{2} degrees"}}).choices[0]
+    expect(len(c.message.content) == 10 and c.message.content.endswith(" degrees"), repr(c.message.content))
+    grammar = 'start: "It is " WORD "."\nWORD: /[a-z]{1,10}/'
+    c = chat(messages=ASK, max_tokens=16, extra_body={"guided_grammar": grammar}).choices[0]
+    expect(c.message.content.startswith("It is ") and c.message.content.endswith("."), repr(c.message.content))
+
+
+@check
+def openai_bad_schemas_and_grammars_are_400s():
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "wat"}}}}}
+    for kw, param in [
+        (dict(response_format=bad_schema), "response_format.json_schema.schema"),
+        (dict(extra_body={"guided_grammar": "start: missing_rule"}), "guided_grammar"),
+        (dict(extra_body={"guided_regex": "(unclosed"}), "guided_regex"),
+        (dict(response_format={"type": "json_object"}, extra_body={"guided_choice": ["a"]}), "guided_choice"),
+    ]:
+        try:
+            chat(messages=ASK, max_tokens=4, **kw)
+            raise AssertionError(f"{kw} was accepted")
+        except openai.BadRequestError as e:
+            expect(e.body.get("param") == param and e.body.get("message"), f"{kw}: {e.body}")
+
+
+@check
+def speculative_constrained_replies_equal_plain_ones():
+    if not ARGS.speculative_url:
+        print("  (no --speculative-url: skipped)")
+        return
+    spec = openai.OpenAI(base_url=ARGS.speculative_url.rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=600)
+    kw = dict(model=ARGS.model, temperature=0, messages=DESCRIBE, response_format=person_format(), max_tokens=160)
+    plain = OAI.chat.completions.create(**kw).choices[0].message.content
+    drafted = spec.chat.completions.create(**kw).choices[0].message.content
+    expect(drafted == plain, f"drafted {drafted!r} vs plain {plain!r}")
+    jsonschema.validate(json.loads(drafted), PERSON)
+    kw = dict(model=ARGS.model, temperature=0, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=96)
+    plain = OAI.chat.completions.create(**kw).choices[0].message.tool_calls[0].function
+    drafted = spec.chat.completions.create(**kw).choices[0].message.tool_calls[0].function
+    expect((drafted.name, drafted.arguments) == (plain.name, plain.arguments), f"{drafted} vs {plain}")
 
 
 @check
@@ -286,6 +387,7 @@ def main():
     p.add_argument("base_url")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--only", default="")
+    p.add_argument("--speculative-url", default="")
     ARGS = p.parse_args()
     ARGS.base_url = ARGS.base_url.rstrip("/")
     OAI = openai.OpenAI(base_url=ARGS.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)

@@ -21,11 +21,13 @@ use super::chat::template_kwargs;
 use super::conversation::{self, Conversation, RenderedPrompt};
 use super::errors::ApiError;
 use super::params::{self, json_kind};
+use super::reasoning::ReasoningStart;
 use super::sse::Choices;
+use super::structured;
 use super::tools::{self, ToolChoice, ToolSpec};
 use super::types::CommonParams;
 use super::{blocking, read_body, response_id, LaneState};
-use crate::actors::handle::EngineError;
+use crate::actors::handle::{EngineError, GenerationRequest};
 
 /// The request fields this server reads.
 #[derive(Deserialize, Debug, Default)]
@@ -50,7 +52,8 @@ struct MessagesParams {
 struct Prepared {
     rendered: RenderedPrompt,
     plan: params::Plan,
-    max_tokens: usize,
+    /// One per choice, a forced call's grammar attached.
+    requests: Vec<GenerationRequest>,
 }
 
 pub(crate) async fn messages(req: HttpRequest, payload: web::Payload, state: web::Data<LaneState>) -> HttpResponse {
@@ -85,9 +88,8 @@ async fn handle_messages(
     let body = read_body(&req, payload, state.shared.opts.max_body_bytes).await?;
     state.ensure_ready()?;
     let st = state.clone().into_inner();
-    let Prepared { rendered, plan, max_tokens } = blocking(move || prepare(&st, &body)).await?;
+    let Prepared { rendered, plan, requests } = blocking(move || prepare(&st, &body)).await?;
     let prompt_len = rendered.ids.len();
-    let requests = params::requests(&plan, rendered.ids, max_tokens, &state.lane);
     let receivers = state.submit(requests, "messages")?;
     let choices = Choices::new(receivers, &state.lane.name, start);
     let assets = state.shared.assets();
@@ -140,7 +142,12 @@ fn prepare(state: &LaneState, body: &[u8]) -> Result<Prepared, ApiError> {
         plan.stop_strings.push(stop.to_owned());
     }
     let max_tokens = params::resolve_max_tokens(&plan, rendered.ids.len(), &state.lane, model, "messages")?;
-    Ok(Prepared { rendered, plan, max_tokens })
+    let mut requests = params::requests(&plan, rendered.ids.clone(), max_tokens, &state.lane);
+    if let Some(call) = &rendered.call_grammar {
+        // A forced call closed any reasoning block in the prompt: the grammar starts at once.
+        structured::attach(state, &mut requests, call, ReasoningStart::Off)?;
+    }
+    Ok(Prepared { rendered, plan, requests })
 }
 
 /// Anthropic request → the chat pipeline's conversation.

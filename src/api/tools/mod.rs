@@ -12,6 +12,7 @@
 //! assistant calls are rendered back in that syntax, and `tool` messages become user messages
 //! wrapped in `<tool_response>…</tool_response>`.
 
+pub mod grammar;
 pub mod parse;
 
 use serde_json::{Map, Value};
