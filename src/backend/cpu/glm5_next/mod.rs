@@ -19,6 +19,11 @@
 //! k slot images per drafted sequence in the step, and only between forward and commit. Because
 //! the recurrence runs token by token in both paths, a checkpoint is bitwise the state an
 //! undrafted run reaches at that position.
+//!
+//! # Tensor parallelism
+//! [`Glm5TpBackend`] (`tp.rs`) holds one [`Glm5Backend`] per rank, each with its shard of the
+//! weights (`shard.rs`, following `model::glm5_next::shard`) and its own cache: the paged records
+//! (MLA latents, indexer keys) replicated, the state slots holding that rank's KDA heads.
 
 use std::sync::Arc;
 
@@ -28,7 +33,11 @@ pub mod forward;
 mod kda;
 mod mla;
 pub mod ops;
+pub mod shard;
+pub mod tp;
 pub mod weights;
+
+pub use self::tp::Glm5TpBackend;
 
 use self::cache::Glm5Cache;
 use self::forward::Glm5Model;
@@ -55,21 +64,30 @@ impl Glm5Backend {
         if kv.state_slots == 0 {
             return Err(bad("glm5_next needs at least one recurrent-state slot per live sequence".into()));
         }
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("glm5-cpu-{i}"))
-            .build()
-            .map_err(|e| bad(format!("could not start the CPU thread pool: {e}")))?;
+        let pool = cpu_pool(threads).map_err(bad)?;
         let weights = pool.install(|| weights::load(&cfg, w))?;
-        let weight_bytes = weights.bytes();
-        let cache = Glm5Cache::new(&cfg, kv);
-        Ok(Glm5Backend {
-            model: Glm5Model { cfg, weights },
-            cache,
-            pool: Arc::new(pool),
-            simd: simd_available(),
-            weight_bytes,
-        })
+        Ok(Self::assemble(Glm5Model { cfg, weights, group: None }, pool, kv))
+    }
+
+    /// One rank of a tensor-parallel group: `cfg` is the rank's local config
+    /// ([`Glm5Shard::local_config`](crate::model::glm5_next::shard::Glm5Shard::local_config)),
+    /// `weights` its shard, `group` its handle to the others. The geometry was checked by the
+    /// group.
+    pub fn new_rank(
+        cfg: Glm5Config,
+        weights: weights::Glm5Weights,
+        group: shard::RankGroup,
+        threads: usize,
+        kv: KvGeometry,
+    ) -> Result<Self, String> {
+        let pool = cpu_pool(threads)?;
+        Ok(Self::assemble(Glm5Model { cfg, weights, group: Some(group) }, pool, kv))
+    }
+
+    fn assemble(model: Glm5Model, pool: rayon::ThreadPool, kv: KvGeometry) -> Self {
+        let weight_bytes = model.weights.bytes();
+        let cache = Glm5Cache::new(&model.cfg, kv);
+        Glm5Backend { model, cache, pool: Arc::new(pool), simd: simd_available(), weight_bytes }
     }
 
     pub fn config(&self) -> &Glm5Config {
@@ -100,6 +118,14 @@ impl Glm5Backend {
     }
 }
 
+fn cpu_pool(threads: usize) -> Result<rayon::ThreadPool, String> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("glm5-cpu-{i}"))
+        .build()
+        .map_err(|e| format!("could not start the CPU thread pool: {e}"))
+}
+
 impl Backend for Glm5Backend {
     fn device_name(&self) -> String {
         "cpu".into()
@@ -121,7 +147,18 @@ impl Backend for Glm5Backend {
         validate_batch(batch, self.cache.geom)?;
         let pool = Arc::clone(&self.pool);
         let (model, cache, simd) = (&self.model, &mut self.cache, self.simd);
-        pool.install(|| model.forward(cache, batch, verify, simd))
+        let out = pool.install(|| model.forward(cache, batch, verify, simd));
+        // A rank that fails mid-step releases the others from the collective they wait in.
+        if let (Err(e), Some(g)) = (&out, &self.model.group) {
+            g.comm.abort(&e.to_string());
+        }
+        out
+    }
+
+    fn abort_collectives(&self, reason: &str) {
+        if let Some(g) = &self.model.group {
+            g.comm.abort(reason);
+        }
     }
 
     fn commit_verified(&mut self, slot: u32, kept: usize) -> Result<(), BackendError> {
