@@ -311,3 +311,51 @@ async fn the_engine_serves_a_glm5_group_as_it_serves_one_rank() {
     let e = e.expect("tp=4 must be refused").to_string();
     assert!(e.contains("(2)"), "{e}");
 }
+
+/// An engine on the tiny fixture split over 2 ranks with expert parallelism: 4-token blocks,
+/// 8-token pages, the given pool, spill directory and (with `drafted`) n-gram drafts of 7.
+async fn group_engine(
+    pool_tokens: usize,
+    spill: Option<&std::path::Path>,
+    drafted: bool,
+) -> std::sync::Arc<shelfserve::actors::Engine> {
+    use shelfserve::actors::EngineOptions;
+    use shelfserve::generate::{DeviceKind, DeviceSelection};
+    let mut cfg = shelfserve::config::engine::EngineConfig::builtin();
+    for l in cfg.lanes.iter_mut().filter(|_| drafted) {
+        l.speculative = shelfserve::spec::SpeculativeMethod::Ngram;
+        l.num_speculative_tokens = 7;
+    }
+    cfg.scheduler.block_size = 4;
+    cfg.scheduler.page_tokens = 8;
+    cfg.scheduler.kv_pool_tokens = pool_tokens;
+    common::engine::set_spill(&mut cfg, spill);
+    let device =
+        DeviceSelection { kind: DeviceKind::Cpu, threads: 2, tensor_parallel: 2, expert_parallel: true, ..Default::default() };
+    let opts = EngineOptions { device, served_model_name: "t".into() };
+    common::engine::start_ready(open("glm5/tiny"), cfg, opts, std::time::Duration::from_secs(120)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_pages_spill_with_every_ranks_state_and_resume_exactly() {
+    // A first turn (drafted), evicted by other work onto disk; its follow-up restored from the
+    // spilled pages — block images plus both ranks' KDA state — equals the same group's fresh run.
+    let first: Vec<u32> = (0..30u32).map(|i| 1 + (i * 104_729 + 7919) % 255).collect();
+    let other = |s: u32| (0..70u32).map(|i| 1 + (s * 7919 + i * 104_729) % 255).collect::<Vec<_>>();
+    let dir = tempfile::tempdir().unwrap();
+    let e = group_engine(96, Some(dir.path()), true).await;
+    let (reply, _) = common::run_greedy(&e, first.clone(), 8).await;
+    common::run_greedy(&e, other(60), 4).await;
+    common::run_greedy(&e, other(61), 4).await;
+    let follow = [first.clone(), reply, vec![5, 6, 7, 8, 9, 10]].concat();
+    common::engine::wait_spilled(&e, 4).await;
+    let (resumed, usage) = common::run_greedy(&e, follow.clone(), 10).await;
+    assert_eq!(usage.cached_tokens, 32, "four pages restored from disk");
+    e.shutdown();
+    drop(e);
+    let fresh_engine = group_engine(512, None, false).await;
+    let (fresh, usage) = common::run_greedy(&fresh_engine, follow, 10).await;
+    assert_eq!(usage.cached_tokens, 0);
+    fresh_engine.shutdown();
+    assert_eq!(resumed, fresh, "a reply restored from spill under TP equals a fresh undrafted run");
+}
