@@ -330,8 +330,13 @@ async fn group_engine(
     cfg.scheduler.page_tokens = 8;
     cfg.scheduler.kv_pool_tokens = pool_tokens;
     common::engine::set_spill(&mut cfg, spill);
-    let device =
-        DeviceSelection { kind: DeviceKind::Cpu, threads: 2, tensor_parallel: 2, expert_parallel: true, ..Default::default() };
+    let device = DeviceSelection {
+        kind: DeviceKind::Cpu,
+        threads: 2,
+        tensor_parallel: 2,
+        expert_parallel: true,
+        ..Default::default()
+    };
     let opts = EngineOptions { device, served_model_name: "t".into() };
     common::engine::start_ready(open("glm5/tiny"), cfg, opts, std::time::Duration::from_secs(120)).await
 }
