@@ -86,23 +86,40 @@ pub fn any_cpu_backend(
     any_cpu_backend_tp(bundle, threads, 1, kv)
 }
 
-/// [`any_cpu_backend`] split over `tensor_parallel` ranks on CPU threads (llama family only).
+/// [`any_cpu_backend`] split over `tensor_parallel` ranks on CPU threads (`expert_parallel`:
+/// `glm5_next`'s routed experts split whole, one set per rank).
 pub fn any_cpu_backend_tp(
     bundle: &ModelBundle,
     threads: usize,
     tensor_parallel: usize,
     kv: KvGeometry,
 ) -> Result<(Box<dyn Backend>, LoadedBackendInfo), ModelError> {
+    any_cpu_backend_group(bundle, threads, tensor_parallel, false, kv)
+}
+
+/// [`any_cpu_backend_tp`] with the expert-parallel choice.
+pub fn any_cpu_backend_group(
+    bundle: &ModelBundle,
+    threads: usize,
+    tensor_parallel: usize,
+    expert_parallel: bool,
+    kv: KvGeometry,
+) -> Result<(Box<dyn Backend>, LoadedBackendInfo), ModelError> {
     let is_glm5 = crate::model::glm5_next::MODEL_TYPES.contains(&bundle.config.model_type.as_str());
     if tensor_parallel > 1 {
         if is_glm5 {
-            return Err(ModelError::Config {
-                file: bundle.weights.origin().to_path_buf(),
-                msg: format!(
-                    "tensor parallelism is implemented for the llama family only, not `{}` yet; use --tp 1",
-                    bundle.config.model_type
-                ),
-            });
+            let cfg = crate::model::glm5_next::read_config(bundle.weights.origin())?;
+            let b = crate::backend::cpu::glm5_next::Glm5TpBackend::new(
+                cfg,
+                bundle.weights.as_ref(),
+                threads,
+                kv,
+                tensor_parallel,
+                expert_parallel,
+            )?;
+            let info =
+                LoadedBackendInfo { weight_bytes: b.weight_bytes(), kv_bytes: b.kv_bytes(), threads: b.threads() };
+            return Ok((Box::new(b), info));
         }
         let opts = CpuOptions { threads, kv, kv_precision: None };
         let b = TpCpuBackend::new(&bundle.config, bundle.weights.as_ref(), opts, tensor_parallel)?;
@@ -152,6 +169,8 @@ pub struct DeviceSelection {
     pub cuda_precision: Precision,
     /// Tensor-parallel ranks (1 = unsharded).
     pub tensor_parallel: usize,
+    /// MoE models: each rank holds whole experts (`E / N`) instead of a slice of every expert.
+    pub expert_parallel: bool,
 }
 
 impl Default for DeviceSelection {
@@ -162,6 +181,7 @@ impl Default for DeviceSelection {
             cuda_ordinal: 0,
             cuda_precision: Precision::Bf16,
             tensor_parallel: 1,
+            expert_parallel: false,
         }
     }
 }
@@ -201,6 +221,7 @@ impl DeviceSelection {
             cuda_ordinal: self.cuda_ordinal,
             cuda_precision: self.cuda_precision,
             tensor_parallel: self.tensor_parallel,
+            expert_parallel: self.expert_parallel,
         }
     }
 }
@@ -224,6 +245,8 @@ pub struct ResolvedDevice {
     pub cuda_precision: Precision,
     /// Tensor-parallel ranks (1 = unsharded).
     pub tensor_parallel: usize,
+    /// MoE experts split whole over the ranks (see [`DeviceSelection::expert_parallel`]).
+    pub expert_parallel: bool,
 }
 
 impl ResolvedDevice {
@@ -235,6 +258,7 @@ impl ResolvedDevice {
             cuda_ordinal: 0,
             cuda_precision: Precision::Bf16,
             tensor_parallel: 1,
+            expert_parallel: false,
         }
     }
 
@@ -249,9 +273,12 @@ impl ResolvedDevice {
             ResolvedKind::Cpu => "cpu".to_string(),
             ResolvedKind::Cuda => format!("cuda/{:?}", self.cuda_precision).to_lowercase(),
         };
-        match self.tensor_parallel {
-            0 | 1 => format!("{device}/block{block_size}"),
-            tp => format!("{device}/block{block_size}/tp{tp}"),
+        // Expert parallelism sums the FFN's partial results in another order than a split of
+        // every expert: the same state, rounded differently, so a different identity.
+        match (self.tensor_parallel, self.expert_parallel) {
+            (0 | 1, _) => format!("{device}/block{block_size}"),
+            (tp, false) => format!("{device}/block{block_size}/tp{tp}"),
+            (tp, true) => format!("{device}/block{block_size}/tp{tp}/ep"),
         }
     }
 }
@@ -308,7 +335,7 @@ pub fn make_backend(
             Box::new(b)
         }
         ResolvedKind::Cpu => {
-            let (b, info) = any_cpu_backend_tp(bundle, sel.threads, sel.tensor_parallel, kv)?;
+            let (b, info) = any_cpu_backend_group(bundle, sel.threads, sel.tensor_parallel, sel.expert_parallel, kv)?;
             tracing::info!(
                 weights_mib = info.weight_bytes / (1 << 20),
                 kv_mib = info.kv_bytes / (1 << 20),
@@ -345,8 +372,23 @@ pub fn rank_backend_makers(
     let refuse =
         |reason: String| BackendError::Unavailable { device: format!("{:?}", sel.kind).to_lowercase(), reason };
     if crate::model::glm5_next::MODEL_TYPES.contains(&cfg.model_type.as_str()) {
+        if sel.kind == ResolvedKind::Cuda {
+            return Err(refuse(format!(
+                "tensor parallelism for `{}` runs on CPU ranks only so far; use --tp 1 on cuda",
+                cfg.model_type
+            )));
+        }
+        // One executor holds the whole group: a verification commit, a state snapshot or a
+        // restored page must reach every rank's KDA state at once, and only that executor's
+        // rank 0 samples (see `backend::cpu::glm5_next::tp`). The split is checked before loading.
+        let g = crate::model::glm5_next::read_config(bundle.weights.origin())?;
+        crate::backend::cpu::glm5_next::Glm5TpBackend::check(&g, world, sel.expert_parallel).map_err(refuse)?;
+        let sel = *sel;
+        return Ok(vec![Box::new(move || make_backend(&bundle, &sel, kv))]);
+    }
+    if sel.expert_parallel {
         return Err(refuse(format!(
-            "tensor parallelism is implemented for the llama family only, not `{}` yet; use --tp 1",
+            "--enable-expert-parallel needs a mixture-of-experts model, not `{}`",
             cfg.model_type
         )));
     }
@@ -767,6 +809,7 @@ mod tests {
             cuda_ordinal: 0,
             cuda_precision: Precision::F32,
             tensor_parallel: 2,
+            expert_parallel: true,
         };
         let (r, _) = resolve_counted(sel, Ok(1));
         assert_eq!(
@@ -776,7 +819,8 @@ mod tests {
                 threads: 3,
                 cuda_ordinal: 0,
                 cuda_precision: Precision::F32,
-                tensor_parallel: 2
+                tensor_parallel: 2,
+                expert_parallel: true
             }
         );
         // The settled kind is what the drafter's verification price reads.
@@ -797,6 +841,8 @@ mod tests {
         assert_eq!(cpu.kv_layout(16), ResolvedDevice { cuda_precision: Precision::F32, ..cpu }.kv_layout(16));
         assert_ne!(cpu.kv_layout(16), cpu.kv_layout(32), "block size");
         assert_eq!(ResolvedDevice { tensor_parallel: 2, ..cuda_bf16 }.kv_layout(16), "cuda/bf16/block16/tp2");
+        let ep = ResolvedDevice { tensor_parallel: 2, expert_parallel: true, ..cpu };
+        assert_eq!(ep.kv_layout(16), "cpu/block16/tp2/ep", "expert parallel rounds the state differently");
         // `auto` gets the identity of the device it settled on, not one shared by both.
         let auto = DeviceSelection { kind: DeviceKind::Auto, ..Default::default() };
         assert_eq!(auto.resolve_with(|| Ok(0)).kv_layout(16), "cpu/block16");

@@ -219,8 +219,8 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResu
     };
     // Sequences verifying drafts ask the backend to keep per-token recurrent state, and are
     // committed to their accepted length right after sampling (a no-op without recurrent state).
-    // Only rank 0 samples, so only it knows the accepted length: tensor parallelism is refused for
-    // models with recurrent state (see `generate::rank_backend_makers`).
+    // Only rank 0 samples, so only it knows the accepted length: a model with recurrent state runs
+    // its whole tensor-parallel group in one executor (see `generate::rank_backend_makers`).
     let verify: Vec<bool> = plan.seqs.iter().map(|s| s.num_draft > 0 && s.sample.is_some()).collect();
     // Without drafts, rank 0 first offers the backend to sample on its device (only ids cross
     // back); a backend that samples on the host answers `None` having run nothing. Grammar masks

@@ -67,14 +67,21 @@ pub fn kv_cost(bundle: &ModelBundle, device: &ResolvedDevice) -> Result<KvCost, 
     if ModelFamily::of_model_type(&c.model_type) == ModelFamily::Glm5Next {
         let g = crate::model::glm5_next::read_config(bundle.weights.origin()).map_err(|e| e.to_string())?;
         let (token, slot) = crate::model::glm5_next::cache_layout::CacheLayout::new(&g).bytes();
+        // Under tensor parallelism every rank caches the whole per-token records (the MLA latent
+        // is shared by all heads) and its own heads' share of the KDA state: the records cost
+        // `world` times, the state slots add up to one model's.
+        let world = device.tensor_parallel.max(1) as u64;
+        let replicated =
+            if world > 1 { format!(", records replicated on each of {world} ranks") } else { String::new() };
         return Ok(KvCost {
             dtype: KvDtype::F32,
-            bytes_per_token: token as u64,
+            bytes_per_token: token as u64 * world,
             rank_bytes_per_token: token as u64,
             state_slot_bytes: slot as u64,
-            layout: "MLA latent + indexer key, gate and pooled key per DSA layer per token; KDA conv window + state \
-                     per sequence"
-                .into(),
+            layout: format!(
+                "MLA latent + indexer key, gate and pooled key per DSA layer per token; KDA conv window + state \
+                 per sequence{replicated}"
+            ),
         });
     }
     let dtype = match device.kind {

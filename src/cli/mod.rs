@@ -68,7 +68,7 @@ pub struct ModelArgs {
     #[arg(long, env = "SHELFSERVE_THREADS", default_value_t = 0)]
     pub threads: usize,
     /// Tensor-parallel ranks the model is split over (CPU: one thread group per rank; CUDA: one
-    /// GPU per rank, devices --cuda-device.., joined by NCCL). Llama family only.
+    /// GPU per rank, devices --cuda-device.., joined by NCCL). glm5_next: CPU ranks only.
     #[arg(
         long = "tensor-parallel-size",
         visible_alias = "tp",
@@ -76,6 +76,10 @@ pub struct ModelArgs {
         default_value_t = 1
     )]
     pub tensor_parallel_size: usize,
+    /// With --tensor-parallel-size N on a mixture-of-experts model (glm5_next): each rank holds
+    /// E/N whole routed experts instead of a 1/N slice of every expert.
+    #[arg(long = "enable-expert-parallel", env = "SHELFSERVE_ENABLE_EXPERT_PARALLEL")]
+    pub enable_expert_parallel: bool,
     /// CUDA device ordinal (with --device cuda or auto).
     #[arg(long, env = "SHELFSERVE_CUDA_DEVICE", default_value_t = 0)]
     pub cuda_device: usize,
@@ -205,6 +209,7 @@ impl ModelArgs {
             cuda_ordinal: self.cuda_device,
             cuda_precision,
             tensor_parallel: self.tensor_parallel_size,
+            expert_parallel: self.enable_expert_parallel,
         })
     }
 

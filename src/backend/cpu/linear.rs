@@ -13,11 +13,13 @@ use crate::model::quant::{dot_f32_rows, dot_q_block, quantize_row_q8, BlockQ8, D
 use crate::model::{DType, ModelError, TensorView, WeightSource};
 
 /// Weight rows in one of the supported storage formats.
+#[derive(Clone)]
 pub enum WeightRows {
     F32(Vec<f32>),
     Quant { dtype: DType, data: Vec<u8> },
 }
 
+#[derive(Clone)]
 pub struct CpuLinear {
     pub rows: usize,
     pub cols: usize,

@@ -37,7 +37,6 @@ pub struct TpShard {
 /// What a sharded backend needs at run time: the communicator and its vocabulary slice.
 struct TpRuntime {
     comm: Arc<dyn Collective>,
-    world: usize,
     vocab: Range<usize>,
 }
 
@@ -363,7 +362,7 @@ impl CpuBackend {
             intermediate_size: plan.intermediate.len(),
             ..cfg.clone()
         };
-        let tp = shard.map(|s| TpRuntime { comm: s.comm, world: rank.world, vocab: plan.vocab.clone() });
+        let tp = shard.map(|s| TpRuntime { comm: s.comm, vocab: plan.vocab.clone() });
         let cfg = &local_cfg;
         let threads =
             if opts.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { opts.threads };
@@ -545,20 +544,32 @@ fn all_reduce(tp: &Option<TpRuntime>, buf: &mut [f32]) -> Result<(), BackendErro
 }
 
 /// Join the ranks' logits slices (`local` is `[m, this rank's vocab slice]`) into `[m, vocab]`.
-/// Every slice but the last has `ceil(vocab / world)` columns; the last is zero-padded to that
-/// width for the all-gather and the padding dropped after.
 fn gather_vocab(tp: &TpRuntime, local: &[f32], m: usize, vocab: usize) -> Result<Vec<f32>, BackendError> {
+    gather_vocab_slices(tp.comm.as_ref(), &tp.vocab, local, m, vocab)
+}
+
+/// Join vocabulary-parallel logits slices (`local` is `[m, mine.len()]`, this rank's rows `mine`
+/// of [`TpRank::vocab`]) into `[m, vocab]`. Every slice but the last has `ceil(vocab / world)`
+/// columns; the last is zero-padded to that width for the all-gather and the padding dropped after.
+pub(crate) fn gather_vocab_slices(
+    comm: &dyn Collective,
+    mine: &Range<usize>,
+    local: &[f32],
+    m: usize,
+    vocab: usize,
+) -> Result<Vec<f32>, BackendError> {
     if m == 0 {
         return Ok(Vec::new());
     }
-    let per = vocab.div_ceil(tp.world);
-    let mine = tp.vocab.len();
+    let world = comm.world_size();
+    let per = vocab.div_ceil(world);
+    let mine = mine.len();
     let mut padded = vec![0f32; m * per];
     for (dst, src) in padded.chunks_exact_mut(per).zip(local.chunks_exact(mine.max(1))) {
         dst[..mine].copy_from_slice(&src[..mine]);
     }
-    let mut all = vec![0f32; tp.world * m * per];
-    tp.comm.all_gather(&padded, &mut all).map_err(|e| BackendError::Device(format!("tensor parallel: {e}")))?;
+    let mut all = vec![0f32; world * m * per];
+    comm.all_gather(&padded, &mut all).map_err(|e| BackendError::Device(format!("tensor parallel: {e}")))?;
     let mut data = vec![0f32; m * vocab];
     for (r, part) in all.chunks_exact(m * per).enumerate() {
         let (start, end) = ((r * per).min(vocab), ((r + 1) * per).min(vocab));

@@ -17,6 +17,7 @@ pub mod accounting;
 pub mod cache_layout;
 pub mod config;
 pub mod layout;
+pub mod shard;
 pub mod vision;
 pub mod weights;
 

@@ -5,6 +5,8 @@
 //! token's routed outputs are summed in ascending expert order, so its result never depends on
 //! which other tokens share the batch.
 
+use std::ops::Range;
+
 use crate::backend::cpu::linear::LinearScratch;
 use rayon::prelude::*;
 
@@ -60,8 +62,17 @@ pub fn route(c: &Glm5Config, logits: &[f32], bias: &[f32]) -> Vec<(usize, f32)> 
     chosen.into_iter().map(|i| (i, scores[i] / denom * c.routed_scaling_factor)).collect()
 }
 
-/// MoE block over `m` rows of `x`.
-pub fn moe(c: &Glm5Config, w: &Moe, x: &[f32], m: usize, simd: bool) -> Result<Vec<f32>, BackendError> {
+/// MoE block over `m` rows of `x`. `held` are the routed experts `w.experts` holds (all of them
+/// but under expert parallelism): tokens routed elsewhere get nothing from this rank for that
+/// route, the owner's partial sum supplies it.
+pub fn moe(
+    c: &Glm5Config,
+    w: &Moe,
+    x: &[f32],
+    m: usize,
+    held: Range<usize>,
+    simd: bool,
+) -> Result<Vec<f32>, BackendError> {
     let d = c.hidden_size;
     let e = c.n_routed_experts;
     let mut logits = vec![0f32; m * e];
@@ -70,7 +81,7 @@ pub fn moe(c: &Glm5Config, w: &Moe, x: &[f32], m: usize, simd: bool) -> Result<V
     // (row, slot in the row's route) per expert.
     let mut assigned: Vec<Vec<(usize, usize)>> = vec![Vec::new(); e];
     for (row, r) in routes.iter().enumerate() {
-        for (k, &(ex, _)) in r.iter().enumerate() {
+        for (k, &(ex, _)) in r.iter().enumerate().filter(|(_, (ex, _))| held.contains(ex)) {
             assigned[ex].push((row, k));
         }
     }
@@ -82,7 +93,7 @@ pub fn moe(c: &Glm5Config, w: &Moe, x: &[f32], m: usize, simd: bool) -> Result<V
                 return Ok(Vec::new());
             }
             let xs: Vec<f32> = rows.iter().flat_map(|&(row, _)| x[row * d..(row + 1) * d].iter().copied()).collect();
-            mlp(&w.experts[ex], &xs, rows.len(), c.swiglu_limit, simd)
+            mlp(&w.experts[ex - held.start], &xs, rows.len(), c.swiglu_limit, simd)
         })
         .collect();
     // Per row and route slot, the expert's output row.

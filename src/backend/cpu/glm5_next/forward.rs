@@ -5,6 +5,7 @@ use rayon::prelude::*;
 
 use super::cache::{self, Glm5Cache};
 use super::ops::{hc_normalize, hyper_connection, hyper_expand, rms_norm, HcWeights};
+use super::shard::RankGroup;
 use super::weights::{Ffn, Glm5Weights, HyperConnection, Mixer};
 use super::{ffn, kda, mla};
 use crate::backend::cpu::linear::LinearScratch;
@@ -14,10 +15,13 @@ use crate::backend::{BackendError, EmbeddedRows, SeqStep, StepLogits, TapRecorde
 use crate::model::glm5_next::config::{IndexerKind, MixerKind};
 use crate::model::glm5_next::Glm5Config;
 
-/// Config and weights: everything needed to run a forward pass over a given cache.
+/// Config and weights: everything needed to run a forward pass over a given cache. Under tensor
+/// parallelism `cfg` is the rank's local config, `weights` its shard and `group` its handle to the
+/// other ranks (`shard.rs`).
 pub struct Glm5Model {
     pub cfg: Glm5Config,
     pub weights: Glm5Weights,
+    pub group: Option<RankGroup>,
 }
 
 /// One mHC site over all rows: collapsed + normalised block inputs and the expand weights.
@@ -101,6 +105,14 @@ fn place_embeddings(
 }
 
 impl Glm5Model {
+    /// Sum a row-parallel partial result over the ranks (nothing to do unsharded).
+    fn reduce(&self, mut y: Vec<f32>) -> Result<Vec<f32>, BackendError> {
+        if let Some(g) = &self.group {
+            g.all_reduce(&mut y)?;
+        }
+        Ok(y)
+    }
+
     /// Run one step over `batch`, appending to the cache, and return the requested logits.
     /// Slots of sequences starting at position 0 are reset first. Sequences with `verify[i]` set
     /// keep per-token state checkpoints until `Glm5Cache::commit_verified`; every other slot in
@@ -191,17 +203,23 @@ impl Glm5Model {
                     let shared = (c.layer_types[l] == MixerKind::Dsa && c.indexer_types[l] == IndexerKind::Shared)
                         .then_some(carried.as_ref())
                         .flatten();
-                    let (y, sel) = mla::forward(c, w, &u, &seqs, cache, slots, shared, simd)?;
+                    let group = self.group.as_ref();
+                    let (y, sel) = mla::forward(c, w, &u, &seqs, cache, slots, shared, group, simd)?;
                     carried = sel;
                     y
                 }
             };
+            let y = self.reduce(y)?;
             x = expand(c, &hcw, &x, &y);
             let (u, hcw) = hc_site(c, &layer.ffn_hc, &layer.post_norm, &x, simd)?;
             let z = match &layer.ffn {
                 Ffn::Dense(w) => ffn::mlp(w, &u, n_rows, c.swiglu_limit, simd)?,
-                Ffn::Moe(w) => ffn::moe(c, w, &u, n_rows, simd)?,
+                Ffn::Moe(w) => {
+                    let held = self.group.as_ref().map_or(0..c.n_routed_experts, |g| g.experts.clone());
+                    ffn::moe(c, w, &u, n_rows, held, simd)?
+                }
             };
+            let z = self.reduce(z)?;
             x = expand(c, &hcw, &x, &z);
             if let Some(taps) = taps.as_deref_mut() {
                 taps.offer(l, |r, out| collapse_streams(&x[r * m * d..(r + 1) * m * d], m, out));
@@ -214,14 +232,12 @@ impl Glm5Model {
             collapse_streams(&x[r * m * d..(r + 1) * m * d], m, hr);
             rms_norm(hr, &self.weights.norm, c.rms_norm_eps);
         }
-        let mut data = vec![0f32; rows.len() * c.vocab_size];
-        self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed).forward(
-            &h,
-            rows.len(),
-            &mut data,
-            &mut LinearScratch::default(),
-            simd,
-        )?;
+        let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed);
+        let mut data = vec![0f32; rows.len() * head.rows];
+        head.forward(&h, rows.len(), &mut data, &mut LinearScratch::default(), simd)?;
+        if let Some(g) = &self.group {
+            data = g.gather_vocab(&data, rows.len(), c.vocab_size)?;
+        }
         Ok(StepLogits { vocab: c.vocab_size, data, offsets })
     }
 }

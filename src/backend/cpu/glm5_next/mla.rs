@@ -14,6 +14,7 @@ use rayon::prelude::*;
 use super::cache::{DsaSlots, Glm5Cache};
 use super::forward::SeqRows;
 use super::ops::{layer_norm, rms_norm};
+use super::shard::RankGroup;
 use super::weights::{IndexerWeights, MlaWeights};
 use crate::backend::cpu::linear::CpuLinear;
 use crate::backend::BackendError;
@@ -80,6 +81,7 @@ pub fn forward(
     cache: &mut Glm5Cache,
     slots: DsaSlots,
     shared_selection: Option<&Selection>,
+    group: Option<&RankGroup>,
     simd: bool,
 ) -> Result<(Vec<f32>, Option<Selection>), BackendError> {
     let n_rows = u.len() / c.hidden_size;
@@ -92,7 +94,7 @@ pub fn forward(
     latent.chunks_mut(r).for_each(|x| rms_norm(x, &w.kv_a_norm, eps));
     let di = c.index_head_dim;
     let indexer = match (&w.indexer, slots.indexer) {
-        (Some(ix), Some(off)) => Some((ix, off, index_rows(c, ix, u, &q_r, n_rows, simd)?)),
+        (Some(ix), Some(off)) => Some((ix, off, index_rows(c, ix, u, &q_r, n_rows, group, simd)?)),
         (None, _) => None,
         (Some(_), None) => return Err(BackendError::InvalidStep("indexer layer without indexer cache slots".into())),
     };
@@ -213,9 +215,15 @@ fn index_rows(
     u: &[f32],
     q_r: &[f32],
     n_rows: usize,
+    group: Option<&RankGroup>,
     simd: bool,
 ) -> Result<IndexerRows, BackendError> {
     let q = project(&ix.wq_b, q_r, n_rows, simd)?;
+    // Each rank projects its indexer heads; all ranks score over every head, in one order.
+    let q = match group {
+        Some(g) => g.gather_columns(&q, n_rows)?,
+        None => q,
+    };
     let kgw = project(&ix.k_gate_w, u, n_rows, simd)?;
     let (di, hi) = (c.index_head_dim, c.index_n_heads);
     let scale = 1.0 / (hi as f32).sqrt();

@@ -19,6 +19,11 @@
 //! k slot images per drafted sequence in the step, and only between forward and commit. Because
 //! the recurrence runs token by token in both paths, a checkpoint is bitwise the state an
 //! undrafted run reaches at that position.
+//!
+//! # Tensor parallelism
+//! [`Glm5TpBackend`] (`tp.rs`) holds one [`Glm5Backend`] per rank, each with its shard of the
+//! weights (`shard.rs`, following `model::glm5_next::shard`) and its own cache: the paged records
+//! (MLA latents, indexer keys) replicated, the state slots holding that rank's KDA heads.
 
 use std::sync::Arc;
 
@@ -31,7 +36,11 @@ pub mod ops;
 #[cfg(test)]
 mod tap_tests;
 pub mod vision;
+pub mod shard;
+pub mod tp;
 pub mod weights;
+
+pub use self::tp::Glm5TpBackend;
 
 use self::cache::Glm5Cache;
 use self::forward::Glm5Model;
@@ -88,17 +97,37 @@ impl Glm5Backend {
         if kv.state_slots == 0 {
             return Err(bad("glm5_next needs at least one recurrent-state slot per live sequence".into()));
         }
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("glm5-cpu-{i}"))
-            .build()
-            .map_err(|e| bad(format!("could not start the CPU thread pool: {e}")))?;
+        let pool = cpu_pool(threads).map_err(bad)?;
         let weights = pool.install(|| weights::load(&cfg, w))?;
         let vision = pool.install(|| load_vision(&cfg, w))?;
-        let weight_bytes = weights.bytes() + vision.as_ref().map_or(0, |(t, _)| t.weight_bytes());
-        let cache = Glm5Cache::new(&cfg, kv);
-        Ok(Glm5Backend {
-            model: Glm5Model { cfg, weights },
+        Ok(Self::assemble(Glm5Model { cfg, weights, group: None }, pool, kv, vision))
+    }
+
+    /// One rank of a tensor-parallel group: `cfg` is the rank's local config
+    /// ([`Glm5Shard::local_config`](crate::model::glm5_next::shard::Glm5Shard::local_config)),
+    /// `weights` its shard, `group` its handle to the others. The geometry was checked by the
+    /// group. Ranks carry no vision tower (images are refused under tensor parallelism).
+    pub fn new_rank(
+        cfg: Glm5Config,
+        weights: weights::Glm5Weights,
+        group: shard::RankGroup,
+        threads: usize,
+        kv: KvGeometry,
+    ) -> Result<Self, String> {
+        let pool = cpu_pool(threads)?;
+        Ok(Self::assemble(Glm5Model { cfg, weights, group: Some(group) }, pool, kv, None))
+    }
+
+    fn assemble(
+        model: Glm5Model,
+        pool: rayon::ThreadPool,
+        kv: KvGeometry,
+        vision: Option<(VisionTower, MultimodalIds)>,
+    ) -> Self {
+        let weight_bytes = model.weights.bytes() + vision.as_ref().map_or(0, |(t, _)| t.weight_bytes());
+        let cache = Glm5Cache::new(&model.cfg, kv);
+        Glm5Backend {
+            model,
             vision,
             cache,
             pool: Arc::new(pool),
@@ -106,7 +135,7 @@ impl Glm5Backend {
             weight_bytes,
             tap_layers: Vec::new(),
             last_taps: None,
-        })
+        }
     }
 
     pub fn config(&self) -> &Glm5Config {
@@ -137,6 +166,14 @@ impl Glm5Backend {
     }
 }
 
+fn cpu_pool(threads: usize) -> Result<rayon::ThreadPool, String> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("glm5-cpu-{i}"))
+        .build()
+        .map_err(|e| format!("could not start the CPU thread pool: {e}"))
+}
+
 impl Backend for Glm5Backend {
     fn device_name(&self) -> String {
         "cpu".into()
@@ -160,7 +197,12 @@ impl Backend for Glm5Backend {
         let pool = Arc::clone(&self.pool);
         let (model, cache, simd) = (&self.model, &mut self.cache, self.simd);
         let mut taps = TapRecorder::new(&self.tap_layers, model.cfg.hidden_size, batch);
-        let logits = pool.install(|| model.forward_tapped(cache, batch, verify, simd, taps.as_mut()))?;
+        let out = pool.install(|| model.forward_tapped(cache, batch, verify, simd, taps.as_mut()));
+        // A rank that fails mid-step releases the others from the collective they wait in.
+        if let (Err(e), Some(g)) = (&out, &self.model.group) {
+            g.comm.abort(&e.to_string());
+        }
+        let logits = out?;
         self.last_taps = taps.map(TapRecorder::finish);
         Ok(logits)
     }
@@ -214,6 +256,12 @@ impl Backend for Glm5Backend {
         let pool = Arc::clone(&self.pool);
         let (model, cache, simd) = (&self.model, &mut self.cache, self.simd);
         pool.install(|| model.forward_embedded(cache, &steps, verify, embeds, simd))
+    }
+
+    fn abort_collectives(&self, reason: &str) {
+        if let Some(g) = &self.model.group {
+            g.comm.abort(reason);
+        }
     }
 
     fn commit_verified(&mut self, slot: u32, kept: usize) -> Result<(), BackendError> {
