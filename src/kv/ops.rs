@@ -137,6 +137,8 @@ pub fn view(pool: &KvPool) -> PoolView {
 /// would start, so the reads run while it waits for its turn, if free blocks (no eviction) can
 /// hold them and reading beats recomputing. Its admission then waits for them as for any restore.
 fn prefetch(pool: &mut KvPool, seq: SeqId, reply: &mut PoolReply) {
+    // Blocks of allocations dropped since the last operation count as free.
+    pool.reclaim();
     let (candidates, _) = pool.restore_candidates_indexed(seq);
     let page_blocks = pool.config().page_tokens / pool.config().block_size.max(1);
     if candidates.is_empty() || candidates.len() * page_blocks > pool.num_free() {

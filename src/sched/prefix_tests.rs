@@ -79,13 +79,12 @@ fn page_aligned_chunks_stop_at_every_page_boundary() {
 
 #[test]
 fn a_preempted_sequence_resumes_after_its_cached_pages() {
-    // 6 blocks of 4: the low-priority sequence computes 2 pages and starts decoding, then a
-    // high-priority one takes its blocks; when it resumes, its pages are still cached.
+    // 6 blocks of 4: the low-priority sequence computes 2 pages in one chunk and starts
+    // decoding, then a high-priority one takes its blocks; when it resumes, its pages are still
+    // cached.
     let mut p = cached(64, 4, 6, 8);
     add(&mut p, 1, 0, 20, 4);
-    for _ in 0..3 {
-        step(&mut p);
-    }
+    step(&mut p);
     assert_eq!(p.seq(1).map(|v| v.num_computed), Some(20));
     add(&mut p, 2, 10, 8, 1);
     let plan = step(&mut p);
