@@ -1,7 +1,9 @@
 //! Cost of one scheduling step (`plan_step` + `on_step_done`) in steady state: sequences that
 //! reach `max_tokens` are replaced by new requests, so every measured step looks alike.
 //! `decode_256`: 256 running decodes. `mixed`: about 192 decodes plus prefill chunks of
-//! 1000-token prompts sharing a 2048-token budget.
+//! 1000-token prompts sharing a 2048-token budget. `pool_start`: creating a policy over a pool of
+//! 2^31 tokens and planning its first admission (host bookkeeping that must not scale with the
+//! pool).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use shelfserve::sched::{NewSeq, Policy, PolicyConfig, SeqId, StepPlanOut};
@@ -86,6 +88,7 @@ fn bench(c: &mut Criterion) {
         num_blocks: 256 * 80,
         page_tokens: 0,
         recurrent_state: false,
+        page_aligned_chunks: false,
     };
     // One-token prompts: a new sequence decodes from its first step.
     let mut w = Workload::new(decode_cfg, 256, 1, 1024);
@@ -99,10 +102,34 @@ fn bench(c: &mut Criterion) {
         num_blocks: 256 * 80,
         page_tokens: 0,
         recurrent_state: false,
+        page_aligned_chunks: false,
     };
     let mut w = Workload::new(mixed_cfg, 256, 1000, 128);
     group.bench_function(BenchmarkId::new("mixed", 256), |b| b.iter(|| w.step()));
     group.finish();
+
+    // Host cost of creating a pool sized from a large device budget (2^31 tokens in blocks of
+    // 16) and admitting a first prompt: the bookkeeping grows with the blocks handed out, not
+    // with the pool, so this stays far below a second.
+    let mut start = c.benchmark_group("pool_start");
+    start.sample_size(10);
+    let huge = PolicyConfig {
+        max_num_batched_tokens: 8192,
+        max_num_seqs: 256,
+        block_size: 16,
+        num_blocks: (1usize << 31) / 16,
+        page_tokens: 256,
+        recurrent_state: false,
+        page_aligned_chunks: false,
+    };
+    start.bench_function(BenchmarkId::new("create_and_admit", "2G_tokens"), |b| {
+        b.iter(|| {
+            let mut p = Policy::new(huge.clone()).expect("valid");
+            p.add(NewSeq { id: 1, priority: 0, prompt: vec![7; 4096], max_tokens: 16 }).expect("add");
+            p.plan_step().map(|plan| plan.seqs.len())
+        })
+    });
+    start.finish();
 }
 
 criterion_group!(benches, bench);

@@ -520,6 +520,18 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         (**self).write_state_slot(slot, image)
     }
 
+    fn snapshots_inside_step(&self) -> bool {
+        (**self).snapshots_inside_step()
+    }
+
+    fn mark_state_snapshots(&mut self, slot: u32, after_tokens: &[usize]) -> Result<(), BackendError> {
+        (**self).mark_state_snapshots(slot, after_tokens)
+    }
+
+    fn take_state_snapshots(&mut self, slot: u32) -> Vec<Vec<u8>> {
+        (**self).take_state_snapshots(slot)
+    }
+
     fn abort_collectives(&self, reason: &str) {
         (**self).abort_collectives(reason)
     }

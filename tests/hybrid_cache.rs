@@ -303,6 +303,47 @@ fn resuming_from_the_wrong_pages_snapshot_changes_the_output() {
     assert_ne!(wrong, fresh, "the wrong page's snapshot changes the greedy continuation");
 }
 
+/// Prefill chunks cross page boundaries: the backend keeps the KDA state at the page ends inside
+/// a chunk (`mark_state_snapshots`), and those images are bitwise the ones a step ending exactly on
+/// each boundary leaves in the slot, so pages published from them resume exactly.
+#[test]
+fn state_snapshots_inside_a_chunk_equal_the_state_at_a_step_boundary() {
+    let bundle = open_tiny();
+    let cfg = read_config(bundle.weights.origin()).expect("config");
+    let geom = KvGeometry { block_size: BLOCK, num_blocks: 64, state_slots: 2 };
+    let mut b = Glm5Backend::new(cfg, bundle.weights.as_ref(), 2, geom).expect("backend");
+    assert!(b.snapshots_inside_step());
+    let p = prompt(7, 3 * PAGE + 3);
+    // Page by page, reading the slot at each page end.
+    let paged: Vec<u32> = (0..16).collect();
+    let mut at_ends = Vec::new();
+    for (i, chunk) in p.chunks(PAGE).enumerate() {
+        let step = SeqStep { tokens: chunk, start_pos: i * PAGE, block_table: &paged, logits_rows: 0, state_slot: 0 };
+        b.forward(&[step]).expect("prefill");
+        if chunk.len() == PAGE {
+            at_ends.push(b.read_state_slot(0).expect("snapshot"));
+        }
+    }
+    // One chunk over the whole prompt, the three page ends marked inside it.
+    let whole: Vec<u32> = (16..32).collect();
+    b.mark_state_snapshots(1, &[PAGE, 2 * PAGE, 3 * PAGE]).expect("mark");
+    let step = SeqStep { tokens: &p, start_pos: 0, block_table: &whole, logits_rows: 1, state_slot: 1 };
+    b.forward(&[step]).expect("prefill");
+    let inside = b.take_state_snapshots(1);
+    assert_eq!(inside.len(), 3);
+    assert_ne!(at_ends[0], at_ends[1], "the state moves from page to page");
+    for (i, (a, c)) in inside.iter().zip(&at_ends).enumerate() {
+        assert!(a == c, "page {i}: the state marked inside the chunk differs from the step-end state");
+    }
+    assert!(b.take_state_snapshots(1).is_empty(), "marks are for one step");
+    // A mark at or past the step's end is never filled: nothing is handed out for it.
+    b.mark_state_snapshots(1, &[PAGE, 4 * PAGE]).expect("mark");
+    let step = SeqStep { tokens: &p[..PAGE + 1], start_pos: 0, block_table: &whole, logits_rows: 1, state_slot: 1 };
+    b.forward(&[step]).expect("prefill");
+    assert!(b.take_state_snapshots(1).is_empty());
+    assert!(b.mark_state_snapshots(1, &[2 * PAGE, PAGE]).is_err(), "offsets must ascend");
+}
+
 /// Issue 4: the disk stops taking spill writes while pages are being spilled. (It used to be a
 /// link to `/dev/full` at the index's temporary name, for a real ENOSPC; since issue 23 the spill
 /// tier never opens a file through a link, so that no longer reaches the disk.) A directory sits

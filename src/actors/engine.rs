@@ -14,6 +14,7 @@ use super::kvpool::PoolStats;
 use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg, SchedulerStats, SharedCounters};
 use crate::backend::KvGeometry;
 use crate::config::engine::EngineConfig;
+use crate::config::layers::ModelFamily;
 use crate::generate::{rank_backend_makers, DeviceSelection, ResolvedKind};
 use crate::kv::PoolIdentity;
 use crate::model::ModelBundle;
@@ -150,8 +151,14 @@ pub async fn start_engine(
         )),
         failed: parking_lot::Mutex::new(None),
     });
-    let budget =
-        align_budget_to_pages(s.max_num_batched_tokens, page_tokens, s.max_num_seqs).map_err(EngineError::Invalid)?;
+    // Only a hybrid model may need page-aligned chunks (its backend may read the recurrent state
+    // only at a step's end); an attention-only model's chunks cross pages freely.
+    let hybrid = ModelFamily::of_model_type(&bundle.config.model_type) == ModelFamily::Glm5Next;
+    let budget = if hybrid {
+        align_budget_to_pages(s.max_num_batched_tokens, page_tokens, s.max_num_seqs).map_err(EngineError::Invalid)?
+    } else {
+        s.max_num_batched_tokens
+    };
     if budget != s.max_num_batched_tokens {
         tracing::warn!(
             configured = s.max_num_batched_tokens,
@@ -169,6 +176,7 @@ pub async fn start_engine(
         page_tokens,
         // Known once the backend is built (`ExecutorReady` reports its state-slot size).
         recurrent_state: false,
+        page_aligned_chunks: false,
     };
     let fingerprint = model_fingerprint(&bundle);
     let pool_identity = PoolIdentity {

@@ -45,9 +45,11 @@ pub struct PlanSeq {
     /// Trailing draft tokens in `tokens` to verify (0 without speculative decoding).
     pub num_draft: usize,
     pub sample: Option<SampleSpec>,
-    /// The step ends exactly on a page boundary of a hybrid model: read the recurrent state
-    /// afterwards, for that page's snapshot (a verify run: only if every draft was accepted).
-    pub snapshot: bool,
+    /// Page boundaries of a hybrid model that this step reaches, as token counts into the step
+    /// (ascending): the recurrent state after each is read for that page's snapshot. One inside
+    /// the step is marked on the backend before the forward; one at the step's end is the slot
+    /// afterwards (a verify run: only if every draft was accepted).
+    pub snapshot_after: Vec<usize>,
 }
 
 /// Everything an executor needs to run one step.
@@ -222,6 +224,21 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResu
     // Only rank 0 samples, so only it knows the accepted length: a model with recurrent state runs
     // its whole tensor-parallel group in one executor (see `generate::rank_backend_makers`).
     let verify: Vec<bool> = plan.seqs.iter().map(|s| s.num_draft > 0 && s.sample.is_some()).collect();
+    // Page ends strictly inside a chunk: the backend keeps the state there during the forward.
+    let marked: Vec<(&PlanSeq, Vec<usize>)> = plan
+        .seqs
+        .iter()
+        .map(|s| (s, s.snapshot_after.iter().copied().filter(|&k| k > 0 && k < s.tokens.len()).collect::<Vec<_>>()))
+        .filter(|(s, inside)| !inside.is_empty() && s.num_draft == 0)
+        .filter(|(s, inside)| match backend.mark_state_snapshots(s.state_slot, inside) {
+            Ok(()) => true,
+            // Those pages are then not published (recomputed on a later hit), nothing worse.
+            Err(e) => {
+                tracing::warn!(seq = s.seq, error = %e, "could not mark recurrent-state snapshots inside a step");
+                false
+            }
+        })
+        .collect();
     // Without drafts, rank 0 first offers the backend to sample on its device (only ids cross
     // back); a backend that samples on the host answers `None` having run nothing. Grammar masks
     // are applied to host logits, so a step with a constrained sequence samples on the host.
@@ -243,8 +260,22 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResu
     let reached_end = |s: &PlanSeq| {
         s.num_draft == 0 || result.sampled.iter().any(|(seq, e)| *seq == s.seq && e.accepted == s.num_draft)
     };
+    for (s, inside) in marked {
+        let images = backend.take_state_snapshots(s.state_slot);
+        if result.error.is_some() {
+            continue;
+        }
+        if images.len() != inside.len() {
+            tracing::warn!(seq = s.seq, marked = inside.len(), got = images.len(), "recurrent-state snapshots missing");
+            continue;
+        }
+        for (k, image) in inside.into_iter().zip(images) {
+            result.snapshots.push(SlotSnapshot { seq: s.seq, tokens: s.start_pos + k, image: image.into() });
+        }
+    }
+    let at_end = |s: &PlanSeq| !s.tokens.is_empty() && s.snapshot_after.last() == Some(&s.tokens.len());
     let snapshot_seqs: Vec<&PlanSeq> =
-        plan.seqs.iter().filter(|s| s.snapshot && result.error.is_none() && reached_end(s)).collect();
+        plan.seqs.iter().filter(|s| at_end(s) && result.error.is_none() && reached_end(s)).collect();
     for s in snapshot_seqs {
         match backend.read_state_slot(s.state_slot) {
             Ok(image) => {
@@ -431,6 +462,7 @@ impl Actor for ExecutorActor {
                         kv: b.kv_geometry(),
                         kv_block_bytes: b.kv_block_bytes(),
                         state_slot_bytes: b.state_slot_bytes(),
+                        snapshots_inside_step: b.snapshots_inside_step(),
                         executor: me,
                     });
                     b

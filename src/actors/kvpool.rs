@@ -28,6 +28,11 @@ pub enum KvPoolMsg {
     /// A restore ended; on success the executor has the image queued before any later step, and
     /// `snapshot` is the page's recurrent state (hybrid models).
     Restored { hash: PageHash, ok: bool, snapshot: Option<Arc<[u8]>> },
+    /// A restore read `bytes` in `secs` (from the spill tier): refits the restore cost model.
+    ReadMeasured { bytes: usize, secs: f64 },
+    /// The step cost model's latest coefficients (from the scheduler): prices recomputation
+    /// against restores.
+    StepCost(crate::sched::StepCost),
     /// Recurrent state read at page boundaries in the last step (from the scheduler, before the
     /// commit whose `Advance` publishes those pages).
     Snapshots(Vec<SlotSnapshot>),
@@ -105,6 +110,10 @@ impl KvPoolState {
             }
         }
         metrics::counter!("shelfserve_kv_pages_evicted_total").increment(now.evictions - before.evictions);
+        metrics::counter!("shelfserve_spill_restores_total", "choice" => "restore")
+            .increment(now.restores_chosen - before.restores_chosen);
+        metrics::counter!("shelfserve_spill_restores_total", "choice" => "recompute")
+            .increment(now.restores_declined - before.restores_declined);
         metrics::gauge!("shelfserve_kv_pages_used").set(self.pool.num_referenced() as f64);
         metrics::gauge!("shelfserve_kv_pages_free").set(self.pool.num_free() as f64);
         metrics::gauge!("shelfserve_kv_pages_cached").set(self.pool.num_evictable() as f64);
@@ -184,6 +193,8 @@ impl Actor for KvPoolActor {
                 st.spill = None;
                 st.pool.forget_all_spilled();
             }
+            KvPoolMsg::ReadMeasured { bytes, secs } => st.pool.observe_restore_read(bytes, secs),
+            KvPoolMsg::StepCost(cost) => st.pool.set_step_cost(cost),
             KvPoolMsg::Snapshots(snaps) => {
                 for snap in snaps {
                     if let Err(e) = st.pool.add_snapshot(snap) {

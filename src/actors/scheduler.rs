@@ -22,10 +22,11 @@ use super::request::{RequestActor, RequestArgs, RequestMsg};
 use super::spill::{SpillActor, SpillArgs, SpillMsg, DEFAULT_READ_DEADLINE};
 use crate::backend::KvGeometry;
 use crate::config::engine::LaneConfig;
+use crate::kv::restore_cost::RestoreCost;
 use crate::kv::{KvPool, KvPoolConfig, PoolIdentity, PoolReply};
 use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::admission::Admission;
-use crate::sched::{NewSeq, Pacing, Planner, PolicyConfig, SeqId, StepPlanOut, StepShape};
+use crate::sched::{page_ends_within, NewSeq, Pacing, Planner, PolicyConfig, SeqId, StepCost, StepPlanOut, StepShape};
 use crate::spec::stats::AcceptanceStats;
 use crate::spec::HiddenChunk;
 use crate::structured::{GrammarHandle, PendingMasks};
@@ -54,6 +55,8 @@ pub enum SchedulerMsg {
         /// Bytes of one block's KV image (for the spill tier's size checks).
         kv_block_bytes: usize,
         state_slot_bytes: usize,
+        /// The backend reads recurrent state at offsets inside a step (`Backend::snapshots_inside_step`).
+        snapshots_inside_step: bool,
         /// The rank's executor: the scheduler learns its executors from these reports, and sends
         /// every step to all of them once every rank is ready (rank 0 samples).
         executor: ActorRef<ExecutorMsg>,
@@ -173,6 +176,11 @@ pub struct SchedulerState {
     /// Hybrid models with the prefix cache on: the page size at whose boundaries the executor
     /// snapshots recurrent state (0 = no snapshots).
     snapshot_page: usize,
+    /// Every rank's backend reads recurrent state inside a step, so prefill chunks of a hybrid
+    /// model may cross page boundaries (true until a rank reports otherwise).
+    snapshots_inside_step: bool,
+    /// The spill tier is on (the pool prices restores with the step cost model).
+    spill_on: bool,
     /// Per lane (by index), its latency targets when lane pacing is on (empty when off).
     targets: Vec<LaneTargetSecs>,
     /// Where structured outputs' token masks are computed while the executor runs a step.
@@ -383,8 +391,7 @@ impl SchedulerState {
                 };
                 // A verify run is capped at the page end (`sched::drafts`); the executor snapshots
                 // it only if every draft was accepted, i.e. the kept state really is at the end.
-                let snapshot =
-                    snapshot_page > 0 && !p.tokens.is_empty() && (p.start_pos + p.tokens.len()) % snapshot_page == 0;
+                let snapshot_after = page_ends_within(p.start_pos, p.tokens.len(), snapshot_page);
                 PlanSeq {
                     seq: p.id,
                     tokens: p.tokens,
@@ -392,7 +399,7 @@ impl SchedulerState {
                     block_table: p.block_table,
                     state_slot: p.state_slot,
                     num_draft: p.num_draft,
-                    snapshot,
+                    snapshot_after,
                     sample,
                 }
             })
@@ -429,6 +436,12 @@ impl SchedulerState {
         let Some(policy) = self.policy.as_mut() else { return };
         if r.error.is_none() {
             policy.observe_step(&self.in_flight_shape, r.elapsed.as_secs_f64());
+            // The pool prices recomputing a spilled prefix with the same, refit model.
+            if self.in_flight_shape.prefill_tokens > 0 && self.spill_on {
+                if let (Some(pacing), Some(pool)) = (policy.pacing(), &self.pool) {
+                    let _ = pool.cast(KvPoolMsg::StepCost(pacing.model().cost()));
+                }
+            }
         }
         for (id, chunk) in r.hidden {
             if let Some(l) = self.live.get_mut(&id) {
@@ -604,6 +617,8 @@ impl Actor for SchedulerActor {
             stats: SchedulerStats::default(),
             acceptance: AcceptanceStats::default(),
             snapshot_page: 0,
+            snapshots_inside_step: true,
+            spill_on: false,
         })
     }
 
@@ -709,7 +724,15 @@ impl Actor for SchedulerActor {
                 st.on_pool_committed(reply, for_step);
                 st.maybe_step();
             }
-            SchedulerMsg::ExecutorReady { rank, kv, kv_block_bytes, state_slot_bytes, executor } => {
+            SchedulerMsg::ExecutorReady {
+                rank,
+                kv,
+                kv_block_bytes,
+                state_slot_bytes,
+                snapshots_inside_step,
+                executor,
+            } => {
+                st.snapshots_inside_step &= snapshots_inside_step;
                 // The group is ready when every rank is; its KV image is the ranks' side by side.
                 // Executors announce themselves here (a fast load may beat any other message).
                 if let Some(slot) = st.joining.get_mut(rank) {
@@ -735,6 +758,7 @@ impl Actor for SchedulerActor {
                 cfg.num_blocks = kv.num_blocks;
                 cfg.block_size = kv.block_size;
                 cfg.recurrent_state = state_slot_bytes > 0;
+                cfg.page_aligned_chunks = cfg.recurrent_state && !st.snapshots_inside_step;
                 if state_slot_bytes > 0 && cfg.page_tokens > 0 {
                     // A cached page of a hybrid model carries the recurrent state at its end.
                     tracing::info!(
@@ -754,6 +778,7 @@ impl Actor for SchedulerActor {
                 let mut pool = KvPool::new(pool_cfg, &st.args.pool_identity).map_err(|e| e.to_string())?;
                 let mut planner = Planner::new(cfg.clone()).map_err(|e| e.to_string())?;
                 planner.set_pacing(st.args.pacing.take());
+                let planner_cost = planner.pacing().map(|p| p.model().cost());
                 st.policy = Some(planner);
                 let executor = st.executor.clone().ok_or("no executor is attached")?;
                 let store = st.args.spill.take().filter(|_| cfg.page_tokens > 0);
@@ -764,6 +789,15 @@ impl Actor for SchedulerActor {
                             pool.note_spilled(p.hash, p.parent);
                         }
                         let page_image_bytes = cfg.page_tokens / kv.block_size * kv_block_bytes + state_slot_bytes;
+                        // Restore a spilled prefix only when reading it beats recomputing it.
+                        let step_cost = planner_cost.unwrap_or(StepCost::CPU);
+                        pool.set_restore_cost(Some(RestoreCost::new(
+                            page_image_bytes,
+                            cfg.page_tokens,
+                            crate::spill::io::PARALLEL_READS,
+                            step_cost,
+                        )));
+                        st.spill_on = true;
                         let args = SpillArgs {
                             store: Some(store),
                             executor: executor.clone(),

@@ -89,6 +89,10 @@ impl SpillState {
         let ok = match loaded {
             Ok(mut image) if image.len() == self.page_image_bytes => {
                 metrics::counter!("shelfserve_spill_bytes_read_total").increment(image.len() as u64);
+                if let Some(pool) = &self.pool {
+                    let secs = started.elapsed().as_secs_f64();
+                    let _ = pool.cast(KvPoolMsg::ReadMeasured { bytes: image.len(), secs });
+                }
                 // The page's recurrent state (hybrid models) goes back to the pool with it.
                 if self.snapshot_bytes > 0 {
                     let state = image.split_off(image.len() - self.snapshot_bytes);

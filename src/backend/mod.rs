@@ -316,6 +316,27 @@ pub trait Backend: Send {
     fn read_state_slot(&mut self, _slot: u32) -> Result<Vec<u8>, BackendError> {
         Ok(Vec::new())
     }
+    /// Whether [`Backend::mark_state_snapshots`] works, i.e. the recurrent state can be read at
+    /// offsets inside a step (so prefill chunks may cross page boundaries of a hybrid model).
+    /// Attention-only backends have no state to read: trivially yes.
+    fn snapshots_inside_step(&self) -> bool {
+        self.state_slot_bytes() == 0
+    }
+    /// For the next forward only: keep the recurrent-state image of `slot` after each of the first
+    /// `after_tokens[i]` tokens of its step (ascending, each below the step's token count; the
+    /// state at the step's end is the slot itself). Take them with `take_state_snapshots`.
+    fn mark_state_snapshots(&mut self, _slot: u32, after_tokens: &[usize]) -> Result<(), BackendError> {
+        if after_tokens.is_empty() || self.state_slot_bytes() == 0 {
+            Ok(())
+        } else {
+            Err(BackendError::InvalidStep("this backend cannot read its recurrent state inside a step".into()))
+        }
+    }
+    /// The images `mark_state_snapshots` asked for, in its order (empty when none were marked or
+    /// the step failed); clears the marks either way.
+    fn take_state_snapshots(&mut self, _slot: u32) -> Vec<Vec<u8>> {
+        Vec::new()
+    }
     /// Restore a snapshot made by `read_state_slot` into `slot`.
     fn write_state_slot(&mut self, _slot: u32, image: &[u8]) -> Result<(), BackendError> {
         if image.is_empty() {

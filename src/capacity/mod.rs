@@ -184,6 +184,9 @@ pub enum PoolSizedBy {
     ContextRule,
     /// CUDA default: what `gpu_memory_utilization` leaves.
     DeviceMemory,
+    /// CUDA default, capped: the device could hold more than the scheduler can ever use
+    /// (`max_num_seqs` full contexts), so the pool stops there.
+    SchedulerLimit,
 }
 
 /// What the startup capacity card reports. Computed before the weights are loaded.
@@ -313,6 +316,12 @@ impl CapacityCard {
     }
 }
 
+/// The most KV the scheduler can ever hold at once: `max_num_seqs` sequences of the whole context.
+/// A pool sized from device memory stops here; what is left of the budget stays free.
+pub fn scheduler_pool_limit(max_num_seqs: usize, context: usize) -> usize {
+    max_num_seqs.max(1).saturating_mul(context.max(1))
+}
+
 /// The CPU's pool when none is configured: two sequences of the model's context, each clamped
 /// to 4096..16384 tokens.
 pub fn context_rule_pool(context: usize) -> usize {
@@ -377,7 +386,13 @@ pub fn plan(
                 p.check_pool(tokens)?;
                 (tokens, PoolSizedBy::Configured)
             } else {
-                (p.pool_tokens()?, PoolSizedBy::DeviceMemory)
+                let fits = p.pool_tokens()?;
+                let usable = whole_blocks(scheduler_pool_limit(s.max_num_seqs, bundle.config.max_position_embeddings));
+                if fits > usable {
+                    (usable, PoolSizedBy::SchedulerLimit)
+                } else {
+                    (fits, PoolSizedBy::DeviceMemory)
+                }
             }
         }
     };

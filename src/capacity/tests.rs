@@ -162,9 +162,13 @@ fn on_cuda_the_pool_fills_the_device_budget_in_bf16() {
     let cuda = ResolvedDevice { kind: ResolvedKind::Cuda, ..ResolvedDevice::cpu(1) };
     let kv = kv_cost(&bundle, &cuda).unwrap();
     assert_eq!((kv.dtype, kv.bytes_per_token), (KvDtype::Bf16, 256), "bf16: half the f32 price");
-    let s = scheduler(16, 0);
     let gib = 1u64 << 30;
     let memory = Memory::Device { total: 4 * gib, free: 4 * gib };
+    // Four sequences of 2048 tokens can never use more than 8192 tokens of the ~14 M that fit.
+    let few = plan(&bundle, &cuda, &scheduler(16, 0), 0, memory).unwrap();
+    assert_eq!((few.pool_tokens, few.pool_sized_by), (4 * 2048, PoolSizedBy::SchedulerLimit));
+    let mut s = scheduler(16, 0);
+    s.max_num_seqs = 10_000;
     let card = plan(&bundle, &cuda, &s, 0, memory).unwrap();
     let g = card.gpu.expect("sized against the device");
     assert_eq!(card.pool_sized_by, PoolSizedBy::DeviceMemory);

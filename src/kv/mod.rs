@@ -4,9 +4,11 @@
 //! I/O (that is `crate::spill`) or makes scheduling decisions (`crate::sched` decides who runs).
 
 pub mod blocks;
+pub mod ledger;
 pub mod ops;
 pub mod page;
 pub mod pool;
+pub mod restore_cost;
 
 pub use blocks::{BlockPool, BlockTable};
 pub use ops::{apply_ops, view, PoolOp, PoolReply, PoolView, Restore, SeqGrant};

@@ -73,9 +73,10 @@ pub struct Restore {
 /// Applies `ops` in order and returns the grants and the view afterwards.
 pub fn apply_ops(pool: &mut KvPool, ops: Vec<PoolOp>) -> PoolReply {
     let mut reply = PoolReply::default();
+    let mut registered = Vec::new();
     for op in ops {
         let result = match op {
-            PoolOp::Register { seq, tokens } => pool.register(seq, tokens),
+            PoolOp::Register { seq, tokens } => pool.register(seq, tokens).map(|()| registered.push(seq)),
             PoolOp::Advance { seq, new_tokens, computed } => pool.advance(seq, &new_tokens, computed),
             PoolOp::Reset { seq } => pool.reset(seq),
             PoolOp::Release { seq } => {
@@ -115,6 +116,12 @@ pub fn apply_ops(pool: &mut KvPool, ops: Vec<PoolOp>) -> PoolReply {
             reply.errors.push(e);
         }
     }
+    // After the step's own grants, so a prefetch never takes blocks the step was planned with.
+    for seq in registered {
+        if pool.is_registered(seq) && pool.blocks_of(seq).is_empty() {
+            prefetch(pool, seq, &mut reply);
+        }
+    }
     reply.view = view(pool);
     reply
 }
@@ -126,16 +133,44 @@ pub fn view(pool: &KvPool) -> PoolView {
     PoolView { available: pool.num_available(), exclusive }
 }
 
+/// For a sequence registered (and not admitted) in this commit: starts the restores its admission
+/// would start, so the reads run while it waits for its turn, if free blocks (no eviction) can
+/// hold them and reading beats recomputing. Its admission then waits for them as for any restore.
+fn prefetch(pool: &mut KvPool, seq: SeqId, reply: &mut PoolReply) {
+    // Blocks of allocations dropped since the last operation count as free.
+    pool.reclaim();
+    let (candidates, _) = pool.restore_candidates_indexed(seq);
+    let page_blocks = pool.config().page_tokens / pool.config().block_size.max(1);
+    if candidates.is_empty() || candidates.len() * page_blocks > pool.num_free() {
+        return;
+    }
+    let indices: Vec<usize> = candidates.iter().map(|&(i, _, _)| i).collect();
+    if !pool.choose_restore(&indices) {
+        return;
+    }
+    for (_, hash, parent) in candidates {
+        match pool.begin_restore(hash, parent) {
+            Ok(blocks) => reply.restores.push(Restore { hash, parent, blocks }),
+            Err(_) => break,
+        }
+    }
+}
+
 /// Starts restores for the spilled pages that continue `seq`'s cached prefix. True when the
 /// admission must wait for restores (new or already running).
 fn restoring(pool: &mut KvPool, seq: SeqId, reply: &mut PoolReply) -> bool {
-    let (candidates, mut pending) = pool.restore_candidates(seq);
+    let (candidates, mut pending) = pool.restore_candidates_indexed(seq);
     if candidates.is_empty() {
+        return pending;
+    }
+    // Read back only when the cost model says the read beats recomputing those pages.
+    let indices: Vec<usize> = candidates.iter().map(|&(i, _, _)| i).collect();
+    if !pool.choose_restore(&indices) {
         return pending;
     }
     // The blocks for the restores must not come from evicting this chain's own cached pages.
     let pinned = pool.pin_cached_prefix(seq);
-    for (hash, parent) in candidates {
+    for (_, hash, parent) in candidates {
         match pool.begin_restore(hash, parent) {
             Ok(blocks) => {
                 reply.restores.push(Restore { hash, parent, blocks });

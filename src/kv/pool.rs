@@ -28,7 +28,9 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
+use super::ledger::BlockLedger;
 use super::page::{MissReason, PageHash, PageHasher, PoolIdentity, PrefixHit};
+use super::restore_cost::RestoreCost;
 use super::KvError;
 
 pub type SeqId = u64;
@@ -145,6 +147,11 @@ pub struct PoolCounters {
     /// Whole pages of a hybrid model left unpublished because no snapshot was taken at their end
     /// (a multi-token step crossed the boundary).
     pub unsnapshotted_pages: u64,
+    /// Spilled prefixes read back from disk (admissions that waited for restores).
+    pub restores_chosen: u64,
+    /// Spilled prefixes recomputed instead, because the restore cost model priced the read above
+    /// the recompute.
+    pub restores_declined: u64,
 }
 
 /// Remembered identities of recently evicted pages, for the `evicted` miss reason.
@@ -153,11 +160,9 @@ const EVICTED_MEMORY: usize = 1 << 16;
 pub struct KvPool {
     cfg: KvPoolConfig,
     hasher: PageHasher,
-    /// LIFO: recently freed blocks are reused first.
-    free: Vec<u32>,
-    refcount: Vec<u32>,
-    /// The published page a block belongs to, if any.
-    block_page: Vec<Option<PageHash>>,
+    /// Free blocks, reference counts and page owners, sized by the blocks ever handed out
+    /// (`ledger`), so a pool of billions of tokens starts in constant time.
+    blocks: BlockLedger,
     pages: HashMap<PageHash, Page>,
     /// Unreferenced cached pages by last use (oldest first).
     lru: BTreeMap<u64, PageHash>,
@@ -178,6 +183,8 @@ pub struct KvPool {
     restoring: HashMap<PageHash, (Option<PageHash>, Allocation)>,
     /// Snapshots to write into the slots of sequences that just got a prefix hit.
     state_writes_out: Vec<StateWrite>,
+    /// Prices restores against recomputation; `None` restores every spilled prefix it can.
+    restore_cost: Option<RestoreCost>,
     counters: PoolCounters,
 }
 
@@ -185,7 +192,7 @@ impl std::fmt::Debug for KvPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvPool")
             .field("cfg", &self.cfg)
-            .field("free", &self.free.len())
+            .field("free", &self.blocks.num_free())
             .field("cached", &self.lru_blocks)
             .field("seqs", &self.seqs.len())
             .finish()
@@ -199,10 +206,7 @@ impl KvPool {
         let n = cfg.num_blocks;
         Ok(Self {
             hasher: PageHasher::new(identity),
-            // Reversed so that block 0 is handed out first.
-            free: (0..n as u32).rev().collect(),
-            refcount: vec![0; n],
-            block_page: vec![None; n],
+            blocks: BlockLedger::new(n),
             pages: HashMap::new(),
             lru: BTreeMap::new(),
             lru_blocks: 0,
@@ -218,6 +222,7 @@ impl KvPool {
             spilled: HashMap::new(),
             restoring: HashMap::new(),
             state_writes_out: Vec::new(),
+            restore_cost: None,
             counters: PoolCounters::default(),
             cfg,
         })
@@ -239,9 +244,15 @@ impl KvPool {
         self.cfg.num_blocks
     }
 
+    /// Host bytes of the per-block bookkeeping: grows with the blocks ever handed out, not with
+    /// the pool's size.
+    pub fn block_bookkeeping_bytes(&self) -> usize {
+        self.blocks.host_bytes()
+    }
+
     /// Blocks on the free list.
     pub fn num_free(&self) -> usize {
-        self.free.len()
+        self.blocks.num_free()
     }
 
     /// Blocks of cached pages nobody references (reclaimable by eviction).
@@ -251,7 +262,7 @@ impl KvPool {
 
     /// Blocks a new allocation can get: free plus evictable.
     pub fn num_available(&self) -> usize {
-        self.free.len() + self.lru_blocks
+        self.blocks.num_free() + self.lru_blocks
     }
 
     /// Blocks referenced by someone.
@@ -294,7 +305,7 @@ impl KvPool {
     /// Blocks that would become available if `seq` let go of everything: those only it references.
     pub fn exclusive_blocks(&self, seq: SeqId) -> usize {
         let Some(s) = self.seqs.get(&seq) else { return 0 };
-        s.alloc.blocks().iter().filter(|&&b| self.refcount[b as usize] == 1).count()
+        s.alloc.blocks().iter().filter(|&&b| self.blocks.refcount(b) == 1).count()
     }
 
     /// Sequences holding a block table.
@@ -370,7 +381,7 @@ impl KvPool {
             blocks.extend_from_slice(&page.blocks);
         }
         for &b in &blocks {
-            self.refcount[b as usize] += 1;
+            *self.blocks.refcount_mut(b) += 1;
         }
         let slot = if self.cfg.state_slots == 0 { None } else { self.free_slots.pop() };
         let s = self.seqs.get_mut(&seq).ok_or(KvError::UnknownSeq(seq))?;
@@ -478,24 +489,25 @@ impl KvPool {
                 refs[b as usize] += 1;
             }
         }
-        assert_eq!(refs, self.refcount, "refcounts differ from the references held");
+        let held: Vec<u32> = (0..n as u32).map(|b| self.blocks.refcount(b)).collect();
+        assert_eq!(refs, held, "refcounts differ from the references held");
         let mut on_free = vec![false; n];
-        for &b in &self.free {
+        for b in self.blocks.free_blocks() {
             assert!(!on_free[b as usize], "block {b} is on the free list twice");
             on_free[b as usize] = true;
-            assert_eq!(self.refcount[b as usize], 0, "free block {b} is referenced");
-            assert!(self.block_page[b as usize].is_none(), "free block {b} belongs to a cached page");
+            assert_eq!(self.blocks.refcount(b), 0, "free block {b} is referenced");
+            assert!(self.blocks.page(b).is_none(), "free block {b} belongs to a cached page");
         }
         let mut lru_blocks = 0;
         for (h, page) in &self.pages {
-            let refd = page.blocks.iter().any(|&b| self.refcount[b as usize] > 0);
+            let refd = page.blocks.iter().any(|&b| self.blocks.refcount(b) > 0);
             assert_eq!(page.lru_tick.is_none(), refd, "page {} is on the LRU iff unreferenced", h.to_hex());
             if let Some(t) = page.lru_tick {
                 assert_eq!(self.lru.get(&t), Some(h), "LRU entry of page {} is stale", h.to_hex());
                 lru_blocks += page.blocks.len();
             }
             for &b in &page.blocks {
-                assert_eq!(self.block_page[b as usize], Some(*h), "block {b} does not point at its page");
+                assert_eq!(self.blocks.page(b), Some(*h), "block {b} does not point at its page");
             }
             assert_eq!(
                 page.snapshot.as_ref().map(|s| s.len()),
@@ -507,7 +519,8 @@ impl KvPool {
         assert_eq!(self.lru.len(), self.pages.values().filter(|p| p.lru_tick.is_some()).count());
         assert_eq!(lru_blocks, self.lru_blocks, "LRU block count is off");
         for (b, &free) in on_free.iter().enumerate() {
-            let states = [free, self.refcount[b] > 0, self.block_page[b].is_some() && self.refcount[b] == 0];
+            let (rc, page) = (self.blocks.refcount(b as u32), self.blocks.page(b as u32));
+            let states = [free, rc > 0, page.is_some() && rc == 0];
             assert_eq!(states.iter().filter(|&&x| x).count(), 1, "block {b} is in {states:?}");
         }
         let mut slots = HashSet::new();
@@ -518,7 +531,7 @@ impl KvPool {
         }
         assert_eq!(slots.len() + self.free_slots.len(), self.cfg.state_slots, "a state slot leaked");
         if self.seqs.is_empty() && extra_refs.is_empty() && self.restoring.is_empty() {
-            assert_eq!(self.free.len() + self.lru_blocks, n, "an idle pool holds referenced blocks");
+            assert_eq!(self.blocks.num_free() + self.lru_blocks, n, "an idle pool holds referenced blocks");
         }
     }
 
@@ -532,17 +545,17 @@ impl KvPool {
     pub fn reclaim(&mut self) {
         while let Ok(blocks) = self.returns_rx.try_recv() {
             for b in blocks {
-                let rc = &mut self.refcount[b as usize];
+                let rc = self.blocks.refcount_mut(b);
                 debug_assert!(*rc > 0, "block {b} returned more often than it was handed out");
                 *rc = rc.saturating_sub(1);
                 if *rc > 0 {
                     continue;
                 }
-                match self.block_page[b as usize] {
-                    None => self.free.push(b),
+                match self.blocks.page(b) {
+                    None => self.blocks.free(b),
                     Some(h) => {
                         let unreferenced = self.pages.get(&h).is_some_and(|p| {
-                            p.lru_tick.is_none() && p.blocks.iter().all(|&x| self.refcount[x as usize] == 0)
+                            p.lru_tick.is_none() && p.blocks.iter().all(|&x| self.blocks.refcount(x) == 0)
                         });
                         if unreferenced {
                             self.push_lru(h);
@@ -575,19 +588,17 @@ impl KvPool {
 
     /// Moves `n` blocks into `out` with one reference each, evicting LRU pages as needed.
     fn take_blocks(&mut self, n: usize, out: &mut Vec<u32>) -> Result<(), KvError> {
-        if n > self.free.len() + self.lru_blocks {
-            return Err(KvError::OutOfBlocks { wanted: n, available: self.free.len() + self.lru_blocks });
+        let available = self.blocks.num_free() + self.lru_blocks;
+        if n > available {
+            return Err(KvError::OutOfBlocks { wanted: n, available });
         }
-        while self.free.len() < n {
+        while self.blocks.num_free() < n {
             let Some((_, h)) = self.lru.pop_first() else { break };
             self.evict(h);
         }
-        let start = self.free.len() - n;
-        for &b in self.free[start..].iter().rev() {
-            self.refcount[b as usize] = 1;
-            out.push(b);
+        if !self.blocks.take(n, out) {
+            return Err(KvError::OutOfBlocks { wanted: n, available: self.blocks.num_free() });
         }
-        self.free.truncate(start);
         Ok(())
     }
 
@@ -595,8 +606,7 @@ impl KvPool {
         let Some(page) = self.pages.remove(&h) else { return };
         self.lru_blocks -= page.blocks.len();
         for &b in &page.blocks {
-            self.block_page[b as usize] = None;
-            self.free.push(b);
+            self.blocks.free(b);
         }
         self.counters.evictions += 1;
         if self.evicted_recent.insert(h) {
@@ -633,7 +643,7 @@ impl KvPool {
             s.page_hashes.push(h);
             let snapshot = s.snapshots.remove(&i);
             let blocks = &s.alloc.blocks[i * pb..(i + 1) * pb];
-            if self.pages.contains_key(&h) || blocks.iter().any(|&b| self.block_page[b as usize].is_some()) {
+            if self.pages.contains_key(&h) || blocks.iter().any(|&b| self.blocks.page(b).is_some()) {
                 continue;
             }
             if needs_snapshot && snapshot.is_none() {
@@ -642,7 +652,7 @@ impl KvPool {
                 continue;
             }
             for &b in blocks {
-                self.block_page[b as usize] = Some(h);
+                self.blocks.set_page(b, Some(h));
             }
             self.corrupt.remove(&h);
             self.pages.insert(h, Page { parent, blocks: blocks.to_vec(), lru_tick: None, snapshot });

@@ -445,3 +445,105 @@ fn restores_do_not_evict_the_chain_they_continue() {
     drop(_busy);
     p.assert_accounting(&[]);
 }
+
+/// With a restore cost model, a spilled prefix is read back only when the read beats recomputing
+/// it: priced slower, the admission goes ahead at once from what is in memory and recomputes the
+/// rest (no restore, no wait); priced faster, it waits for the restores as before.
+#[test]
+fn a_spilled_prefix_is_restored_only_when_reading_beats_recomputing() {
+    use crate::kv::restore_cost::RestoreCost;
+    use crate::sched::StepCost;
+    let spill_all = |p: &mut KvPool, a: &[u32]| {
+        run_seq(p, 1, &a[..32]);
+        p.release(1);
+        let hold = p.allocate(12).expect("evicts every page");
+        for e in p.take_evicted() {
+            p.note_spilled(e.hash, e.parent);
+        }
+        drop(hold);
+    };
+    let a = toks(1, 33);
+    // 4 pages of 8 tokens, 1 MiB images; prefill at 1 ms a token: 8 ms a page to recompute.
+    let step = StepCost { fixed: 0.0, per_prefill_token: 1e-3, per_decode_seq: 0.0, per_million_attended: 0.0 };
+    let mut slow_disk = RestoreCost::new(1 << 20, 8, 1, step);
+    slow_disk.observe_read(1 << 20, 0.1); // 10 MB/s: 100 ms a page
+    let mut p = pool(12);
+    p.set_restore_cost(Some(slow_disk));
+    spill_all(&mut p, &a);
+    p.register(3, a.clone()).expect("register");
+    let reply = apply_ops(&mut p, vec![PoolOp::Admit { seq: 3, new_tokens: 33 }]);
+    assert!(reply.restores.is_empty() && !reply.grants[0].restoring, "recomputed, not read");
+    assert!(reply.grants[0].ok && reply.grants[0].start == 0, "admitted at once from position 0");
+    assert_eq!((p.counters().restores_declined, p.counters().restores_chosen), (1, 0));
+    p.release(3);
+    p.assert_accounting(&[]);
+
+    let mut fast_disk = RestoreCost::new(1 << 20, 8, 1, step);
+    fast_disk.observe_read(1 << 20, 0.001); // 1 GB/s: 1 ms a page
+    let mut p = pool(12);
+    p.set_restore_cost(Some(fast_disk));
+    spill_all(&mut p, &a);
+    p.register(3, a.clone()).expect("register");
+    let reply = apply_ops(&mut p, vec![PoolOp::Admit { seq: 3, new_tokens: 33 }]);
+    assert!(reply.grants[0].restoring && reply.restores.len() == 4, "every page read back");
+    assert_eq!(p.counters().restores_chosen, 1);
+    for r in reply.restores {
+        p.finish_restore(r.hash, true, None);
+    }
+    let reply = apply_ops(&mut p, vec![PoolOp::Admit { seq: 3, new_tokens: 1 }]);
+    assert_eq!(reply.grants[0].start, 32, "served from the restored pages");
+    p.release(3);
+    p.assert_accounting(&[]);
+}
+
+/// A pool sized from a large device (2^31 tokens in blocks of 16: 134 M blocks) is created and
+/// used without per-block host memory up front: its bookkeeping covers only the blocks handed out.
+#[test]
+fn a_two_billion_token_pool_starts_without_per_block_host_memory() {
+    let num_blocks = (1usize << 31) / 16;
+    let cfg = KvPoolConfig { num_blocks, block_size: 16, page_tokens: 256, state_slots: 256, snapshot_bytes: 0 };
+    let mut p = KvPool::new(cfg, &ident()).expect("valid");
+    assert_eq!((p.num_free(), p.num_available()), (num_blocks, num_blocks));
+    assert_eq!(p.block_bookkeeping_bytes(), 0, "nothing per block before the first allocation");
+    let prompt = toks(1, 4097);
+    p.register(1, prompt.clone()).expect("register");
+    let reply = apply_ops(&mut p, vec![PoolOp::Admit { seq: 1, new_tokens: 4097 }]);
+    assert!(reply.grants[0].ok);
+    p.advance(1, &[], 4097).expect("advance");
+    p.release(1);
+    p.register(2, prompt).expect("register");
+    let reply = apply_ops(&mut p, vec![PoolOp::Admit { seq: 2, new_tokens: 4097 }]);
+    assert_eq!(reply.grants[0].start, 4096, "16 published pages served");
+    p.release(2);
+    p.reclaim();
+    assert_eq!(p.num_available(), num_blocks);
+    assert!(p.block_bookkeeping_bytes() < 1 << 20, "{} bytes", p.block_bookkeeping_bytes());
+}
+
+/// The restore of a spilled prefix starts when its sequence registers (prefetch), not when it is
+/// admitted: the reads overlap its wait in the queue; the admission then waits only for what is
+/// still being read, and starts no second restore.
+#[test]
+fn restores_start_at_registration_and_the_admission_waits_for_them() {
+    let mut p = pool(12);
+    let a = toks(1, 33);
+    run_seq(&mut p, 1, &a[..32]);
+    p.release(1);
+    let hold = p.allocate(12).expect("evicts every page");
+    for e in p.take_evicted() {
+        p.note_spilled(e.hash, e.parent);
+    }
+    drop(hold);
+    let reply = apply_ops(&mut p, vec![PoolOp::Register { seq: 3, tokens: a.clone() }]);
+    assert_eq!(reply.restores.len(), 4, "all four pages are being read while seq 3 waits");
+    assert_eq!(reply.view.available, 12 - 8, "the view shows the blocks the reads hold");
+    let admit = apply_ops(&mut p, vec![PoolOp::Admit { seq: 3, new_tokens: 33 }]);
+    assert!(admit.grants[0].restoring && admit.restores.is_empty(), "waits for the prefetch, no second read");
+    for r in reply.restores {
+        p.finish_restore(r.hash, true, None);
+    }
+    let admit = apply_ops(&mut p, vec![PoolOp::Admit { seq: 3, new_tokens: 1 }]);
+    assert_eq!(admit.grants[0].start, 32);
+    p.release(3);
+    p.assert_accounting(&[]);
+}

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use super::{Allocation, KvPool, Page, SeqId};
+use crate::kv::restore_cost::RestoreCost;
 use crate::kv::{KvError, MissReason, PageHash};
 
 impl KvPool {
@@ -53,6 +54,12 @@ impl KvPool {
     /// order, stopping at the first that is neither. Pages already being restored count as
     /// pending (returned with `pending = true` and no new restore needed).
     pub fn restore_candidates(&self, seq: SeqId) -> (Vec<(PageHash, Option<PageHash>)>, bool) {
+        let (found, pending) = self.restore_candidates_indexed(seq);
+        (found.into_iter().map(|(_, h, parent)| (h, parent)).collect(), pending)
+    }
+
+    /// `restore_candidates` with each page's index in the prefix (what pricing it needs).
+    pub fn restore_candidates_indexed(&self, seq: SeqId) -> (Vec<(usize, PageHash, Option<PageHash>)>, bool) {
         let p = self.cfg.page_tokens;
         let Some(s) = self.seqs.get(&seq) else { return (Vec::new(), false) };
         if p == 0 || self.spilled.is_empty() && self.restoring.is_empty() || s.tokens.len() <= 1 {
@@ -61,7 +68,7 @@ impl KvPool {
         let mut out = Vec::new();
         let mut pending = false;
         let mut parent = None;
-        for page in s.tokens[..s.tokens.len() - 1].chunks_exact(p) {
+        for (i, page) in s.tokens[..s.tokens.len() - 1].chunks_exact(p).enumerate() {
             let h = self.hasher.page(parent, page);
             if self.restoring.contains_key(&h) {
                 pending = true;
@@ -69,7 +76,7 @@ impl KvPool {
                 if self.spilled.get(&h) != Some(&parent) || self.corrupt.contains(&h) {
                     break;
                 }
-                out.push((h, parent));
+                out.push((i, h, parent));
             }
             parent = Some(h);
         }
@@ -133,6 +140,54 @@ impl KvPool {
         }
     }
 
+    /// Prices restores against recomputation from now on (`None`: restore whenever possible).
+    pub fn set_restore_cost(&mut self, cost: Option<RestoreCost>) {
+        self.restore_cost = cost;
+    }
+
+    pub fn restore_cost(&self) -> Option<&RestoreCost> {
+        self.restore_cost.as_ref()
+    }
+
+    /// A restore read `bytes` in `secs`: refits the read throughput.
+    pub fn observe_restore_read(&mut self, bytes: usize, secs: f64) {
+        if let Some(c) = self.restore_cost.as_mut() {
+            c.observe_read(bytes, secs);
+        }
+    }
+
+    /// The step cost model's latest coefficients, for pricing recomputation.
+    pub fn set_step_cost(&mut self, step: crate::sched::StepCost) {
+        if let Some(c) = self.restore_cost.as_mut() {
+            c.set_step_cost(step);
+        }
+    }
+
+    /// Whether to restore the spilled pages with these prefix indices (always, without a cost
+    /// model). Counts the decision.
+    pub fn choose_restore(&mut self, page_indices: &[usize]) -> bool {
+        let restore = match &self.restore_cost {
+            None => true,
+            Some(c) => {
+                let d = c.decide(page_indices);
+                tracing::debug!(
+                    pages = page_indices.len(),
+                    read_secs = d.read_secs,
+                    recompute_secs = d.recompute_secs,
+                    restore = d.restore,
+                    "spilled prefix: restore or recompute"
+                );
+                d.restore
+            }
+        };
+        if restore {
+            self.counters.restores_chosen += 1;
+        } else {
+            self.counters.restores_declined += 1;
+        }
+        restore
+    }
+
     /// Counts a prefix-cache lookup miss that the spill tier discovered after the fact.
     pub fn count_miss(&mut self, reason: MissReason) {
         *self.counters.misses.entry(reason).or_default() += 1;
@@ -168,8 +223,8 @@ impl KvPool {
         }
         let blocks = std::mem::take(&mut alloc.blocks);
         for &b in &blocks {
-            self.block_page[b as usize] = Some(hash);
-            self.refcount[b as usize] -= 1;
+            self.blocks.set_page(b, Some(hash));
+            *self.blocks.refcount_mut(b) -= 1;
         }
         self.corrupt.remove(&hash);
         self.pages.insert(hash, Page { parent, blocks, lru_tick: None, snapshot });

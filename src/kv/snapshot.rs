@@ -4,9 +4,10 @@
 //! conv window + recurrent state, the backend's `read_state_slot` image) must be the one at the
 //! exact position where the cached prefix ends. So on such a model a page is published only with
 //! the snapshot of that state taken when the sequence's computed length reached the page's end
-//! (the executor reads the slot after a step that ends exactly on a page boundary). A page whose
-//! snapshot never came (a multi-token step crossed the boundary) is not published: a lookup stops
-//! before it and the tokens are recomputed.
+//! (the executor reads the slot after a step that ends exactly on a page boundary, and has the
+//! backend keep the state at the boundaries a prefill chunk crosses). A page whose snapshot never
+//! came (a step crossed the boundary on a backend that cannot read state inside a step) is not
+//! published: a lookup stops before it and the tokens are recomputed.
 //!
 //! Where the bytes live: in host memory, owned by the `KvPool` (hence by the `KvPoolActor`), one
 //! `Arc<[u8]>` per cached page, dropped with the page when it is evicted (the spill tier gets it

@@ -80,6 +80,12 @@ impl StepCost {
     pub const CUDA: StepCost =
         StepCost { fixed: 0.004, per_prefill_token: 0.000_03, per_decode_seq: 0.000_05, per_million_attended: 0.000_5 };
 
+    /// Seconds that `n` prefill tokens starting at position `start` add to the steps that carry
+    /// them (per-token and attention terms; the per-step cost is paid by those steps anyway).
+    pub fn prefill_secs(&self, start: usize, n: usize) -> f64 {
+        n as f64 * self.per_prefill_token + attended_by(start, n) as f64 / ATTENDED_UNIT * self.per_million_attended
+    }
+
     fn to_array(self) -> [f64; FEATURES] {
         [self.fixed, self.per_prefill_token, self.per_decode_seq, self.per_million_attended]
     }

@@ -5,7 +5,9 @@
 //! holds a snapshot of that state; the snapshot is taken from the state slot when a step ends
 //! exactly on the boundary. A verification run (last token + drafts) that crossed a boundary
 //! would leave the slot past it, so the page end's state would never be seen. Capping the run to
-//! end at most on the boundary keeps every page end a step end, as the chunked prefill does.
+//! end at most on the boundary keeps every page end a step end. (Prefill chunks instead have the
+//! backend keep the state at the boundaries they cross; a verification run's state there would
+//! depend on which drafts are accepted.)
 
 /// Drafts allowed after the last known token at `start` so that the run `start..=start + d`
 /// ends at most on the next page boundary. `page_tokens == 0` (no prefix cache) or a model

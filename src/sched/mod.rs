@@ -19,7 +19,8 @@ pub use pacing::{DeviceDefaults, LaneTarget, Pacing, StepCap, COST_DECAY};
 pub use policy::{NewSeq, PlannedSeq, Planner, PolicyConfig, PolicyError, SeqId, SeqView, StepPlanOut};
 pub use pooled::Policy;
 
-/// Corrects a step budget so prefill chunks fill whole pages: chunks never cross a page boundary,
+/// Corrects a step budget so page-aligned prefill chunks (a hybrid model whose backend reads its
+/// recurrent state only at a step's end) fill whole pages: such chunks never cross a page boundary,
 /// so a budget above a page that is not a multiple of it, or below a page that does not divide
 /// it, would leave a ragged tail of every step unused for long prefills. Rounds down to a
 /// multiple of the page (or to a divisor of it below a page). Refuses when the corrected budget
@@ -43,9 +44,31 @@ pub fn align_budget_to_pages(budget: usize, page_tokens: usize, max_num_seqs: us
     Ok(aligned)
 }
 
+/// The page boundaries a step of `len` tokens from `start` reaches, as token counts into the step
+/// (ascending; the last may be `len` itself when the step ends on a boundary). Empty when
+/// `page_tokens` is 0. These are where a hybrid model's recurrent state is snapshot.
+pub fn page_ends_within(start: usize, len: usize, page_tokens: usize) -> Vec<usize> {
+    if page_tokens == 0 || len == 0 {
+        return Vec::new();
+    }
+    let first = (start / page_tokens + 1) * page_tokens;
+    (first..=start + len).step_by(page_tokens).map(|end| end - start).collect()
+}
+
 #[cfg(test)]
 mod align_tests {
-    use super::align_budget_to_pages;
+    use super::{align_budget_to_pages, page_ends_within};
+
+    #[test]
+    fn a_step_reaches_every_page_end_inside_it_and_at_its_end() {
+        assert_eq!(page_ends_within(0, 30, 8), vec![8, 16, 24]);
+        assert_eq!(page_ends_within(0, 32, 8), vec![8, 16, 24, 32], "ends on a boundary");
+        assert_eq!(page_ends_within(5, 3, 8), vec![3], "a short chunk that completes its page");
+        assert_eq!(page_ends_within(8, 7, 8), Vec::<usize>::new(), "starts on a boundary, ends before the next");
+        assert_eq!(page_ends_within(16, 1, 8), Vec::<usize>::new(), "a decode after the boundary");
+        assert_eq!(page_ends_within(15, 1, 8), vec![1], "a decode that completes the page");
+        assert_eq!(page_ends_within(0, 30, 0), Vec::<usize>::new(), "no prefix cache");
+    }
 
     #[test]
     fn budgets_are_aligned_to_pages() {

@@ -20,6 +20,7 @@ fn policy(paced: bool) -> Policy {
         num_blocks: 1024,
         page_tokens: 0,
         recurrent_state: false,
+        page_aligned_chunks: false,
     };
     let mut p = Policy::new(cfg).expect("valid config");
     if paced {

@@ -12,8 +12,11 @@
 //! # Prefix hits
 //! An admission is planned as if nothing were cached (a chunk from position 0); the pool looks
 //! the prefix up when it applies the `Admit`, and the chunk then starts after the hit and is cut
-//! to the tokens left. Prefill chunks never cross a page boundary (`page_tokens`), so every page
-//! boundary is a chunk boundary and recurrent state can be snapshot at every page end. If the
+//! to the tokens left. Prefill chunks are sized by the budget, not by pages: a chunk may cross page
+//! boundaries, and the pool publishes every page it completes when its `Advance` arrives (a hybrid
+//! model's backend snapshots the recurrent state at the page ends inside the chunk). Only with
+//! `page_aligned_chunks` (a backend that can read the state only at a step's end) does a chunk stop
+//! at the next page boundary, so every page end is a step end. If the
 //! view turned out optimistic (sharing changed within the step) and the pool cannot grant a
 //! sequence its blocks, that sequence sits this step out and is planned again next step.
 //!
@@ -712,11 +715,12 @@ impl Planner {
         true
     }
 
-    /// Tokens a prefill chunk starting at `start` may take before the next page boundary.
+    /// Tokens a prefill chunk starting at `start` may take: up to the next page boundary when
+    /// chunks are page-aligned, otherwise unbounded (the budget decides).
     fn page_room(&self, start: usize) -> usize {
         match self.cfg.page_tokens {
-            0 => usize::MAX,
-            p => p - start % p,
+            p if p > 0 && self.cfg.page_aligned_chunks => p - start % p,
+            _ => usize::MAX,
         }
     }
 

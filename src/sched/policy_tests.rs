@@ -18,6 +18,7 @@ fn cfg(budget: usize, max_seqs: usize, block_size: usize, num_blocks: usize) -> 
         num_blocks,
         page_tokens: 0,
         recurrent_state: false,
+        page_aligned_chunks: false,
     }
 }
 
@@ -761,7 +762,7 @@ fn check_plan(p: &Policy, plan: &StepPlanOut, clients: &BTreeMap<SeqId, Client>)
         for &b in &s.block_table[s.start_pos / c.block_size..] {
             assert!(written.insert(b), "block {b} written by two sequences in one step");
         }
-        if c.page_tokens > 0 && s.tokens.len() > 1 && s.num_draft == 0 {
+        if c.page_aligned_chunks && c.page_tokens > 0 && s.tokens.len() > 1 && s.num_draft == 0 {
             let room = c.page_tokens - s.start_pos % c.page_tokens;
             assert!(s.tokens.len() <= room, "a prefill chunk crosses a page boundary");
         }

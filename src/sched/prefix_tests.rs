@@ -1,5 +1,6 @@
-//! Prefix-cache rules of the composed policy (planner + pool): page reuse, the last token, chunk
-//! cuts at page boundaries, resume after preemption, eviction.
+//! Prefix-cache rules of the composed policy (planner + pool): page reuse, the last token, chunks
+//! that cross pages (and page-aligned ones where a backend needs them), resume after preemption,
+//! eviction.
 
 use super::*;
 
@@ -28,8 +29,8 @@ fn a_follow_up_turn_reuses_exactly_the_whole_pages_of_its_prefix() {
     let plan = step(&mut p);
     assert_eq!(plan.prefix_hits, vec![(2, 16)], "floor(23 / 8) = 2 pages");
     let s = planned(&plan, 2).expect("planned");
-    assert_eq!((s.start_pos, s.tokens.as_slice()), (16, &conversation[16..24]), "up to the next page boundary");
-    assert!(!s.wants_logits);
+    assert_eq!((s.start_pos, s.tokens.as_slice()), (16, &conversation[16..]), "the rest in one chunk");
+    assert!(s.wants_logits);
     assert_eq!(p.pool().counters().hit_tokens, 16);
 }
 
@@ -46,28 +47,44 @@ fn a_prompt_fully_covered_by_pages_recomputes_only_its_last_token() {
     assert_eq!(plan.prefix_hits, vec![(3, 16)]);
 }
 
-#[test]
-fn prefill_chunks_stop_at_every_page_boundary() {
-    let mut p = cached(64, 4, 64, 8);
-    add(&mut p, 1, 0, 30, 1);
-    let starts: Vec<(usize, usize)> = (0..4)
+/// (start, length) of the first `n` steps' only chunk.
+fn chunks(p: &mut Policy, n: usize) -> Vec<(usize, usize)> {
+    (0..n)
         .map(|_| {
-            let plan = step(&mut p);
+            let plan = step(p);
             (plan.seqs[0].start_pos, plan.seqs[0].tokens.len())
         })
-        .collect();
-    assert_eq!(starts, vec![(0, 8), (8, 8), (16, 8), (24, 6)]);
+        .collect()
+}
+
+#[test]
+fn prefill_chunks_are_sized_by_the_budget_and_publish_every_page_they_complete() {
+    let mut p = cached(12, 4, 64, 8);
+    add(&mut p, 1, 0, 30, 1);
+    assert_eq!(chunks(&mut p, 3), vec![(0, 12), (12, 12), (24, 6)]);
+    assert!(p.is_idle());
+    // Every whole page of the prompt was published, including the ones a chunk crossed.
+    p.add(NewSeq { id: 2, priority: 0, prompt: prompt(1, 30), max_tokens: 1 }).expect("add");
+    let plan = step(&mut p);
+    assert_eq!(plan.prefix_hits, vec![(2, 24)], "3 whole pages of 30 tokens");
+}
+
+#[test]
+fn page_aligned_chunks_stop_at_every_page_boundary() {
+    let cfg = PolicyConfig { page_tokens: 8, recurrent_state: true, page_aligned_chunks: true, ..cfg(64, 4, 4, 64) };
+    let mut p = Policy::new(cfg).expect("valid config");
+    add(&mut p, 1, 0, 30, 1);
+    assert_eq!(chunks(&mut p, 4), vec![(0, 8), (8, 8), (16, 8), (24, 6)]);
 }
 
 #[test]
 fn a_preempted_sequence_resumes_after_its_cached_pages() {
-    // 6 blocks of 4: the low-priority sequence computes 2 pages and starts decoding, then a
-    // high-priority one takes its blocks; when it resumes, its pages are still cached.
+    // 6 blocks of 4: the low-priority sequence computes 2 pages in one chunk and starts
+    // decoding, then a high-priority one takes its blocks; when it resumes, its pages are still
+    // cached.
     let mut p = cached(64, 4, 6, 8);
     add(&mut p, 1, 0, 20, 4);
-    for _ in 0..3 {
-        step(&mut p);
-    }
+    step(&mut p);
     assert_eq!(p.seq(1).map(|v| v.num_computed), Some(20));
     add(&mut p, 2, 10, 8, 1);
     let plan = step(&mut p);

@@ -14,11 +14,17 @@ pub struct PolicyConfig {
     /// KV blocks in the pool.
     pub num_blocks: usize,
     /// Prefix-cache page size in tokens (a multiple of `block_size`); 0 turns the cache off.
-    /// Prefill chunks never cross a page boundary.
+    /// A prefill chunk may cross page boundaries (unless `page_aligned_chunks`): every page it
+    /// completes is published when it finishes.
     pub page_tokens: usize,
     /// The model keeps recurrent state (hybrid models): with pages, verification runs are capped
     /// to end at most on a page boundary too (`sched::drafts`).
     pub recurrent_state: bool,
+    /// Prefill chunks end at every page boundary: a hybrid model on a backend that can read its
+    /// recurrent state only at the end of a step (so a page's snapshot needs a step ending there).
+    /// Backends that snapshot the state at offsets inside a step leave it off, and chunks are
+    /// sized by the token budget alone.
+    pub page_aligned_chunks: bool,
 }
 
 impl PolicyConfig {

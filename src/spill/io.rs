@@ -1,16 +1,21 @@
-//! The spill tier's I/O thread: owns the `SpillStore` and runs every read and write on one OS
-//! thread, never on the async runtime. Jobs arrive over `flume` channels (reads first: a request
-//! may be waiting for one; writes are background work). A read carries a deadline: one that
-//! expired while it queued is skipped, and [`SpillIo::load`] stops waiting at the deadline, so a
-//! stalled disk turns into a miss (recompute), never a hung request. When the queues run dry the
-//! thread brings the index up to date. It knows nothing of actors: outcomes of writes go to a
-//! callback, in order.
+//! The spill tier's I/O threads: one owns the `SpillStore` and runs every write and every index
+//! change, never on the async runtime; the page reads it hands, detached from the store
+//! (`PageRead`), to [`PARALLEL_READS`] reader threads, so the pages of one restore are read in
+//! parallel. Jobs arrive over `flume` channels (reads first: a request may be waiting for one;
+//! writes are background work). A read carries a deadline: one that expired while it queued is
+//! skipped, and [`SpillIo::load`] stops waiting at the deadline, so a stalled disk turns into a
+//! miss (recompute), never a hung request. A read that fails removes the file and has the store
+//! thread drop its entry. When the queues run dry the store thread brings the index up to date.
+//! It knows nothing of actors: outcomes of writes go to a callback, in order.
 
 use std::path::PathBuf;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::store::{LoadError, SpillError, SpillStore};
+use super::store::{LoadError, PageRead, SpillError, SpillStore};
+
+/// Reader threads: the pages of one restore are read this many at a time.
+pub const PARALLEL_READS: usize = 4;
 use crate::kv::PageHash;
 
 /// What became of a write (or a sync), reported in submission order.
@@ -32,6 +37,13 @@ pub enum IoEvent {
 
 struct LoadJob {
     hash: PageHash,
+    deadline: Instant,
+    reply: flume::Sender<Result<Vec<u8>, LoadError>>,
+}
+
+/// A load the store thread resolved to a file, for a reader thread.
+struct ReadJob {
+    read: PageRead,
     deadline: Instant,
     reply: flume::Sender<Result<Vec<u8>, LoadError>>,
 }
@@ -58,6 +70,8 @@ pub struct SpillIo {
 enum Next {
     Load(LoadJob),
     Write(WriteJob),
+    /// A reader thread's read failed: drop the page's entry.
+    Failed(PageHash),
     Closed,
 }
 
@@ -66,10 +80,17 @@ impl SpillIo {
     pub fn start(store: SpillStore, on_event: impl Fn(IoEvent) + Send + 'static) -> std::io::Result<Self> {
         let (loads, load_rx) = flume::unbounded::<LoadJob>();
         let (writes, write_rx) = flume::unbounded::<WriteJob>();
+        let (reads, read_rx) = flume::unbounded::<ReadJob>();
+        let (failed, failed_rx) = flume::unbounded::<PageHash>();
+        for i in 0..PARALLEL_READS {
+            let (jobs, failed) = (read_rx.clone(), failed.clone());
+            // They end when the store thread drops `reads` (it exits last).
+            std::thread::Builder::new().name(format!("spill-read-{i}")).spawn(move || read_loop(jobs, failed))?;
+        }
         let dir = store.dir().to_path_buf();
-        let thread = std::thread::Builder::new()
-            .name("spill-io".into())
-            .spawn(move || io_loop(store, load_rx, write_rx, on_event))?;
+        let thread = std::thread::Builder::new().name("spill-io".into()).spawn(move || {
+            io_loop(store, Queues { loads: load_rx, writes: write_rx, failed: failed_rx, reads }, on_event)
+        })?;
         Ok(SpillIo { loads, writes, dir, _thread: thread })
     }
 
@@ -111,24 +132,44 @@ impl SpillIo {
     }
 }
 
-fn next_job(loads: &flume::Receiver<LoadJob>, writes: &flume::Receiver<WriteJob>) -> Next {
+/// A reader thread: runs detached page reads until the store thread goes away.
+fn read_loop(jobs: flume::Receiver<ReadJob>, failed: flume::Sender<PageHash>) {
+    while let Ok(j) = jobs.recv() {
+        if Instant::now() >= j.deadline {
+            continue; // dropping `reply` tells the caller it was missed
+        }
+        let result = j.read.run();
+        if result.is_err() {
+            let _ = failed.send(j.read.hash());
+        }
+        let _ = j.reply.send(result);
+    }
+}
+
+/// The store thread's channels.
+struct Queues {
+    loads: flume::Receiver<LoadJob>,
+    writes: flume::Receiver<WriteJob>,
+    failed: flume::Receiver<PageHash>,
+    /// To the reader threads.
+    reads: flume::Sender<ReadJob>,
+}
+
+fn next_job(q: &Queues) -> Next {
     flume::Selector::new()
-        .recv(loads, |r| r.map(Next::Load).unwrap_or(Next::Closed))
-        .recv(writes, |r| r.map(Next::Write).unwrap_or(Next::Closed))
+        .recv(&q.failed, |r| r.map(Next::Failed).unwrap_or(Next::Closed))
+        .recv(&q.loads, |r| r.map(Next::Load).unwrap_or(Next::Closed))
+        .recv(&q.writes, |r| r.map(Next::Write).unwrap_or(Next::Closed))
         .wait()
 }
 
-fn io_loop(
-    mut store: SpillStore,
-    loads: flume::Receiver<LoadJob>,
-    writes: flume::Receiver<WriteJob>,
-    on_event: impl Fn(IoEvent),
-) {
+fn io_loop(mut store: SpillStore, q: Queues, on_event: impl Fn(IoEvent)) {
+    let (loads, writes) = (&q.loads, &q.writes);
     let mut failed = false;
     loop {
-        // Reads first: a request may be waiting for one.
-        let job = match loads.try_recv() {
-            Ok(j) => Next::Load(j),
+        // Failed reads, then reads: a request may be waiting for one.
+        let job = match q.failed.try_recv().map(Next::Failed).or_else(|_| loads.try_recv().map(Next::Load)) {
+            Ok(j) => j,
             Err(_) => match writes.try_recv() {
                 Ok(j) => Next::Write(j),
                 Err(_) => {
@@ -138,7 +179,7 @@ fn io_loop(
                             on_event(IoEvent::Failed(e));
                         }
                     }
-                    match next_job(&loads, &writes) {
+                    match next_job(&q) {
                         // One side closed: drain whatever the other still holds, then stop.
                         Next::Closed => {
                             if let Ok(l) = loads.try_recv() {
@@ -159,8 +200,20 @@ fn io_loop(
                 if Instant::now() >= j.deadline {
                     continue; // dropping `reply` tells the caller it was missed
                 }
-                let _ = j.reply.send(store.load(&j.hash));
+                // The file is read on a reader thread; a store that lost the page answers now.
+                match store.page_read(&j.hash) {
+                    Ok(read) => {
+                        let job = ReadJob { read, deadline: j.deadline, reply: j.reply };
+                        if let Err(flume::SendError(job)) = q.reads.send(job) {
+                            let _ = job.reply.send(Err(LoadError::NotSpilled(j.hash.to_hex())));
+                        }
+                    }
+                    Err(e) => {
+                        let _ = j.reply.send(Err(e));
+                    }
+                }
             }
+            Next::Failed(hash) => store.forget_failed(&hash),
             Next::Write(WriteJob::Store { hash, parent, image }) => {
                 if failed {
                     continue;
@@ -237,6 +290,33 @@ mod tests {
         };
         assert_eq!(reopened.open_report().rebuilt, None);
         assert_eq!(reopened.len(), 3);
+    }
+
+    #[tokio::test]
+    async fn reads_run_in_parallel_and_a_failed_one_drops_its_page() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let (io, _events) = start(tmp.path());
+        for n in 1..=8 {
+            io.store(hash(n), None, vec![n; 100_000]);
+        }
+        io.sync().await.expect("sync");
+        let loads = (1..=8).map(|n| io.load(hash(n), Duration::from_secs(30)));
+        let images = futures_util::future::join_all(loads).await;
+        for (n, image) in (1..=8u8).zip(images) {
+            assert_eq!(image.expect("load"), vec![n; 100_000]);
+        }
+        // Flip a byte of page 3's image: the reader finds the CRC mismatch, removes the file, and
+        // the store thread drops the entry before it takes the next load.
+        let path = io.dir().join(format!("{}.kvpage", hash(3).to_hex()));
+        let mut bytes = std::fs::read(&path).expect("read");
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0xff;
+        std::fs::write(&path, &bytes).expect("write");
+        let r = io.load(hash(3), Duration::from_secs(30)).await;
+        assert!(matches!(r, Err(LoadError::Crc { .. }) | Err(LoadError::Tampered(_))), "{r:?}");
+        assert!(!path.exists(), "the damaged file is removed");
+        let again = io.load(hash(3), Duration::from_secs(30)).await;
+        assert_eq!(again, Err(LoadError::NotSpilled(hash(3).to_hex())));
     }
 
     #[tokio::test]

@@ -3,8 +3,8 @@
 //! (`format`: header, CRC-32 per 8 MiB chunk, keyed MAC), the rules that keep the directory from
 //! being aimed (`secure`: ownership and mode, no links followed, no FIFOs opened, a 0600 secret),
 //! the byte budget and the index, a checksummed cache of the pages' headers rebuilt from the
-//! files when damaged (`store`), and the I/O thread that runs all of it off the async runtime
-//! with read deadlines (`io`). It does not decide what to evict (the pool does) nor touch device
+//! files when damaged (`store`), and the I/O threads that run all of it off the async runtime
+//! with read deadlines, reads several at a time (`io`). It does not decide what to evict (the pool does) nor touch device
 //! memory (the executor reads and writes page images).
 
 pub mod format;
@@ -15,7 +15,7 @@ pub mod store;
 use std::path::PathBuf;
 
 pub use format::CHUNK_BYTES;
-pub use io::{IoEvent, SpillIo};
+pub use io::{IoEvent, SpillIo, PARALLEL_READS};
 pub use store::{LoadError, OpenReport, SpillError, SpillStore, SpilledPage};
 
 /// Opens the spill store for a model and KV layout, or explains why spill is off (logged, never

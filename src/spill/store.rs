@@ -146,6 +146,21 @@ fn parse_hash(s: &str) -> Option<PageHash> {
     Some(PageHash(out))
 }
 
+/// Refuses a page header that names another page, model or KV layout.
+fn check_header(fingerprint: &str, kv_layout: &str, hash: &PageHash, h: &PageHeader) -> Result<(), LoadError> {
+    let page = hash.to_hex();
+    let msg = if h.page != page {
+        format!("it is page {}", h.page)
+    } else if h.fingerprint != fingerprint {
+        format!("it belongs to model {}", h.fingerprint)
+    } else if h.kv_layout != kv_layout {
+        format!("its KV layout is {}, not {kv_layout}", h.kv_layout)
+    } else {
+        return Ok(());
+    };
+    Err(LoadError::Header { page, msg })
+}
+
 /// Removes whatever is at `path` without following it.
 fn remove_entry(path: &Path) {
     if let Err(e) = fs::remove_file(path) {
@@ -356,17 +371,7 @@ impl SpillStore {
     }
 
     fn check_header(&self, hash: &PageHash, h: &PageHeader) -> Result<(), LoadError> {
-        let page = hash.to_hex();
-        let msg = if h.page != page {
-            format!("it is page {}", h.page)
-        } else if h.fingerprint != self.fingerprint {
-            format!("it belongs to model {}", h.fingerprint)
-        } else if h.kv_layout != self.kv_layout {
-            format!("its KV layout is {}, not {}", h.kv_layout, self.kv_layout)
-        } else {
-            return Ok(());
-        };
-        Err(LoadError::Header { page, msg })
+        check_header(&self.fingerprint, &self.kv_layout, hash, h)
     }
 
     pub fn dir(&self) -> &Path {
@@ -472,19 +477,65 @@ impl SpillStore {
     /// and its keyed MAC. On any failure the entry and whatever is at its path are removed (it
     /// will never be served) and the reason is returned.
     pub fn load(&mut self, hash: &PageHash) -> Result<Vec<u8>, LoadError> {
-        let page = hash.to_hex();
-        let entry = self.entries.get(hash).cloned().ok_or_else(|| LoadError::NotSpilled(page.clone()))?;
-        let result = self.read_checked(hash, &entry);
+        let result = self.page_read(hash)?.run();
         if result.is_err() {
             self.remove(hash);
         }
         result
     }
 
-    fn read_checked(&self, hash: &PageHash, entry: &Entry) -> Result<Vec<u8>, LoadError> {
+    /// Everything one read of `hash` needs, detached from the store so that reads can run on
+    /// other threads (`PageRead::run`). `NotSpilled` when the store does not hold the page.
+    pub fn page_read(&self, hash: &PageHash) -> Result<PageRead, LoadError> {
+        let entry = self.entries.get(hash).cloned().ok_or_else(|| LoadError::NotSpilled(hash.to_hex()))?;
+        Ok(PageRead {
+            hash: *hash,
+            path: self.page_path(hash),
+            entry,
+            key: self.key,
+            fingerprint: self.fingerprint.clone(),
+            kv_layout: self.kv_layout.clone(),
+        })
+    }
+
+    /// A detached read of `hash` failed (and removed whatever was at its path): drop its entry.
+    pub fn forget_failed(&mut self, hash: &PageHash) {
+        self.remove(hash);
+    }
+}
+
+/// One page read, detached from the store (see [`SpillStore::page_read`]).
+#[derive(Clone)]
+pub struct PageRead {
+    hash: PageHash,
+    path: PathBuf,
+    entry: Entry,
+    key: [u8; KEY_BYTES],
+    fingerprint: String,
+    kv_layout: String,
+}
+
+impl PageRead {
+    pub fn hash(&self) -> PageHash {
+        self.hash
+    }
+
+    /// Reads the page, checking its file type and owner, length, header, every chunk's CRC-32
+    /// and its keyed MAC. On a failure whatever is at the path is removed (it will never be
+    /// served; the store's entry must be dropped too: `SpillStore::forget_failed`).
+    pub fn run(&self) -> Result<Vec<u8>, LoadError> {
+        let result = self.read_checked();
+        if result.is_err() {
+            remove_entry(&self.path);
+        }
+        result
+    }
+
+    fn read_checked(&self) -> Result<Vec<u8>, LoadError> {
+        let (hash, entry) = (&self.hash, &self.entry);
         let page = hash.to_hex();
         let io = |e: io::Error| LoadError::Io { page: page.clone(), msg: e.to_string() };
-        let mut f = match open_own_regular(&self.page_path(hash)).map_err(io)? {
+        let mut f = match open_own_regular(&self.path).map_err(io)? {
             Opened::File(f) => f,
             Opened::Missing => return Err(LoadError::Missing(page)),
             Opened::NotRegular(what) => return Err(LoadError::NotRegular { page, what }),
@@ -497,7 +548,7 @@ impl SpillStore {
         f.read_exact(&mut bytes).map_err(io)?;
         let parsed =
             parse_page_prefix(&bytes).map_err(|e| LoadError::Header { page: page.clone(), msg: e.to_string() })?;
-        self.check_header(hash, &parsed.header)?;
+        check_header(&self.fingerprint, &self.kv_layout, hash, &parsed.header)?;
         if parsed.header != entry.header || parsed.image_at as u64 + parsed.header.len != got {
             return Err(LoadError::Header { page, msg: "it differs from the index".into() });
         }
@@ -510,7 +561,9 @@ impl SpillStore {
         }
         Ok(bytes.split_off(parsed.image_at))
     }
+}
 
+impl SpillStore {
     fn remove(&mut self, hash: &PageHash) {
         if let Some(e) = self.entries.remove(hash) {
             self.used -= e.file_len;

@@ -25,6 +25,28 @@ pub struct Glm5Cache {
     pub slot_pos: Vec<Option<usize>>,
     /// Per slot, the states kept during a draft-verification step until it is committed.
     pub checkpoints: Vec<Option<StepCheckpoints>>,
+    /// Per slot, page-end snapshots asked for inside the next step (`Backend::mark_state_snapshots`).
+    pub marks: Vec<Option<StateMarks>>,
+}
+
+/// The slot's state after given token counts inside one step (page ends a prefill chunk crosses),
+/// filled by the KDA layers as the step runs. Each image is a whole slot, `slot_stride` floats.
+#[derive(Clone, Debug)]
+pub struct StateMarks {
+    /// Token counts into the step, ascending, each below the step's length.
+    pub after: Vec<usize>,
+    /// `after.len()` slot images, in that order.
+    pub images: Vec<f32>,
+    /// Tokens of the step the KDA layers ran over (0 until one did): marks at or past it were
+    /// never filled, so none is handed out (a step of the wrong length, or one that failed early).
+    pub step_tokens: usize,
+}
+
+impl StateMarks {
+    /// The mark index whose state is the one after token `t` of the step (0-based), if any.
+    pub fn index_after_token(&self, t: usize) -> Option<usize> {
+        self.after.binary_search(&(t + 1)).ok()
+    }
 }
 
 /// A slot's state after each token of a verification step but the last (the slot itself holds
@@ -53,6 +75,7 @@ impl Glm5Cache {
             state: vec![0f32; geom.state_slots * slot_stride],
             slot_pos: vec![Some(0); geom.state_slots],
             checkpoints: vec![None; geom.state_slots],
+            marks: vec![None; geom.state_slots],
         }
     }
 
@@ -114,6 +137,21 @@ impl Glm5Cache {
                 *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
             }
         }
+    }
+
+    /// Asks for `slot`'s state after each of `after` tokens of its next step.
+    pub fn mark(&mut self, slot: usize, after: &[usize]) {
+        let images = vec![0f32; after.len() * self.slot_stride];
+        self.marks[slot] = Some(StateMarks { after: after.to_vec(), images, step_tokens: 0 });
+    }
+
+    /// The marked images of `slot` as byte images (empty when none were marked), clearing the marks.
+    pub fn take_marks(&mut self, slot: usize) -> Vec<Vec<u8>> {
+        let Some(m) = self.marks[slot].take() else { return Vec::new() };
+        if m.after.last().is_some_and(|&k| k >= m.step_tokens) {
+            return Vec::new();
+        }
+        m.images.chunks_exact(self.slot_stride).map(|img| img.iter().flat_map(|v| v.to_le_bytes()).collect()).collect()
     }
 
     pub fn read_slot(&self, slot: usize) -> Vec<u8> {

@@ -93,6 +93,11 @@ pub fn forward(
         // A verification step keeps this layer's part of the slot after every token but the last,
         // so the step can be rolled back to any accepted length (`Glm5Cache::commit_verified`).
         let mut checkpoints = cache.checkpoints[s.slot].as_mut().map(|c| c.images.as_mut_slice());
+        // Page ends inside a prefill chunk: this layer's part of the slot after those tokens.
+        let mut marks = cache.marks[s.slot].as_mut();
+        if let Some(m) = marks.as_deref_mut() {
+            m.step_tokens = s.n;
+        }
         let (before_state, rest) = slot.split_at_mut(slots.state);
         let window = &mut before_state[slots.conv..slots.conv + (kw - 1) * q3];
         let rec = &mut rest[..heads * hd * hd];
@@ -118,15 +123,23 @@ pub fn forward(
                 let at = t * stride + slots.conv;
                 images[at..at + window.len()].copy_from_slice(window);
             }
+            if let Some(m) = marks.as_deref_mut() {
+                if let Some(i) = m.index_after_token(t) {
+                    let at = i * stride + slots.conv;
+                    m.images[at..at + window.len()].copy_from_slice(window);
+                }
+            }
         }
         let keep_states = checkpoints.is_some();
+        let marked: Vec<usize> = marks.as_deref().map(|m| m.after.clone()).unwrap_or_default();
         // Per head: the recurrence over the sequence's tokens in order.
-        let per_head: Vec<(Vec<f32>, Vec<f32>)> = rec
+        let per_head: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = rec
             .par_chunks_mut(hd * hd)
             .enumerate()
             .map(|(h, st)| {
                 let mut outs = vec![0f32; s.n * hd];
                 let mut kept = Vec::with_capacity(if keep_states { (s.n - 1) * hd * hd } else { 0 });
+                let mut at_marks = Vec::with_capacity(marked.len() * hd * hd);
                 let scale = 1.0 / (hd as f32).sqrt();
                 let (mut qh, mut kh, mut g) = (vec![0f32; hd], vec![0f32; hd], vec![0f32; hd]);
                 for t in 0..s.n {
@@ -148,19 +161,30 @@ pub fn forward(
                     if keep_states && t + 1 < s.n {
                         kept.extend_from_slice(st);
                     }
+                    if marked.binary_search(&(t + 1)).is_ok() {
+                        at_marks.extend_from_slice(st);
+                    }
                 }
-                (outs, kept)
+                (outs, kept, at_marks)
             })
             .collect();
+        if let Some(m) = marks {
+            for (h, (_, _, at_marks)) in per_head.iter().enumerate() {
+                for (i, state) in at_marks.chunks_exact(hd * hd).enumerate() {
+                    let at = i * stride + slots.state + h * hd * hd;
+                    m.images[at..at + hd * hd].copy_from_slice(state);
+                }
+            }
+        }
         if let Some(images) = checkpoints {
-            for (h, (_, kept)) in per_head.iter().enumerate() {
+            for (h, (_, kept, _)) in per_head.iter().enumerate() {
                 for (t, state) in kept.chunks_exact(hd * hd).enumerate() {
                     let at = t * stride + slots.state + h * hd * hd;
                     images[at..at + hd * hd].copy_from_slice(state);
                 }
             }
         }
-        for (h, (outs, _)) in per_head.iter().enumerate() {
+        for (h, (outs, _, _)) in per_head.iter().enumerate() {
             for t in 0..s.n {
                 let row = s.row0 + t;
                 core[row * q + h * hd..row * q + (h + 1) * hd].copy_from_slice(&outs[t * hd..(t + 1) * hd]);

@@ -288,6 +288,28 @@ impl Backend for Glm5Backend {
         self.cache.slot_bytes()
     }
 
+    fn snapshots_inside_step(&self) -> bool {
+        true
+    }
+
+    fn mark_state_snapshots(&mut self, slot: u32, after_tokens: &[usize]) -> Result<(), BackendError> {
+        let s = self.check_slot(slot)?;
+        if after_tokens.windows(2).any(|w| w[0] >= w[1]) || after_tokens.first() == Some(&0) {
+            return Err(BackendError::InvalidStep(format!(
+                "state snapshot offsets {after_tokens:?} must be positive and ascending"
+            )));
+        }
+        self.cache.mark(s, after_tokens);
+        Ok(())
+    }
+
+    fn take_state_snapshots(&mut self, slot: u32) -> Vec<Vec<u8>> {
+        match self.check_slot(slot) {
+            Ok(s) => self.cache.take_marks(s),
+            Err(_) => Vec::new(),
+        }
+    }
+
     fn read_state_slot(&mut self, slot: u32) -> Result<Vec<u8>, BackendError> {
         let s = self.check_slot(slot)?;
         Ok(self.cache.read_slot(s))
