@@ -500,6 +500,14 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         (**self).kv_block_bytes()
     }
 
+    fn device_free_memory(&self) -> Option<u64> {
+        (**self).device_free_memory()
+    }
+
+    fn resize_kv(&mut self, num_blocks: usize) -> Result<bool, BackendError> {
+        (**self).resize_kv(num_blocks)
+    }
+
     fn read_kv_blocks(&mut self, blocks: &[u32]) -> Result<Vec<u8>, BackendError> {
         (**self).read_kv_blocks(blocks)
     }

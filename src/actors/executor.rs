@@ -570,7 +570,7 @@ mod tests {
                 penalties: None,
                 grammar: None,
             }),
-            snapshot: false,
+            snapshot_after: Vec::new(),
         }
     }
 
