@@ -506,7 +506,7 @@ fn malformed_cases() -> Vec<Case> {
             CHAT,
             chat(json!({"response_format": {"type": "json_schema"}})),
             400,
-            Some("response_format"),
+            Some("response_format.json_schema"),
         ),
         Case {
             code: Some("model_not_found"),

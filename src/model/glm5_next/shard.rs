@@ -125,7 +125,10 @@ mod tests {
         let c = cfg();
         let e =
             |c: &Glm5Config, world, ep| Glm5Shard::new(c, TpRank::new(0, world).unwrap(), ep).unwrap_err().to_string();
-        assert!(e(&c, 3, false).contains("MLA attention heads (4)"), "{}", e(&c, 3, false));
+        // Every MLP size divides by 3 here, so the heads are what is named.
+        let c3 = Glm5Config { moe_intermediate_size: 24, intermediate_size: 60, ..cfg() };
+        assert!(e(&c3, 3, false).contains("MLA attention heads (4)"), "{}", e(&c3, 3, false));
+        assert!(e(&c, 3, false).contains("intermediate size (16)"), "{}", e(&c, 3, false));
         let c6 = Glm5Config {
             num_attention_heads: 6,
             linear_num_heads: 6,
