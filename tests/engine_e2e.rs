@@ -173,7 +173,7 @@ const QUESTIONS: [&str; 16] = [
 
 /// The lane prompt `i` goes to: even on voice, odd on agent, so both priorities mix.
 fn lane_of(i: usize) -> &'static str {
-    if i % 2 == 0 {
+    if i.is_multiple_of(2) {
         "voice"
     } else {
         "agent"

@@ -68,7 +68,7 @@ fn compare_within(
         // The shards partition the matrices: together they hold what one unsharded backend holds
         // (more where kv heads are replicated: k/v rows are then held by several ranks).
         let whole = CpuBackend::new(cfg, w, opts(geom)).unwrap().weight_bytes();
-        if cfg.num_key_value_heads % world == 0 {
+        if cfg.num_key_value_heads.is_multiple_of(world) {
             assert_eq!(tp.weight_bytes(), whole, "{what}");
         } else {
             assert!(tp.weight_bytes() > whole, "{what}: replicated kv heads are held twice");

@@ -198,7 +198,7 @@ impl EngineConfig {
         if s.max_num_seqs == 0 || s.max_num_batched_tokens == 0 || s.block_size == 0 {
             return Err("scheduler: max_num_seqs, max_num_batched_tokens and block_size must be positive".into());
         }
-        if s.page_tokens % s.block_size != 0 {
+        if !s.page_tokens.is_multiple_of(s.block_size) {
             return Err(format!(
                 "scheduler: page_tokens ({}) must be a multiple of block_size ({})",
                 s.page_tokens, s.block_size

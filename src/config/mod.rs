@@ -192,13 +192,13 @@ impl LlamaConfig {
         if self.num_attention_heads == 0 || self.num_key_value_heads == 0 {
             return bad("num_attention_heads and num_key_value_heads must be positive".into());
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return bad(format!(
                 "num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim ({}) must be even and positive", self.head_dim));
         }
         if self.hidden_size == 0 || self.vocab_size == 0 || self.num_hidden_layers == 0 {

@@ -103,7 +103,7 @@ impl KvPoolConfig {
         if self.num_blocks > u32::MAX as usize {
             return Err(KvError::InvalidPool(format!("{} blocks exceed what u32 block ids can name", self.num_blocks)));
         }
-        if self.page_tokens % self.block_size != 0 {
+        if !self.page_tokens.is_multiple_of(self.block_size) {
             return Err(KvError::InvalidPool(format!(
                 "page_tokens ({}) must be a multiple of block_size ({})",
                 self.page_tokens, self.block_size

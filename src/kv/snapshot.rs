@@ -56,7 +56,7 @@ impl KvPool {
         if !self.needs_snapshots() || p == 0 {
             return Ok(());
         }
-        if snap.tokens == 0 || snap.tokens % p != 0 || snap.image.len() != self.cfg.snapshot_bytes {
+        if snap.tokens == 0 || !snap.tokens.is_multiple_of(p) || snap.image.len() != self.cfg.snapshot_bytes {
             return Err(KvError::InvalidPool(format!(
                 "a state snapshot of {} bytes at token {} does not fit pages of {p} tokens and {}-byte snapshots",
                 snap.image.len(),

@@ -33,7 +33,7 @@ fn run_chunked(p: &mut KvPool, seq: SeqId, tokens: &[u32], chunks: &[usize]) -> 
     for &c in chunks {
         p.grow(seq, at + c).expect("grow");
         at += c;
-        if at % 8 == 0 {
+        if at.is_multiple_of(8) {
             p.add_snapshot(snap(seq, at)).expect("snapshot");
         }
         p.advance(seq, &[], at).expect("advance");

@@ -12,6 +12,9 @@ use super::resample::resize_bicubic;
 use super::{MediaError, RgbImage};
 
 /// CLIP's mean and std, the processor's defaults.
+/// `(height, width)` in pixels.
+pub type HeightWidth = (usize, usize);
+
 pub const CLIP_MEAN: [f64; 3] = [0.48145466, 0.4578275, 0.40821073];
 pub const CLIP_STD: [f64; 3] = [0.26862954, 0.26130258, 0.27577711];
 
@@ -164,7 +167,7 @@ impl ImageProcessor {
 
     /// Content size and canvas size `((content_h, content_w), (canvas_h, canvas_w))`, as the
     /// processor's `resize` computes them.
-    pub fn target_size(&self, height: usize, width: usize) -> Result<((usize, usize), (usize, usize)), MediaError> {
+    pub fn target_size(&self, height: usize, width: usize) -> Result<(HeightWidth, HeightWidth), MediaError> {
         let factor = self.patch_size * self.merge_size * self.patch_expand_factor;
         let tf = self.temporal_patch_size;
         let (th, tw) = smart_resize(tf, height, width, tf, factor, self.min_image_tokens, self.max_image_tokens)?;

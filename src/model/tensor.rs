@@ -55,7 +55,7 @@ impl DType {
     /// Bytes needed for `elems` elements, or `None` when `elems` is not a whole number of blocks.
     pub fn storage_bytes(self, elems: usize) -> Option<usize> {
         let be = self.block_elems();
-        (elems % be == 0).then(|| elems / be * self.block_bytes())
+        elems.is_multiple_of(be).then(|| elems / be * self.block_bytes())
     }
 
     pub fn is_quantized(self) -> bool {

@@ -64,7 +64,7 @@ impl TpRank {
 
     /// This rank's equal share of `count` items (heads, rows, experts); `count` must divide.
     pub fn even(&self, what: &'static str, count: usize) -> Result<Range<usize>, PlanError> {
-        if count % self.world != 0 {
+        if !count.is_multiple_of(self.world) {
             return Err(PlanError::Indivisible { what, count, world: self.world });
         }
         let per = count / self.world;
@@ -103,13 +103,13 @@ impl LlamaShard {
         intermediate: usize,
         vocab: usize,
     ) -> Result<Self, PlanError> {
-        if kv_heads == 0 || heads % kv_heads != 0 {
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return Err(PlanError::Invalid(format!("{heads} query heads do not group over {kv_heads} kv heads")));
         }
         let q_heads = tp.even("the attention heads", heads)?;
-        let kv_heads = if kv_heads % tp.world == 0 {
+        let kv_heads = if kv_heads.is_multiple_of(tp.world) {
             tp.even("the key/value heads", kv_heads)?
-        } else if tp.world % kv_heads == 0 {
+        } else if tp.world.is_multiple_of(kv_heads) {
             // `heads / world` query heads per rank divide the `heads / kv_heads` of one group
             // (world is a multiple of kv_heads), so a rank's heads all use the same kv head.
             let kv = q_heads.start / (heads / kv_heads);

@@ -32,7 +32,7 @@ pub fn align_budget_to_pages(budget: usize, page_tokens: usize, max_num_seqs: us
     let aligned = if budget >= page_tokens {
         budget - budget % page_tokens
     } else {
-        (1..=budget).rev().find(|d| page_tokens % d == 0).unwrap_or(1)
+        (1..=budget).rev().find(|d| page_tokens.is_multiple_of(*d)).unwrap_or(1)
     };
     if aligned < max_num_seqs {
         return Err(format!(

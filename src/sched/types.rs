@@ -39,7 +39,7 @@ impl PolicyConfig {
         if self.max_num_seqs == 0 {
             return invalid("max_num_seqs must be at least 1".into());
         }
-        if self.page_tokens % self.block_size != 0 {
+        if !self.page_tokens.is_multiple_of(self.block_size) {
             return invalid(format!(
                 "page_tokens ({}) must be a multiple of block_size ({})",
                 self.page_tokens, self.block_size

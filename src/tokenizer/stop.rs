@@ -284,7 +284,7 @@ mod tests {
                         x ^= x << 13;
                         x ^= x >> 7;
                         x ^= x << 17;
-                        if x % 3 == 0 || b == text.len() {
+                        if x.is_multiple_of(3) || b == text.len() {
                             pieces.push(&text[last..b]);
                             last = b;
                         }

@@ -380,7 +380,7 @@ mod avx2 {
             let mut i = 0;
             // Leading cells up to the next multiple of 8, then whole groups (lane = cell mod 8
             // is then the unrolled index), then the tail.
-            while i < n && (lo + i) % 8 != 0 {
+            while i < n && !(lo + i).is_multiple_of(8) {
                 let l = (lo + i) % 8;
                 acc[l] = _mm256_fmadd_ps(_mm256_set1_ps(w[i]), load_f16x8(v.as_ptr().add(offs[i] + d)), acc[l]);
                 i += 1;

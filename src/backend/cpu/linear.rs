@@ -52,7 +52,7 @@ impl CpuLinear {
     pub fn load(w: &dyn WeightSource, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self, ModelError> {
         let view = w.expect(&format!("{name}.weight"), &[out, inp])?;
         let block = view.dtype.block_elems();
-        if view.dtype.is_quantized() && inp % block != 0 {
+        if view.dtype.is_quantized() && !inp.is_multiple_of(block) {
             return Err(ModelError::Format {
                 file: w.file_of(name),
                 msg: format!(
@@ -132,7 +132,7 @@ impl CpuLinear {
         let weight = match self.weight {
             WeightRows::F32(v) => WeightRows::F32(crate::parallel::plan::take_cols(&v, cols, range.clone())),
             WeightRows::Quant { dtype, data }
-                if range.start % dtype.block_elems() == 0 && range.end % dtype.block_elems() == 0 =>
+                if range.start.is_multiple_of(dtype.block_elems()) && range.end.is_multiple_of(dtype.block_elems()) =>
             {
                 let (rb, bb, be) = (dtype.storage_bytes(cols).unwrap_or(0), dtype.block_bytes(), dtype.block_elems());
                 let (a, b) = (range.start / be * bb, range.end / be * bb);

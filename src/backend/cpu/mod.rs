@@ -814,7 +814,7 @@ mod tests {
 
     /// The weight formats a test config can be stored in.
     fn dtypes_for(cfg: &LlamaConfig) -> Vec<DType> {
-        if cfg.hidden_size % 256 == 0 {
+        if cfg.hidden_size.is_multiple_of(256) {
             vec![DType::Q4_K, DType::Q5_K, DType::Q6_K]
         } else {
             vec![DType::F32, DType::Q8_0, DType::Q4_1, DType::Q4_0]

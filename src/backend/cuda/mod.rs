@@ -388,10 +388,10 @@ fn check_sample_specs(batch: &[SeqStep<'_>], specs: &[Option<DeviceSampleSpec<'_
 /// Shapes the kernels support, refused up front with a reason.
 fn check_shapes(c: &LlamaConfig) -> Result<(), BackendError> {
     let bad = |msg: String| Err(BackendError::Unavailable { device: "cuda".into(), reason: msg });
-    if c.head_dim > 256 || c.head_dim % 2 != 0 {
+    if c.head_dim > 256 || !c.head_dim.is_multiple_of(2) {
         return bad(format!("head_dim {} is not supported by the attention kernels (even, at most 256)", c.head_dim));
     }
-    if c.num_key_value_heads == 0 || c.num_attention_heads % c.num_key_value_heads != 0 {
+    if c.num_key_value_heads == 0 || !c.num_attention_heads.is_multiple_of(c.num_key_value_heads) {
         return bad(format!(
             "{} attention heads are not a multiple of {} kv heads",
             c.num_attention_heads, c.num_key_value_heads

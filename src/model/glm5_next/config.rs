@@ -313,7 +313,7 @@ impl Glm5Config {
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{name} must be positive"));
         }
-        if self.index_topk % self.index_kpool != 0 || self.index_topk == 0 {
+        if !self.index_topk.is_multiple_of(self.index_kpool) || self.index_topk == 0 {
             return Err(format!(
                 "index_topk ({}) must be a positive multiple of index_kpool ({})",
                 self.index_topk, self.index_kpool
@@ -321,7 +321,7 @@ impl Glm5Config {
         }
         if self.mlp_layer_types[..l].contains(&FfnKind::Moe) {
             let per_group = self.n_routed_experts / self.n_group;
-            if self.n_routed_experts % self.n_group != 0 || per_group < 2 {
+            if !self.n_routed_experts.is_multiple_of(self.n_group) || per_group < 2 {
                 return Err(format!(
                     "n_routed_experts ({}) must split into n_group ({}) groups of at least 2",
                     self.n_routed_experts, self.n_group

@@ -102,7 +102,7 @@ pub fn from_hf_json(text: &str, path: &Path) -> Result<Option<(VisionConfig, Mul
         swiglu_limit: float("swiglu_limit", 10.0),
         rope_theta: rope.and_then(|r| r.get("rope_theta")).and_then(Value::as_f64).unwrap_or(10000.0) as f32,
     };
-    if c.num_heads == 0 || c.hidden_size % c.num_heads != 0 || c.head_dim() % 4 != 0 {
+    if c.num_heads == 0 || !c.hidden_size.is_multiple_of(c.num_heads) || !c.head_dim().is_multiple_of(4) {
         return Err(bad(path, "vision hidden_size / num_heads must be a whole head dim divisible by 4 (axial RoPE)"));
     }
     if c.in_channels != 3 || c.spatial_merge_size == 0 || c.patch_size == 0 || c.temporal_patch_size == 0 {

@@ -142,7 +142,7 @@ pub unsafe fn dot_rows<const FMT: u8, const N: usize>(
     stride: usize,
 ) {
     let rows = w.len() / rb;
-    debug_assert!(nb % SUB == 0 && rb == nb / SUB * block_bytes(FMT) && xs.len() >= N * nb);
+    debug_assert!(nb.is_multiple_of(SUB) && rb == nb / SUB * block_bytes(FMT) && xs.len() >= N * nb);
     debug_assert!(rows == 0 || out.len() >= (rows - 1) * stride + N);
     let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
     let mut r = 0;

@@ -286,7 +286,7 @@ pub fn hsum8(v: &[f32; 8]) -> f32 {
 /// element `i` in lane `i % 8`, then [`hsum8`]. `a.len()` must be a multiple of 8.
 #[inline]
 pub fn dot_lanes8(a: &[f32], b: &[f32], simd: bool) -> f32 {
-    debug_assert!(a.len() == b.len() && a.len() % 8 == 0);
+    debug_assert!(a.len() == b.len() && a.len().is_multiple_of(8));
     #[cfg(target_arch = "x86_64")]
     if simd {
         // SAFETY: `simd` is only true when AVX2, FMA and F16C were detected at runtime.

@@ -147,7 +147,7 @@ impl DFlashDrafter {
             self.model.cfg.target_layer_ids.iter().map(|l| chunk.layers.iter().position(|x| x == l)).collect();
         let cols = cols?;
         let width = chunk.layers.len() * h;
-        if width == 0 || chunk.data.len() % width != 0 {
+        if width == 0 || !chunk.data.len().is_multiple_of(width) {
             return None;
         }
         let mut data = Vec::new();

@@ -33,11 +33,11 @@ pub mod forward;
 mod kda;
 mod mla;
 pub mod ops;
+pub mod shard;
 #[cfg(test)]
 mod tap_tests;
-pub mod vision;
-pub mod shard;
 pub mod tp;
+pub mod vision;
 pub mod weights;
 
 pub use self::tp::Glm5TpBackend;

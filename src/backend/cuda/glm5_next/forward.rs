@@ -31,7 +31,7 @@ pub fn check_shapes(c: &Glm5Config) -> Result<(), String> {
     if kda && (c.linear_head_dim == 0 || c.linear_head_dim > 1024) {
         return Err(bad(format!("the KDA head dim {} is outside the kernel's 1..=1024", c.linear_head_dim)));
     }
-    if c.n_group == 0 || c.n_routed_experts % c.n_group != 0 {
+    if c.n_group == 0 || !c.n_routed_experts.is_multiple_of(c.n_group) {
         return Err(bad(format!("{} experts do not split into {} groups", c.n_routed_experts, c.n_group)));
     }
     Ok(())
