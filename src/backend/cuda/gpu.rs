@@ -100,11 +100,11 @@ pub fn device_memory(ordinal: usize) -> Result<(usize, usize), BackendError> {
 pub fn compile_module(
     module: &str,
     src: &str,
-    (major, minor): (i32, i32),
+    arch: (i32, i32),
     defines: &[String],
 ) -> Result<cudarc::nvrtc::Ptx, BackendError> {
-    let mut options = vec![format!("--gpu-architecture=sm_{major}{minor}"), "--std=c++17".into()];
-    options.extend(defines.iter().map(|d| format!("--define-macro={d}")));
+    // The same options the engine's CUBIN builds use, so this check compiles what serving runs.
+    let options = super::kernel_cache::nvrtc_options(arch, defines);
     let opts = cudarc::nvrtc::CompileOptions { options, name: Some(format!("{module}.cu")), ..Default::default() };
     cudarc::nvrtc::compile_ptx_with_opts(format!("{COMMON}\n{src}"), opts)
         .map_err(|e| BackendError::Device(format!("NVRTC failed on cuda/{module}.cu: {e}")))
