@@ -347,6 +347,11 @@ fn ratio(a: Option<Duration>, b: Option<Duration>) -> String {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    // The engine's logs on stderr, filtered as the server's are (`SHELFSERVE_LOG`, default warn).
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SHELFSERVE_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
     let order: Vec<bool> = match args.pacing.as_str() {
         "on" => vec![true; args.rounds],
         "off" => vec![false; args.rounds],

@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use shelfserve::actors::{start_engine, Engine, EngineOptions, GenerationRequest, InferenceEngine, StreamEvent};
-use shelfserve::config::engine::EngineConfig;
+use shelfserve::config::engine::DEFAULT_CONFIG_TOML;
+use shelfserve::config::layers::{DeviceClass, EngineFile, ModelFamily, SchedulerKnobs};
 use shelfserve::generate::{DeviceKind, DeviceSelection};
 use shelfserve::model::default_model::CacheDir;
 
@@ -49,6 +50,9 @@ struct Args {
     fill: usize,
     #[arg(long, default_value_t = 6144)]
     prefix_tokens: usize,
+    /// Host memory for evicted pages in front of the spill directory (default: the device's).
+    #[arg(long)]
+    spill_host_bytes: Option<u64>,
 }
 
 /// Distinct deterministic token ids below SmolLM2's vocabulary.
@@ -58,11 +62,20 @@ fn prompt(seed: u32, len: usize) -> Vec<u32> {
 
 async fn start(args: &Args, spill_dir: Option<&Path>) -> Result<Arc<Engine>, String> {
     let bundle = shelfserve::model::open(&args.model, &CacheDir::from_env()).map_err(|e| e.to_string())?;
-    let mut cfg = EngineConfig::builtin();
+    // The scheduler knobs the server would pick for this device and model family (on CUDA: a
+    // device-sized step budget), with this run's pool and spill settings on top.
+    let kind: DeviceKind = args.device.parse().map_err(|e: String| e)?;
+    let class = if kind == DeviceKind::Cuda { DeviceClass::Cuda } else { DeviceClass::Cpu };
+    let family = ModelFamily::of_model_type(&bundle.config.model_type);
+    let (mut cfg, _) = EngineFile::from_toml(DEFAULT_CONFIG_TOML, "configs/default.toml")
+        .map_err(|e| e.to_string())?
+        .resolve(&SchedulerKnobs::default(), None, family, class)?;
     cfg.scheduler.kv_pool_tokens = args.pool_tokens;
     cfg.scheduler.spill_dir = spill_dir.map(|p| p.display().to_string());
     cfg.scheduler.spill_budget = if spill_dir.is_some() { 64 << 30 } else { 0 };
-    let kind: DeviceKind = args.device.parse().map_err(|e: String| e)?;
+    if let Some(bytes) = args.spill_host_bytes {
+        cfg.scheduler.spill_host_bytes = bytes;
+    }
     let device = DeviceSelection { kind, threads: args.threads, ..Default::default() };
     let engine = start_engine(bundle, cfg, EngineOptions { device, served_model_name: "default".into() })
         .await
@@ -158,9 +171,10 @@ async fn run(args: Args) -> Result<(), String> {
     let (resumed, cached) = ttft(&e, conv).await?;
     let c = e.pool_stats().await.map(|s| s.counters).unwrap_or_default();
     println!(
-        "{}-token prefix on disk ({spilled} pages spilled): cold TTFT {}, resumed {} ({cached} tokens cached; \
-         restores chosen {}, declined {}): ratio {:.2}",
+        "{}-token prefix spilled ({spilled} pages spilled, host tier {} MiB): cold TTFT {}, resumed {} ({cached} tokens \
+         cached; restores chosen {}, declined {}): ratio {:.2}",
         args.prefix_tokens,
+        e.config().scheduler.spill_host_bytes >> 20,
         ms(recompute),
         ms(resumed),
         c.restores_chosen,
@@ -173,6 +187,11 @@ async fn run(args: Args) -> Result<(), String> {
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
+    // The engine's logs on stderr, filtered as the server's are (`SHELFSERVE_LOG`, default warn).
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SHELFSERVE_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

@@ -72,7 +72,8 @@ serve)
   "$HERE/shelfserve" bench-serve --base-url http://127.0.0.1:$PORT/v1 --concurrency 1 --num-prompts 4 \
     --input-len 7284 --input-len-range 0 --output-len 1 --ignore-eos --no-progress --json "$OUTDIR/serve-prefill.json" \
     > "$OUTDIR/serve-prefill.txt" 2>&1 || echo "prefill run failed"
-  curl -s localhost:$PORT/metrics | grep -E "^shelfserve_(preemptions|requests_rejected|http_requests)" | head
+  curl -s localhost:$PORT/metrics | grep -E "^shelfserve_(preemptions|requests_rejected|http_requests|step_gap_seconds_(sum|count)|step_over_prediction)" | head -12
+  curl -s localhost:$PORT/metrics | grep -E "^shelfserve_step_gap_seconds\{quantile" | head -8
   serve_down
   "$HERE/shelfserve" bench --config "$MODEL/config.json" --batches $(echo $CONCURRENCY | tr ' ' ,) \
     --contexts $(( INPUT_LEN + OUTPUT_LEN / 2 )) --prefill 7284 --json "$OUTDIR/bench.jsonl" > "$OUTDIR/bench.txt" 2>&1 \
@@ -93,7 +94,7 @@ def get(d, *keys):
         else:
             return None
     return d
-print(f"\n{'conc':>5} {'http tok/s':>11} {'bench tok/s':>12} {'http/bench':>10} {'ttft p50 ms':>12} {'ttft p99 ms':>12} {'tpot p50 ms':>12} {'failed':>6}")
+print(f"\n{'conc':>5} {'http tok/s':>11} {'steady tok/s':>13} {'bench tok/s':>12} {'http/bench':>10} {'steady/bench':>12} {'ttft p50 ms':>12} {'ttft p99 ms':>12} {'tpot p50 ms':>12} {'failed':>6}")
 for c in conc:
     r = load(f"serve-c{c}.json")
     if not r:
@@ -101,9 +102,11 @@ for c in conc:
     tps = get(r, "report", "output_throughput")
     t50, t99, tp50 = get(r, "report", "ttft", "p50_ms"), get(r, "report", "ttft", "p99_ms"), get(r, "report", "tpot", "p50_ms")
     b = dec.get(c)
+    steady = get(r, "report", "steady_decode", "tok_per_s")
     ratio = f"{tps / b:.2f}" if (tps and b) else "-"
+    sratio = f"{steady / b:.2f}" if (steady and b) else "-"
     f = lambda x: f"{x:.1f}" if isinstance(x, (int, float)) else "-"
-    print(f"{c:>5} {f(tps):>11} {f(b):>12} {ratio:>10} {f(t50):>12} {f(t99):>12} {f(tp50):>12} {str(get(r, 'report', 'failed')):>6}")
+    print(f"{c:>5} {f(tps):>11} {f(steady):>13} {f(b):>12} {ratio:>10} {sratio:>12} {f(t50):>12} {f(t99):>12} {f(tp50):>12} {str(get(r, 'report', 'failed')):>6}")
 p = load("serve-prefill.json")
 if p:
     ttft = get(p, "report", "ttft", "p50_ms")
@@ -118,7 +121,7 @@ voice)
   for agents in ${AGENTS:-8 32}; do
     echo "== mixed_load, $agents agents"
     "$HERE/mixed_load" --device cuda --model "$MODEL" --agents $agents --phase ${PHASE:-20s} --rounds 1 \
-      --agent-prompt-words 2150 --voice-rate ${VOICE_RATE:-2} --json "$OUTDIR/mixed-$agents.json" 2> "$OUTDIR/mixed-$agents.log" \
+      --agent-prompt-words 2150 --voice-rate ${VOICE_RATE:-2} --pacing ${PACING:-both} --json "$OUTDIR/mixed-$agents.json" 2> "$OUTDIR/mixed-$agents.log" \
       || { echo "mixed_load failed"; tail -20 "$OUTDIR/mixed-$agents.log"; }
   done
   ;;

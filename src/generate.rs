@@ -504,6 +504,14 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         (**self).device_free_memory()
     }
 
+    fn read_kv_blocks_then(&mut self, blocks: &[u32], done: crate::backend::PageImageDone) {
+        (**self).read_kv_blocks_then(blocks, done)
+    }
+
+    fn finish_kv_reads(&mut self) -> Result<(), BackendError> {
+        (**self).finish_kv_reads()
+    }
+
     fn resize_kv(&mut self, num_blocks: usize) -> Result<bool, BackendError> {
         (**self).resize_kv(num_blocks)
     }

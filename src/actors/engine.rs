@@ -249,6 +249,7 @@ pub async fn start_engine(
             drafter: drafter.clone(),
             pool_identity,
             spill,
+            spill_host_bytes: crate::spill::host::budget(s.spill_host_bytes, crate::capacity::host_available()),
             world: makers.len(),
             pacing: lane_pacing(&config, device.kind),
         },

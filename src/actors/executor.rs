@@ -104,7 +104,7 @@ pub enum ExecutorMsg {
     WritePage {
         hash: PageHash,
         blocks: Vec<u32>,
-        image: Vec<u8>,
+        image: bytes::Bytes,
     },
 }
 
@@ -112,7 +112,7 @@ pub enum ExecutorMsg {
 enum Job {
     Step(StepPlan),
     Read(Vec<EvictedPage>, ActorRef<SpillMsg>, Option<ractor::RpcReplyPort<bool>>),
-    Write(PageHash, Vec<u32>, Vec<u8>),
+    Write(PageHash, Vec<u32>, bytes::Bytes),
     WriteState(u32, Arc<[u8]>),
 }
 
@@ -417,16 +417,21 @@ fn send(state: &ExecutorState, job: Job) -> Result<(), ActorProcessingErr> {
 /// image followed by its recurrent-state snapshot (hybrid models; the pool kept it in host memory),
 /// so the two are stored, checked and restored as one unit.
 fn read_pages(backend: &mut dyn Backend, pages: Vec<EvictedPage>, spill: &ActorRef<SpillMsg>) {
+    // The copies out run beside the next steps; each image goes to the spill tier when ready.
     for EvictedPage { hash, parent, blocks, snapshot } in pages {
-        match backend.read_kv_blocks(&blocks) {
-            Ok(mut image) => {
-                if let Some(s) = snapshot {
-                    image.extend_from_slice(&s);
+        let spill = spill.clone();
+        backend.read_kv_blocks_then(
+            &blocks,
+            Box::new(move |read| match read {
+                Ok(mut image) => {
+                    if let Some(s) = snapshot {
+                        image.extend_from_slice(&s);
+                    }
+                    let _ = spill.cast(SpillMsg::Store { hash, parent, image });
                 }
-                let _ = spill.cast(SpillMsg::Store { hash, parent, image });
-            }
-            Err(e) => tracing::warn!(page = %hash.to_hex(), error = %e, "could not read an evicted page to spill it"),
-        }
+                Err(e) => tracing::warn!(page = %hash.to_hex(), error = %e, "could not read an evicted page to spill it"),
+            }),
+        );
     }
 }
 
@@ -501,6 +506,10 @@ impl Actor for ExecutorActor {
                     Job::Read(pages, spill, sync) => {
                         read_pages(backend.as_mut(), pages, &spill);
                         if let Some(reply) = sync {
+                            // Every image is at the spill tier before it is asked to sync.
+                            if let Err(e) = backend.finish_kv_reads() {
+                                tracing::error!(error = %e, "copying pages out for the drained shutdown failed");
+                            }
                             let _ = spill.cast(SpillMsg::Sync(reply));
                         }
                     }

@@ -23,12 +23,18 @@ pub enum KvPoolMsg {
     Spilled { hash: PageHash, parent: Option<PageHash> },
     /// The spill tier dropped this page (budget).
     SpillDropped(PageHash),
+    /// The spill tier keeps this page's image in host memory (its disk write may still be
+    /// queued): restorable at once.
+    InHost { hash: PageHash, parent: Option<PageHash> },
+    /// The spill tier dropped this page from host memory (its disk copy, if any, remains).
+    HostDropped(PageHash),
     /// The spill tier turned off (disk full or unwritable): nothing on disk is restorable.
     SpillOff,
     /// A restore ended; on success the executor has the image queued before any later step, and
     /// `snapshot` is the page's recurrent state (hybrid models).
     Restored { hash: PageHash, ok: bool, snapshot: Option<Arc<[u8]>> },
-    /// A restore read `bytes` in `secs` (from the spill tier): refits the restore cost model.
+    /// A restore read `bytes` from disk in `secs` (from the spill tier): refits the restore cost
+    /// model.
     ReadMeasured { bytes: usize, secs: f64 },
     /// The step cost model's latest coefficients (from the scheduler): prices recomputation
     /// against restores.
@@ -189,6 +195,8 @@ impl Actor for KvPoolActor {
             }
             KvPoolMsg::Spilled { hash, parent } => st.pool.note_spilled(hash, parent),
             KvPoolMsg::SpillDropped(hash) => st.pool.forget_spilled(&hash),
+            KvPoolMsg::InHost { hash, parent } => st.pool.note_in_host(hash, parent),
+            KvPoolMsg::HostDropped(hash) => st.pool.forget_in_host(&hash),
             KvPoolMsg::SpillOff => {
                 st.spill = None;
                 st.pool.forget_all_spilled();

@@ -116,6 +116,8 @@ pub struct SchedulerArgs {
     pub world: usize,
     /// The opened spill store (taken when the executor is ready); `None` = spill off.
     pub spill: Option<crate::spill::SpillStore>,
+    /// Bytes of evicted pages the spill tier keeps in host memory (with spill on).
+    pub spill_host_bytes: u64,
     /// Lane latency targets and the starting step cost (given to the planner when it is built);
     /// `None` = lane pacing off.
     pub pacing: Option<Pacing>,
@@ -168,6 +170,9 @@ pub struct SchedulerState {
     in_flight: bool,
     /// What the step in flight computes (timed by the executor, it refits the step cost model).
     in_flight_shape: StepShape,
+    /// When the last step's result arrived, while the next step is being planned: the host time
+    /// between two steps (the device idles through it) is recorded when that step is dispatched.
+    step_done_at: Option<Instant>,
     next_step: u64,
     next_seq: SeqId,
     live: HashMap<SeqId, LiveSeq>,
@@ -317,7 +322,11 @@ impl SchedulerState {
         let (ops, for_step) = match policy.plan_step() {
             Some(ops) => (ops, true),
             None if policy.has_pending() => (policy.take_pending(), false),
-            None => return,
+            None => {
+                // Nothing to run: the device goes idle for want of work, not for the host.
+                self.step_done_at = None;
+                return;
+            }
         };
         if pool.cast(KvPoolMsg::Commit { ops, for_step }).is_ok() {
             self.awaiting_pool = true;
@@ -410,6 +419,9 @@ impl SchedulerState {
         let followers_sent = self.followers.iter().all(|f| f.cast(ExecutorMsg::Run(plan.clone())).is_ok());
         if followers_sent && exec.cast(ExecutorMsg::Run(plan)).is_ok() {
             self.in_flight = true;
+            if let Some(done) = self.step_done_at.take() {
+                metrics::histogram!("shelfserve_step_gap_seconds").record(done.elapsed().as_secs_f64());
+            }
         } else if let Some(p) = self.policy.as_mut() {
             for id in p.on_step_failed() {
                 self.fail(id, EngineError::Executor("the executor is gone".into()));
@@ -430,11 +442,29 @@ impl SchedulerState {
 
     fn on_step_done(&mut self, r: StepResult) {
         self.in_flight = false;
+        self.step_done_at = Some(Instant::now());
         self.stats.steps += 1;
         let kind = if r.prefill_tokens > 0 { "prefill" } else { "decode" };
         metrics::histogram!("shelfserve_step_duration_seconds", "kind" => kind).record(r.elapsed.as_secs_f64());
         let Some(policy) = self.policy.as_mut() else { return };
         if r.error.is_none() {
+            // A step far over its prediction is what keeps a waiting high lane past its target:
+            // name its shape (before the fit learns from it) so such outliers can be traced.
+            if let Some(pacing) = policy.pacing() {
+                let predicted = pacing.model().predict(&self.in_flight_shape);
+                if r.elapsed.as_secs_f64() > 2.0 * predicted + 0.005 {
+                    metrics::counter!("shelfserve_step_over_prediction_total").increment(1);
+                    tracing::debug!(
+                        step = r.step_id,
+                        seconds = r.elapsed.as_secs_f64(),
+                        predicted,
+                        prefill_tokens = self.in_flight_shape.prefill_tokens,
+                        decode_seqs = self.in_flight_shape.decode_seqs,
+                        attended = self.in_flight_shape.attended,
+                        "step took over twice its predicted time"
+                    );
+                }
+            }
             policy.observe_step(&self.in_flight_shape, r.elapsed.as_secs_f64());
             // The pool prices recomputing a spilled prefix with the same, refit model.
             if self.in_flight_shape.prefill_tokens > 0 && self.spill_on {
@@ -611,6 +641,7 @@ impl Actor for SchedulerActor {
             joining: vec![None; world.max(1)],
             in_flight: false,
             in_flight_shape: StepShape::default(),
+            step_done_at: None,
             next_step: 0,
             next_seq: 0,
             live: HashMap::new(),
@@ -804,6 +835,7 @@ impl Actor for SchedulerActor {
                             page_image_bytes,
                             snapshot_bytes: state_slot_bytes,
                             read_deadline: DEFAULT_READ_DEADLINE,
+                            host_budget: st.args.spill_host_bytes,
                         };
                         // Not linked: a failing spill tier must not take serving down with it;
                         // the pool treats an unreachable spill actor as spill off.

@@ -2,16 +2,21 @@
 //! Evicted page images from the executor are queued for writing; the outcomes come back in order
 //! and tell the pool which pages are on disk. A restore is read on the I/O thread under a
 //! deadline (a miss when it runs out), then its KV part goes to the executor and the pool hears
-//! `Restored`. It decides nothing about eviction (the pool does) and never blocks on the disk.
+//! `Restored`. Evicted images are also kept in host memory up to a budget (`spill::host`), so a
+//! page evicted recently is restored by a copy to the device, without a read. It decides nothing
+//! about eviction (the pool does) and never blocks on the disk.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
+use bytes::Bytes;
+
 use super::executor::ExecutorMsg;
 use super::kvpool::KvPoolMsg;
 use crate::kv::PageHash;
+use crate::spill::host::HostTier;
 use crate::spill::{IoEvent, LoadError, SpillIo, SpillStore};
 
 /// How long a restore may take before it counts as a miss (the page is recomputed instead).
@@ -28,7 +33,7 @@ pub enum SpillMsg {
     /// the sync failed). For the drained shutdown.
     Sync(RpcReplyPort<bool>),
     /// A read ended (from the task that awaited it).
-    LoadDone { hash: PageHash, blocks: Vec<u32>, started: Instant, result: Result<Vec<u8>, LoadError> },
+    LoadDone { hash: PageHash, blocks: Vec<u32>, started: Instant, result: Result<Bytes, LoadError> },
     /// A write's outcome (from the I/O thread, in order).
     Io(IoEvent),
 }
@@ -43,6 +48,8 @@ pub struct SpillArgs {
     /// attention-only models); they go back to the pool, the rest to the executor's blocks.
     pub snapshot_bytes: usize,
     pub read_deadline: Duration,
+    /// Bytes of evicted page images kept in host memory (0: every restore reads the disk).
+    pub host_budget: u64,
 }
 
 pub struct SpillState {
@@ -52,6 +59,7 @@ pub struct SpillState {
     page_image_bytes: usize,
     snapshot_bytes: usize,
     read_deadline: Duration,
+    host: HostTier,
 }
 
 pub struct SpillActor;
@@ -84,19 +92,47 @@ impl SpillState {
         }
     }
 
-    fn on_loaded(&mut self, hash: PageHash, blocks: Vec<u32>, started: Instant, loaded: Result<Vec<u8>, LoadError>) {
+    /// Keeps an evicted image in host memory (telling the pool) and queues its disk write.
+    fn on_store(&mut self, hash: PageHash, parent: Option<PageHash>, image: Vec<u8>) {
+        let Some(io) = &self.io else { return };
+        let image = Bytes::from(image);
+        if self.host.is_on() {
+            let (kept, dropped) = self.host.insert(hash, image.clone());
+            if let Some(pool) = &self.pool {
+                for d in dropped {
+                    let _ = pool.cast(KvPoolMsg::HostDropped(d));
+                }
+                if kept {
+                    let _ = pool.cast(KvPoolMsg::InHost { hash, parent });
+                }
+            }
+            metrics::gauge!("shelfserve_spill_host_bytes").set(self.host.used_bytes() as f64);
+        }
+        io.store(hash, parent, image);
+    }
+
+    /// `from_disk`: the image was read from its file (the read time refits the pool's pricing).
+    fn on_loaded(
+        &mut self,
+        hash: PageHash,
+        blocks: Vec<u32>,
+        started: Instant,
+        loaded: Result<Bytes, LoadError>,
+        from_disk: bool,
+    ) {
         let mut snapshot = None;
         let ok = match loaded {
             Ok(mut image) if image.len() == self.page_image_bytes => {
-                metrics::counter!("shelfserve_spill_bytes_read_total").increment(image.len() as u64);
-                if let Some(pool) = &self.pool {
+                let source = if from_disk { "disk" } else { "host" };
+                metrics::counter!("shelfserve_spill_bytes_read_total", "from" => source).increment(image.len() as u64);
+                if let (Some(pool), true) = (&self.pool, from_disk) {
                     let secs = started.elapsed().as_secs_f64();
                     let _ = pool.cast(KvPoolMsg::ReadMeasured { bytes: image.len(), secs });
                 }
                 // The page's recurrent state (hybrid models) goes back to the pool with it.
                 if self.snapshot_bytes > 0 {
                     let state = image.split_off(image.len() - self.snapshot_bytes);
-                    snapshot = Some(Arc::from(state));
+                    snapshot = Some(Arc::from(&state[..]));
                 }
                 // Queued before the pool hears of it, so it runs before any step reads it.
                 let queued = self.executor.cast(ExecutorMsg::WritePage { hash, blocks, image }).is_ok();
@@ -154,6 +190,7 @@ impl Actor for SpillActor {
             page_image_bytes: a.page_image_bytes,
             snapshot_bytes: a.snapshot_bytes,
             read_deadline: a.read_deadline,
+            host: HostTier::new(a.host_budget),
         })
     }
 
@@ -165,26 +202,26 @@ impl Actor for SpillActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             SpillMsg::AttachPool(pool) => st.pool = Some(pool),
-            SpillMsg::Store { hash, parent, image } => {
-                if let Some(io) = &st.io {
-                    io.store(hash, parent, image);
-                }
-            }
+            SpillMsg::Store { hash, parent, image } => st.on_store(hash, parent, image),
             SpillMsg::Load { hash, blocks } => {
                 let started = Instant::now();
+                if let Some(image) = st.host.get(&hash) {
+                    st.on_loaded(hash, blocks, started, Ok(image), false);
+                    return Ok(());
+                }
                 match st.io.clone() {
                     Some(io) => {
                         let deadline = st.read_deadline;
                         // The actor keeps serving writes and other reads while this one waits.
                         tokio::spawn(async move {
-                            let result = io.load(hash, deadline).await;
+                            let result = io.load(hash, deadline).await.map(Bytes::from);
                             let _ = myself.cast(SpillMsg::LoadDone { hash, blocks, started, result });
                         });
                     }
-                    None => st.on_loaded(hash, blocks, started, Err(LoadError::NotSpilled(hash.to_hex()))),
+                    None => st.on_loaded(hash, blocks, started, Err(LoadError::NotSpilled(hash.to_hex())), true),
                 }
             }
-            SpillMsg::LoadDone { hash, blocks, started, result } => st.on_loaded(hash, blocks, started, result),
+            SpillMsg::LoadDone { hash, blocks, started, result } => st.on_loaded(hash, blocks, started, result, true),
             SpillMsg::Io(event) => st.on_io(event),
             SpillMsg::Sync(reply) => match &st.io {
                 Some(io) => {

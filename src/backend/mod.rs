@@ -203,6 +203,9 @@ pub enum BackendError {
 /// A compute backend for one rank. Implemented by the CPU reference backend and the CUDA
 /// backend. `forward` must be deterministic, and a sequence's logits must not depend on what
 /// else is in the batch.
+/// Where `Backend::read_kv_blocks_then` hands a page image.
+pub type PageImageDone = Box<dyn FnOnce(Result<Vec<u8>, BackendError>) + Send>;
+
 pub trait Backend: Send {
     /// Short device name for logs and metrics (`cpu`, `cuda:0`).
     fn device_name(&self) -> String;
@@ -306,6 +309,19 @@ pub trait Backend: Send {
     /// Write an image made by `read_kv_blocks` back into `blocks` (which may differ from the
     /// blocks it was read from).
     fn write_kv_blocks(&mut self, blocks: &[u32], image: &[u8]) -> Result<(), BackendError>;
+
+    /// `read_kv_blocks` for evictions: `done` gets the image, possibly later and on another
+    /// thread. The blocks' contents are taken in order with the backend's work, so later steps
+    /// may overwrite them as soon as this returns. A device backend returns without waiting for
+    /// the copy; the default reads synchronously.
+    fn read_kv_blocks_then(&mut self, blocks: &[u32], done: PageImageDone) {
+        done(self.read_kv_blocks(blocks));
+    }
+
+    /// Returns once every `read_kv_blocks_then` started so far has called its `done`.
+    fn finish_kv_reads(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
 
     /// Bytes of one recurrent-state slot image; 0 for attention-only models, which is why the
     /// two methods below have stateless defaults. Hybrid backends override all three.

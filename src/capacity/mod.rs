@@ -205,6 +205,8 @@ pub struct CapacityCard {
     pub max_context: usize,
     pub page_tokens: usize,
     pub spill_budget: u64,
+    /// Host memory the spill tier may fill with recently evicted pages (only with spill on).
+    pub spill_host_bytes: u64,
     pub memory: Memory,
     /// On CUDA: the per-rank budget the pool was sized in (utilization, weights, workspace).
     pub gpu: Option<GpuMemoryPlan>,
@@ -308,6 +310,7 @@ impl CapacityCard {
             max_context = self.max_context,
             page_tokens = self.page_tokens,
             spill_budget_mib = self.spill_budget >> 20,
+            spill_host_mib = self.spill_host_bytes >> 20,
             snapshot_mib_per_page = self.snapshot_bytes_per_page() >> 20,
             max_snapshot_mib = self.max_snapshot_bytes() >> 20,
             sized_against = %sized_against,
@@ -405,6 +408,11 @@ pub fn plan(
         max_context: bundle.config.max_position_embeddings.min(pool_tokens),
         page_tokens,
         spill_budget: s.spill_budget,
+        spill_host_bytes: if s.spill_budget > 0 && s.spill_dir.is_some() {
+            crate::spill::host::budget(s.spill_host_bytes, crate::capacity::host_available())
+        } else {
+            0
+        },
         memory,
         gpu,
     };

@@ -77,6 +77,10 @@ pub struct ServeArgs {
     /// Bytes the spill directory may hold (0 turns spill off).
     #[arg(long, env = "SHELFSERVE_SPILL_BUDGET")]
     pub spill_budget: Option<u64>,
+    /// Bytes of recently evicted pages kept in host memory in front of the spill directory
+    /// [default: 0 on the CPU, 16 GiB on CUDA, at most a quarter of the available memory].
+    #[arg(long, env = "SHELFSERVE_SPILL_HOST_BYTES")]
+    pub spill_host_bytes: Option<u64>,
     /// Boxed: the serve command's arguments are the largest of the CLI's commands already.
     #[command(flatten)]
     pub http: Box<HttpArgs>,
@@ -154,6 +158,7 @@ impl ServeArgs {
             page_tokens: self.page_tokens,
             spill_dir: self.spill_dir.clone(),
             spill_budget: self.spill_budget,
+            spill_host_bytes: self.spill_host_bytes,
             gpu_memory_utilization: self.gpu_memory_utilization,
             lane_pacing: self.lane_pacing,
         }
@@ -224,6 +229,7 @@ fn print_dry_run(
         ("gpu_memory_utilization", s.gpu_memory_utilization.to_string()),
         ("spill_dir", s.spill_dir.clone().unwrap_or_default()),
         ("spill_budget", s.spill_budget.to_string()),
+        ("spill_host_bytes", s.spill_host_bytes.to_string()),
     ] {
         println!("{knob} = {value} ({})", source(knob));
     }

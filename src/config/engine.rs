@@ -90,6 +90,10 @@ pub struct SchedulerConfig {
     /// Bytes the spill directory may hold (0 = spill off).
     #[serde(default)]
     pub spill_budget: u64,
+    /// Bytes of evicted page images the spill tier keeps in host memory in front of the
+    /// directory (0 = none; only with spill on).
+    #[serde(default)]
+    pub spill_host_bytes: u64,
     /// Share of the GPU's total memory the engine may use (weights + workspace + KV pool), per
     /// rank; vLLM's `--gpu-memory-utilization`. Ignored on the CPU.
     #[serde(default = "default_gpu_memory_utilization")]

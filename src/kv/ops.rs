@@ -145,7 +145,8 @@ fn prefetch(pool: &mut KvPool, seq: SeqId, reply: &mut PoolReply) {
         return;
     }
     let indices: Vec<usize> = candidates.iter().map(|&(i, _, _)| i).collect();
-    if !pool.choose_restore(&indices) {
+    let host_pages = candidates.iter().filter(|(_, h, _)| pool.is_in_host(h)).count();
+    if !pool.choose_restore(&indices, host_pages) {
         return;
     }
     for (_, hash, parent) in candidates {
@@ -165,7 +166,8 @@ fn restoring(pool: &mut KvPool, seq: SeqId, reply: &mut PoolReply) -> bool {
     }
     // Read back only when the cost model says the read beats recomputing those pages.
     let indices: Vec<usize> = candidates.iter().map(|&(i, _, _)| i).collect();
-    if !pool.choose_restore(&indices) {
+    let host_pages = candidates.iter().filter(|(_, h, _)| pool.is_in_host(h)).count();
+    if !pool.choose_restore(&indices, host_pages) {
         return pending;
     }
     // The blocks for the restores must not come from evicting this chain's own cached pages.

@@ -179,6 +179,8 @@ pub struct KvPool {
     corrupt: HashSet<PageHash>,
     /// Pages the spill tier holds on disk, with their parents.
     spilled: HashMap<PageHash, Option<PageHash>>,
+    /// Of those, the pages the spill tier also holds in host memory (restored without a read).
+    in_host: HashSet<PageHash>,
     /// Pages being restored from disk: blocks held until the image is written.
     restoring: HashMap<PageHash, (Option<PageHash>, Allocation)>,
     /// Snapshots to write into the slots of sequences that just got a prefix hit.
@@ -220,6 +222,7 @@ impl KvPool {
             evicted_order: VecDeque::new(),
             corrupt: HashSet::new(),
             spilled: HashMap::new(),
+            in_host: HashSet::new(),
             restoring: HashMap::new(),
             state_writes_out: Vec::new(),
             restore_cost: None,

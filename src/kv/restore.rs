@@ -19,14 +19,33 @@ impl KvPool {
         self.spilled.insert(hash, parent);
     }
 
+    /// The spill tier holds this page in host memory (before or beside its disk copy): restorable
+    /// at once, priced as a copy to the device.
+    pub fn note_in_host(&mut self, hash: PageHash, parent: Option<PageHash>) {
+        self.spilled.insert(hash, parent);
+        self.in_host.insert(hash);
+    }
+
+    /// The spill tier dropped this page from host memory (its disk copy, if written, remains).
+    pub fn forget_in_host(&mut self, hash: &PageHash) {
+        self.in_host.remove(hash);
+    }
+
     /// The spill tier no longer holds this page (budget, disk trouble).
     pub fn forget_spilled(&mut self, hash: &PageHash) {
         self.spilled.remove(hash);
+        self.in_host.remove(hash);
     }
 
     /// The spill tier is gone: nothing on disk can be restored any more.
     pub fn forget_all_spilled(&mut self) {
         self.spilled.clear();
+        self.in_host.clear();
+    }
+
+    /// Whether the spill tier holds this page in host memory.
+    pub fn is_in_host(&self, hash: &PageHash) -> bool {
+        self.in_host.contains(hash)
     }
 
     pub fn num_spilled(&self) -> usize {
@@ -163,13 +182,13 @@ impl KvPool {
         }
     }
 
-    /// Whether to restore the spilled pages with these prefix indices (always, without a cost
-    /// model). Counts the decision.
-    pub fn choose_restore(&mut self, page_indices: &[usize]) -> bool {
+    /// Whether to restore the spilled pages with these prefix indices, `host_pages` of them held
+    /// in host memory (always, without a cost model). Counts the decision.
+    pub fn choose_restore(&mut self, page_indices: &[usize], host_pages: usize) -> bool {
         let restore = match &self.restore_cost {
             None => true,
             Some(c) => {
-                let d = c.decide(page_indices);
+                let d = c.decide(page_indices, host_pages);
                 tracing::debug!(
                     pages = page_indices.len(),
                     read_secs = d.read_secs,

@@ -5,9 +5,11 @@
 //! prefix can take half a second where reading its 800 MB image takes seconds. So the pool restores
 //! only when the predicted read time beats the predicted recompute time:
 //!
-//! * read: `bytes / throughput`, the throughput a decayed average of the restores measured so far
-//!   (each from queueing to the image being in memory, so a disk busy with writes counts), with
-//!   the reads of one admission running `parallel_reads` wide;
+//! * read: `bytes / throughput`, the throughput a decayed average of the disk restores measured so
+//!   far (each from queueing to the image being in memory, so a disk busy with writes counts), with
+//!   the reads of one admission running `parallel_reads` wide; pages the spill tier still holds
+//!   in host memory cost only their copy to the device, one after another
+//!   (`HOST_COPY_BPS`);
 //! * recompute: the step cost model's prefill cost (`sched::cost`) of those pages' tokens at their
 //!   positions, refit as the engine runs (the scheduler hands the pool its latest coefficients).
 //!
@@ -45,6 +47,9 @@ impl RestoreCost {
     /// Prior read throughput of one read: a local NVMe drive or the page cache. Optimistic on
     /// purpose (see the module doc).
     pub const PRIOR_READ_BPS: f64 = 2e9;
+    /// A page image in host memory copied into the device's blocks: pageable memory over PCIe,
+    /// conservatively (pinned gen5 reaches 25 GB/s and more).
+    pub const HOST_COPY_BPS: f64 = 8e9;
 
     pub fn new(page_image_bytes: usize, page_tokens: usize, parallel_reads: usize, step: StepCost) -> Self {
         RestoreCost {
@@ -92,9 +97,12 @@ impl RestoreCost {
         page_indices.iter().map(|&i| self.step.prefill_secs(i * self.page_tokens, self.page_tokens)).sum()
     }
 
-    /// Restore the spilled pages with these indices, or recompute them?
-    pub fn decide(&self, page_indices: &[usize]) -> RestoreDecision {
-        let read_secs = self.read_secs(page_indices.len());
+    /// Restore the spilled pages with these indices (`host_pages` of them in host memory, the
+    /// rest on disk), or recompute them?
+    pub fn decide(&self, page_indices: &[usize], host_pages: usize) -> RestoreDecision {
+        let host_pages = host_pages.min(page_indices.len());
+        let read_secs = self.read_secs(page_indices.len() - host_pages)
+            + host_pages as f64 * self.page_image_bytes as f64 / Self::HOST_COPY_BPS;
         let recompute_secs = self.recompute_secs(page_indices);
         RestoreDecision { restore: !page_indices.is_empty() && read_secs < recompute_secs, read_secs, recompute_secs }
     }
@@ -115,13 +123,13 @@ mod tests {
         let mut c = model();
         // 8 pages: 2048 tokens = 0.2 s of prefill; 2 rounds of 4 MiB at 2 GB/s = 4 ms.
         let pages: Vec<usize> = (0..8).collect();
-        assert!(c.decide(&pages).restore);
+        assert!(c.decide(&pages, 0).restore);
         // The disk turns out to read 20 MB/s: 2 rounds of 4 MiB ≈ 0.42 s > 0.2 s.
         for _ in 0..20 {
             c.observe_read(4 << 20, (4 << 20) as f64 / 20e6);
         }
         assert!((c.read_bps() - 20e6).abs() / 20e6 < 0.05, "{}", c.read_bps());
-        let d = c.decide(&pages);
+        let d = c.decide(&pages, 0);
         assert!(!d.restore, "{d:?}");
         assert!(d.read_secs > d.recompute_secs);
     }
@@ -133,7 +141,7 @@ mod tests {
             c.observe_read(4 << 20, (4 << 20) as f64 / 20e6);
         }
         let pages = [0, 1, 2, 3];
-        assert!(!c.decide(&pages).restore);
+        assert!(!c.decide(&pages, 0).restore);
         // The refit step cost says prefill is 10× slower than assumed: now the read pays.
         c.set_step_cost(StepCost {
             fixed: 0.01,
@@ -141,7 +149,7 @@ mod tests {
             per_decode_seq: 0.0,
             per_million_attended: 0.0,
         });
-        assert!(c.decide(&pages).restore);
+        assert!(c.decide(&pages, 0).restore);
     }
 
     #[test]
@@ -149,7 +157,7 @@ mod tests {
         let step = StepCost { fixed: 0.0, per_prefill_token: 0.0, per_decode_seq: 0.0, per_million_attended: 1.0 };
         let c = RestoreCost::new(1 << 20, 256, 1, step);
         assert!(c.recompute_secs(&[20]) > 10.0 * c.recompute_secs(&[0]));
-        assert!(!c.decide(&[]).restore, "nothing to restore");
+        assert!(!c.decide(&[], 0).restore, "nothing to restore");
     }
 
     #[test]

@@ -105,6 +105,11 @@ pub struct StepCostModel {
     decay: f64,
     coef: [f64; FEATURES],
     observed: u64,
+    /// The most prefill tokens one observed step carried. A linear fit of small prefills (which
+    /// cost little more than a decode while the device is bound by reading weights) says nothing
+    /// about large ones (bound by compute): beyond this size prefill is priced at no less than
+    /// the prior's rate, so a first long chunk cannot hold a step far past its budget.
+    largest_prefill: usize,
 }
 
 impl StepCostModel {
@@ -118,6 +123,7 @@ impl StepCostModel {
             decay: decay.clamp(f64::MIN_POSITIVE, 1.0),
             coef: prior,
             observed: 0,
+            largest_prefill: 0,
         }
     }
 
@@ -131,14 +137,26 @@ impl StepCostModel {
         self.observed
     }
 
+    /// Per prefill token, for a step carrying `n` of them: the fit within what was observed,
+    /// never below the prior beyond it.
+    fn prefill_rate(&self, n: usize) -> f64 {
+        if n > self.largest_prefill {
+            self.coef[1].max(self.prior[1])
+        } else {
+            self.coef[1]
+        }
+    }
+
     /// Predicted seconds for a step of this shape.
     pub fn predict(&self, shape: &StepShape) -> f64 {
-        shape.features().iter().zip(&self.coef).map(|(x, c)| x * c).sum()
+        let mut coef = self.coef;
+        coef[1] = self.prefill_rate(shape.prefill_tokens);
+        shape.features().iter().zip(&coef).map(|(x, c)| x * c).sum()
     }
 
     /// Seconds that `n` more prefill tokens starting at `start` add to a step.
     pub fn chunk_cost(&self, start: usize, n: usize) -> f64 {
-        n as f64 * self.coef[1] + attended_by(start, n) as f64 / ATTENDED_UNIT * self.coef[3]
+        n as f64 * self.prefill_rate(n) + attended_by(start, n) as f64 / ATTENDED_UNIT * self.coef[3]
     }
 
     /// The most prefill tokens starting at position `start` that add at most `secs` to a step.
@@ -147,9 +165,26 @@ impl StepCostModel {
         if secs.is_nan() || secs <= 0.0 {
             return 0;
         }
-        // cost(n) = a·n² + b·n with a = c3 / 2M, b = c1 + c3·(start + ½) / M; increasing in n.
+        // With the fitted rate; a chunk beyond the largest observed prefill is sized again at the
+        // rate `prefill_rate` gives it, keeping at least what fits within the observed range.
+        let fitted = self.tokens_at_rate(secs, start, self.coef[1]);
+        let mut n = if fitted <= self.largest_prefill {
+            fitted
+        } else {
+            self.tokens_at_rate(secs, start, self.prefill_rate(fitted)).max(self.largest_prefill)
+        };
+        // Rounding in the closed form must never let the chunk overshoot its budget.
+        while n > 0 && self.chunk_cost(start, n) > secs {
+            n -= 1;
+        }
+        n
+    }
+
+    /// Closed form of `tokens_within` for one per-token rate (may overshoot by rounding).
+    fn tokens_at_rate(&self, secs: f64, start: usize, rate: f64) -> usize {
+        // cost(n) = a·n² + b·n with a = c3 / 2M, b = rate + c3·(start + ½) / M; increasing in n.
         let a = self.coef[3] / (2.0 * ATTENDED_UNIT);
-        let b = self.coef[1] + self.coef[3] * (start as f64 + 0.5) / ATTENDED_UNIT;
+        let b = rate + self.coef[3] * (start as f64 + 0.5) / ATTENDED_UNIT;
         let n = if a > 0.0 {
             (-b + (b * b + 4.0 * a * secs).sqrt()) / (2.0 * a)
         } else if b > 0.0 {
@@ -157,12 +192,11 @@ impl StepCostModel {
         } else {
             return usize::MAX;
         };
-        let mut n = if n.is_finite() && n < usize::MAX as f64 { n.floor() as usize } else { usize::MAX };
-        // Rounding in the closed form must never let the chunk overshoot its budget.
-        while n > 0 && self.chunk_cost(start, n) > secs {
-            n -= 1;
+        if n.is_finite() && n < usize::MAX as f64 {
+            n.floor() as usize
+        } else {
+            usize::MAX
         }
-        n
     }
 
     /// Records how long a step of this shape took, and refits.
@@ -178,6 +212,7 @@ impl StepCostModel {
             self.xty[i] = self.decay * self.xty[i] + x[i] * secs;
         }
         self.observed += 1;
+        self.largest_prefill = self.largest_prefill.max(shape.prefill_tokens);
         self.refit();
     }
 
@@ -320,6 +355,29 @@ mod tests {
         }
         let c = m.cost();
         assert!(c.per_prefill_token >= 0.0 && c.per_million_attended >= 0.0 && c.fixed > 0.0, "{c:?}");
+    }
+
+    #[test]
+    fn prefill_beyond_the_largest_observed_is_priced_at_least_at_the_prior_rate() {
+        // An 8B model on a GPU: prefills of 10 to 200 tokens take 5 ms whatever their size
+        // (weight reads), so the fit's per-token rate comes out far below the compute-bound 30 µs
+        // of long chunks.
+        let mut m = StepCostModel::new(StepCost::CUDA, 0.97);
+        for i in 0..60 {
+            let mut s = StepShape::default();
+            s.add(0, 10 + (i % 20) * 10, false);
+            m.observe(&s, 0.005);
+        }
+        assert!(m.cost().per_prefill_token < StepCost::CUDA.per_prefill_token / 2.0, "{:?}", m.cost());
+        let mut long = StepShape::default();
+        long.add(0, 6000, false);
+        assert!(m.predict(&long) >= 6000.0 * StepCost::CUDA.per_prefill_token, "{}", m.predict(&long));
+        // Chunk sizing follows: 50 ms hold at most the prior's 1,666 tokens, not the fit's many.
+        let n = m.tokens_within(0.05, 0);
+        assert!((200..=1666).contains(&n), "{n}");
+        // Once a long step is seen, the fit takes over for that size.
+        m.observe(&long, 6000.0 * 2e-5);
+        assert!(m.predict(&long) < 6000.0 * StepCost::CUDA.per_prefill_token);
     }
 
     #[test]

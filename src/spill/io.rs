@@ -52,7 +52,7 @@ enum WriteJob {
     Store {
         hash: PageHash,
         parent: Option<PageHash>,
-        image: Vec<u8>,
+        image: bytes::Bytes,
     },
     /// Index and directory made durable; answered after every write queued before it.
     Sync(flume::Sender<Result<(), String>>),
@@ -99,7 +99,7 @@ impl SpillIo {
     }
 
     /// Queues a write; its outcome goes to the event callback.
-    pub fn store(&self, hash: PageHash, parent: Option<PageHash>, image: Vec<u8>) {
+    pub fn store(&self, hash: PageHash, parent: Option<PageHash>, image: bytes::Bytes) {
         let _ = self.writes.send(WriteJob::Store { hash, parent, image });
     }
 
@@ -269,7 +269,7 @@ mod tests {
         let tmp = tempfile::tempdir().expect("tmp");
         let (io, events) = start(tmp.path());
         for n in 1..=3 {
-            io.store(hash(n), None, vec![n; 1000]);
+            io.store(hash(n), None, vec![n; 1000].into());
         }
         io.sync().await.expect("sync");
         let stored: Vec<PageHash> = events
@@ -297,7 +297,7 @@ mod tests {
         let tmp = tempfile::tempdir().expect("tmp");
         let (io, _events) = start(tmp.path());
         for n in 1..=8 {
-            io.store(hash(n), None, vec![n; 100_000]);
+            io.store(hash(n), None, vec![n; 100_000].into());
         }
         io.sync().await.expect("sync");
         let loads = (1..=8).map(|n| io.load(hash(n), Duration::from_secs(30)));
@@ -323,12 +323,12 @@ mod tests {
     async fn a_read_stuck_behind_slow_disk_work_is_a_miss_at_its_deadline() {
         let tmp = tempfile::tempdir().expect("tmp");
         let (io, _events) = start(tmp.path());
-        io.store(hash(1), None, vec![1; 1000]);
+        io.store(hash(1), None, vec![1; 1000].into());
         io.sync().await.expect("sync");
         // Keep the thread busy with large synced writes; the read queued behind them cannot make
         // a 1 ms deadline (it is a miss, not a wait).
         for n in 10..14 {
-            io.store(hash(n), None, vec![n; 64 << 20]);
+            io.store(hash(n), None, vec![n; 64 << 20].into());
         }
         // Writes are taken in order, but a read waits for the write in progress.
         tokio::time::sleep(Duration::from_millis(5)).await;

@@ -8,6 +8,7 @@
 //! memory (the executor reads and writes page images).
 
 pub mod format;
+pub mod host;
 pub mod io;
 pub mod secure;
 pub mod store;

@@ -422,6 +422,36 @@ impl CudaBackend {
         Ok(image)
     }
 
+    /// `read_kv_blocks` without waiting: the gather runs in stream order, the copy to the host
+    /// beside later steps, and `done` gets the image on the page mover's thread.
+    pub fn read_kv_blocks_then(&mut self, blocks: &[u32], done: crate::backend::PageImageDone) -> Result<(), BackendError> {
+        let bb = self.kv_block_bytes();
+        if let Err(e) = crate::backend::validate_kv_image(blocks, blocks.len() * bb, bb, self.geom) {
+            done(Err(e));
+            return Ok(());
+        }
+        self.gpu.bind()?;
+        if self.page_mover.is_none() {
+            self.page_mover = Some(super::page_mover::PageMover::new(&self.gpu)?);
+        }
+        let ids = self.scratch.get(&self.gpu, "kv_block_ids", blocks.len() * 4)?;
+        let f = self.gpu.func("llama", "copy_blocks")?;
+        let (cache, bb64) = (self.kv.ptr(), bb as i64);
+        let mover = self.page_mover.as_ref().expect("made above");
+        mover.read(
+            &self.gpu,
+            blocks.len() * bb,
+            |gpu, dst| {
+                // The ids go in stream order (the driver stages pageable memory at once), so the
+                // next gather may reuse the buffer.
+                gpu.copy_htod_in_order(ids, blocks)?;
+                let grid = (grid_for(bb, 256).min(1024), blocks.len() as u32);
+                launch!(gpu, f, cfg(grid, 256, 0), &cache, &dst, &ids, &bb64, &0i32)
+            },
+            done,
+        )
+    }
+
     /// Write an image from `read_kv_blocks` into `blocks`.
     pub fn write_kv_blocks(&mut self, blocks: &[u32], image: &[u8]) -> Result<(), BackendError> {
         let bb = self.kv_block_bytes();

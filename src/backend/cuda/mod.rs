@@ -14,6 +14,7 @@ pub mod glm5_next;
 pub mod gpu;
 mod kernel_cache;
 pub mod nccl;
+mod page_mover;
 pub mod plan;
 pub mod sample;
 pub mod shard;
@@ -97,6 +98,8 @@ pub struct CudaBackend {
     /// Replay decode steps as CUDA graphs (`SHELFSERVE_CUDA_GRAPHS=0` turns it off).
     cuda_graphs: bool,
     graphs: std::collections::HashMap<forward::GraphKey, forward::StepGraph>,
+    /// Copies evicted pages out beside the step stream (made at the first eviction).
+    page_mover: Option<page_mover::PageMover>,
     /// This rank's communicator and slices; `None` when the backend holds the whole model.
     tp: Option<shard::CudaTp>,
     /// Sample on the device in `forward_sampled` (`SHELFSERVE_CUDA_SAMPLING=0` keeps sampling on
@@ -185,6 +188,7 @@ impl CudaBackend {
             streaming_decode: std::env::var("SHELFSERVE_CUDA_STREAM_DECODE").map_or(true, |v| v != "0"),
             cuda_graphs: std::env::var("SHELFSERVE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             graphs: std::collections::HashMap::new(),
+            page_mover: None,
             tp,
             device_sampling: std::env::var("SHELFSERVE_CUDA_SAMPLING").map_or(true, |v| v != "0"),
             sampler: sample::DeviceSampler::default(),
@@ -475,6 +479,17 @@ impl Backend for CudaBackend {
 
     fn read_kv_blocks(&mut self, blocks: &[u32]) -> Result<Vec<u8>, BackendError> {
         CudaBackend::read_kv_blocks(self, blocks)
+    }
+
+    fn read_kv_blocks_then(&mut self, blocks: &[u32], done: crate::backend::PageImageDone) {
+        if let Err(e) = CudaBackend::read_kv_blocks_then(self, blocks, done) {
+            // `done` went with the failed start; the page is then simply not spilled.
+            tracing::warn!(error = %e, "could not start copying an evicted page out");
+        }
+    }
+
+    fn finish_kv_reads(&mut self) -> Result<(), BackendError> {
+        self.page_mover.as_ref().map_or(Ok(()), page_mover::PageMover::flush)
     }
 
     fn write_kv_blocks(&mut self, blocks: &[u32], image: &[u8]) -> Result<(), BackendError> {

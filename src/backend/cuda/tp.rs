@@ -206,6 +206,19 @@ impl Backend for TpCudaBackend {
         read_group_kv(&mut self.ranks, blocks)
     }
 
+    /// A group of one copies pages out in the background; a larger group's image joins every
+    /// rank's part, read in turn.
+    fn read_kv_blocks_then(&mut self, blocks: &[u32], done: crate::backend::PageImageDone) {
+        match self.ranks.as_mut_slice() {
+            [only] => Backend::read_kv_blocks_then(only, blocks, done),
+            _ => done(Backend::read_kv_blocks(self, blocks)),
+        }
+    }
+
+    fn finish_kv_reads(&mut self) -> Result<(), BackendError> {
+        self.ranks.iter_mut().try_for_each(Backend::finish_kv_reads)
+    }
+
     fn write_kv_blocks(&mut self, blocks: &[u32], image: &[u8]) -> Result<(), BackendError> {
         validate_kv_image(blocks, image.len(), self.kv_block_bytes(), self.kv_geometry())?;
         write_group_kv(&mut self.ranks, blocks, image)

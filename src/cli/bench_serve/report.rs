@@ -1,6 +1,11 @@
 //! What a load run measured, summarised the way `vllm bench serve` does: request and token
 //! throughput, and TTFT, TPOT, ITL and end-to-end latency percentiles. Pure arithmetic over
 //! per-request records.
+//!
+//! Beside the whole-run aggregate (which includes every prefill and the ramps at the start and
+//! end), the report gives the *steady decode* rate: tokens streamed while the most streams were
+//! decoding at once, over the time they were. That is the serving rate at a known batch, the one
+//! number comparable with `shelfserve bench`'s decode tok/s at the same batch.
 
 use serde::Serialize;
 
@@ -91,6 +96,8 @@ pub struct Report {
     pub tpot: Latency,
     pub itl: Latency,
     pub e2e: Latency,
+    /// Tokens per second while the most streams decoded at once (see the module doc).
+    pub steady_decode: Option<SteadyDecode>,
     /// The first few distinct errors, for the reader.
     pub errors: Vec<String>,
 }
@@ -119,6 +126,7 @@ impl Report {
             tpot: Latency::of(ok.iter().filter_map(|r| r.tpot())),
             itl: Latency::of(ok.iter().flat_map(|r| r.itl.iter().copied())),
             e2e: Latency::of(ok.iter().map(|r| r.e2e)),
+            steady_decode: SteadyDecode::of(&ok),
             errors,
         }
     }
@@ -139,10 +147,75 @@ impl Report {
             line(&format!("{name} mean / p50 (ms):"), format!("{:.2} / {:.2}", l.mean_ms, l.p50_ms));
             line(&format!("{name} p90 / p99 (ms):"), format!("{:.2} / {:.2}", l.p90_ms, l.p99_ms));
         }
+        if let Some(s) = &self.steady_decode {
+            line(&format!("Steady decode, {} streams (tok/s):", s.streams), format!("{:.2}", s.tok_per_s));
+            line("Steady decode window (s):", format!("{:.2}", s.seconds));
+        }
         for e in &self.errors {
             out.push_str(&format!("error: {e}\n"));
         }
         out
+    }
+}
+
+/// The decode rate over the time the most streams were decoding at once.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct SteadyDecode {
+    /// How many streams were decoding during the window.
+    pub streams: usize,
+    /// Total seconds of the window (possibly several stretches).
+    pub seconds: f64,
+    /// Tokens streamed inside the window per second.
+    pub tok_per_s: f64,
+}
+
+impl SteadyDecode {
+    /// A stream decodes from its first chunk to its last; each chunk stands for
+    /// `output_tokens / chunks` tokens. Stretches of under 1 ms are ignored, as is a run whose
+    /// window holds fewer than two chunks per stream (too short to be a rate).
+    fn of(records: &[&RequestRecord]) -> Option<SteadyDecode> {
+        // (time, +1 start | -1 end) and (time, tokens) per chunk.
+        let mut edges: Vec<(f64, i32)> = Vec::new();
+        let mut chunks: Vec<(f64, f64)> = Vec::new();
+        for r in records {
+            let Some(ttft) = r.ttft else { continue };
+            let per_chunk = r.output_tokens as f64 / (r.itl.len() + 1) as f64;
+            let mut t = r.sent_at + ttft;
+            edges.push((t, 1));
+            chunks.push((t, per_chunk));
+            for gap in &r.itl {
+                t += gap;
+                chunks.push((t, per_chunk));
+            }
+            edges.push((t, -1));
+        }
+        // Ends sort before starts at the same instant: a stream handing over to the next is not
+        // counted twice.
+        edges.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let (mut active, mut peak) = (0i32, 0i32);
+        for &(_, d) in &edges {
+            active += d;
+            peak = peak.max(active);
+        }
+        if peak == 0 {
+            return None;
+        }
+        let mut windows: Vec<(f64, f64)> = Vec::new();
+        active = 0;
+        for w in edges.windows(2) {
+            active += w[0].1;
+            if active == peak && w[1].0 - w[0].0 >= 1e-3 {
+                windows.push((w[0].0, w[1].0));
+            }
+        }
+        let seconds: f64 = windows.iter().map(|(a, b)| b - a).sum();
+        let inside = |t: f64| windows.iter().any(|&(a, b)| t > a && t <= b);
+        let (count, tokens) =
+            chunks.iter().filter(|c| inside(c.0)).fold((0usize, 0.0), |(n, sum), c| (n + 1, sum + c.1));
+        if seconds <= 0.0 || count < 2 * peak as usize {
+            return None;
+        }
+        Some(SteadyDecode { streams: peak as usize, seconds, tok_per_s: tokens / seconds })
     }
 }
 
@@ -180,5 +253,43 @@ mod tests {
         assert!((r.ttft.p99_ms - 100.0).abs() < 1e-9);
         assert_eq!(r.errors, vec!["HTTP 429".to_string()], "errors listed once");
         assert!(r.table().contains("Failed requests:") && r.table().contains("error: HTTP 429"));
+    }
+
+    /// A stream sent at `sent` whose first chunk comes after `ttft` and then one chunk (one token)
+    /// every `every` seconds, `tokens` in all.
+    fn stream(sent: f64, ttft: f64, every: f64, tokens: usize) -> RequestRecord {
+        RequestRecord { sent_at: sent, output_tokens: tokens, ttft: Some(ttft), itl: vec![every; tokens - 1], ..Default::default() }
+    }
+
+    #[test]
+    fn steady_decode_counts_only_the_time_all_streams_decode() {
+        // Two streams, 10 ms per token; the second starts decoding 0.1 s later and ends 0.1 s
+        // later. Both decode together from 0.11 s to 1.0 s: 2 tokens per 10 ms = 200 tok/s,
+        // whatever the ramps around it.
+        let a = stream(0.0, 0.01, 0.01, 100);
+        let b = stream(0.0, 0.11, 0.01, 100);
+        let r = Report::of(&[a, b], 1.2);
+        let s = r.steady_decode.clone().expect("a window with both streams");
+        assert_eq!(s.streams, 2);
+        assert!((s.seconds - 0.89).abs() < 1e-6, "{}", s.seconds);
+        assert!((s.tok_per_s - 200.0).abs() < 2.5, "{}", s.tok_per_s);
+        assert!(r.output_throughput < s.tok_per_s, "the aggregate includes the ramps");
+        assert!(r.table().contains("Steady decode, 2 streams"));
+    }
+
+    #[test]
+    fn steady_decode_scales_chunks_that_carry_several_tokens() {
+        // One stream, 50 chunks of 2 tokens each, 20 ms apart: still 100 tok/s.
+        let mut a = stream(0.0, 0.05, 0.02, 50);
+        a.output_tokens = 100;
+        let s = Report::of(&[a], 1.2).steady_decode.unwrap();
+        assert!((s.tok_per_s - 100.0).abs() < 2.5, "{}", s.tok_per_s);
+    }
+
+    #[test]
+    fn no_steady_decode_without_streams() {
+        let failed = RequestRecord { error: Some("HTTP 500".into()), ..Default::default() };
+        assert_eq!(Report::of(&[failed], 1.0).steady_decode, None);
+        assert_eq!(Report::of(&[stream(0.0, 0.1, 0.0, 1)], 1.0).steady_decode, None, "one chunk is no rate");
     }
 }
