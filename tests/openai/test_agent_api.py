@@ -156,6 +156,7 @@ TRIP = {
                 "hotel": {"type": "boolean"},
             },
             "required": ["city", "days", "hotel"],
+            "additionalProperties": False,
         },
     },
 }
@@ -398,8 +399,8 @@ def anthropic_agent_loop_streamed():
 def anthropic_streamed_input_arrives_in_json_pieces():
     """A required tool_use block with several arguments, streamed: `content_block_start` with an
     empty input, more than one `input_json_delta`, `content_block_stop`; the pieces join to the
-    non-streamed block's input (in its compact JSON spelling), and the SDK's assembled message
-    equals the non-streamed one."""
+    non-streamed block's input (in its compact JSON spelling). (The SDK's own assembly of the
+    pieces is checked by the agent loop below.)"""
     tool = {"name": "plan_trip", "description": "Plan a trip", "input_schema": schema_of(TRIP)}
     kw = dict(max_tokens=64, tools=[tool], tool_choice={"type": "any"}, messages=TRIP_ASK)
     whole = ant(**kw)
@@ -422,9 +423,6 @@ def anthropic_streamed_input_arrives_in_json_pieces():
     expect(joined == json.dumps(uses[0].input, separators=(",", ":"), ensure_ascii=False), f"{joined!r} vs {uses[0].input}")
     delta = next(e for e in events if e.type == "message_delta")
     expect(delta.delta.stop_reason == "tool_use", f"{delta}")
-    with ANT.messages.stream(model=ARGS.model, extra_body=GREEDY, **kw) as s:
-        final = s.get_final_message()
-    expect([(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(uses[0].name, uses[0].input)], f"{final.content}")
 
 
 @check
