@@ -4,7 +4,9 @@
 //!   default model (`tests/openai/test_agent_api.py`): forced and required tool calls whose
 //!   arguments validate against the tool's schema (grammar-constrained), `response_format`
 //!   json_schema / json_object and vLLM's guided fields, a bad schema's 400, constrained replies
-//!   with `--speculative ngram` equal to plain ones, streamed equal to non-streamed, an agent loop
+//!   with `--speculative ngram` equal to plain ones, streamed equal to non-streamed, a forced
+//!   call's arguments streamed in several pieces that join to exactly the non-streamed string
+//!   (`delta.tool_calls` and `input_json_delta`), an agent loop
 //!   (call → result → answer) with each client, the Messages API's events, usage with prefix-cache
 //!   reads, stop sequences, count_tokens, Anthropic-shaped errors, /tokenize and /detokenize.
 //! - The glm5 chat fixture (a real GLM template and tokenizer whose `<think>` / `</think>` are

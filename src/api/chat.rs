@@ -8,7 +8,9 @@
 //! expect string content); a tool call's `arguments` JSON string is parsed into an object, which
 //! is what HF templates (`arguments | tojson`) expect. The reply is read by an `output::ReplyParser`
 //! per choice: reasoning into `reasoning_content`, tool calls into `tool_calls` (streamed as
-//! `delta.reasoning_content` / `delta.tool_calls`).
+//! `delta.reasoning_content` / `delta.tool_calls`: per call a first delta with its `index`, `id`,
+//! `type` and name and empty arguments, as soon as the name is known, then its arguments in
+//! pieces as the model writes them; the pieces concatenate to the non-streamed `arguments`).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -25,7 +27,7 @@ use super::reasoning::ReasoningStart;
 use super::sse::{self, Choices, SseSource};
 use super::structured;
 use super::tokens::{finite_logprob, TokenPieces};
-use super::tools::parse::ToolCall;
+use super::tools::parse::{CallEvent, CallList, ToolCall};
 use super::tools::{self, ToolChoice};
 use super::types::{
     ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, ChatDelta, ChatFinishReason, ChatLogprobs, ChatMessageOut,
@@ -341,7 +343,8 @@ impl Reply {
             .into_iter()
             .enumerate()
             .map(|(index, a)| {
-                let made_calls = !a.calls.is_empty();
+                let made_calls = !a.calls.calls.is_empty();
+                let finish_reason = a.finish.map(|(r, _)| ChatFinishReason::new(r, a.calls.whole > 0));
                 ChatChoice {
                     index,
                     logprobs: self.logprobs(&a.tokens),
@@ -349,9 +352,9 @@ impl Reply {
                         role: "assistant",
                         content: (!made_calls || !a.content.is_empty()).then_some(a.content),
                         reasoning_content: a.reasoning,
-                        tool_calls: a.calls,
+                        tool_calls: a.calls.calls.into_iter().map(tool_call_out).collect(),
                     },
-                    finish_reason: a.finish.map(|(r, _)| ChatFinishReason::new(r, made_calls)),
+                    finish_reason,
                 }
             })
             .collect();
@@ -372,7 +375,7 @@ struct Acc {
     parser: ReplyParser,
     content: String,
     reasoning: Option<String>,
-    calls: Vec<ToolCallOut>,
+    calls: CallList,
     tokens: Vec<TokenInfo>,
     finish: Option<(FinishReason, Usage)>,
 }
@@ -383,7 +386,7 @@ impl Acc {
             parser: setup.parser(),
             content: String::new(),
             reasoning: None,
-            calls: Vec::new(),
+            calls: CallList::default(),
             tokens: Vec::new(),
             finish: None,
         }
@@ -394,7 +397,7 @@ impl Acc {
             match piece {
                 ReplyPiece::Reasoning(t) => self.reasoning.get_or_insert_with(String::new).push_str(&t),
                 ReplyPiece::Content(t) => self.content.push_str(&t),
-                ReplyPiece::Call(c) => self.calls.push(tool_call_out(c)),
+                ReplyPiece::Call(e) => self.calls.add(e),
             }
         }
     }
@@ -425,40 +428,32 @@ fn token_logprob(pieces: &TokenPieces, t: &TokenInfo) -> ChatTokenLogprob {
     }
 }
 
-/// The deltas one parsed piece becomes: reasoning and content as text deltas; a tool call as
-/// OpenAI streams it, a first delta with its id and name, then its arguments under the same
-/// `index` (`call_index` counts this choice's calls).
-fn piece_deltas(piece: ReplyPiece, call_index: &mut usize) -> Vec<ChatDelta> {
+/// The delta one parsed piece becomes: reasoning and content as text deltas; a call as OpenAI
+/// streams it: its start as `{index, id, type, function: {name, arguments: ""}}`, each piece of
+/// its arguments as `{index, function: {arguments}}`; its end sends nothing.
+fn piece_delta(piece: ReplyPiece) -> Option<ChatDelta> {
+    let call = |d: ToolCallDelta| Some(ChatDelta { tool_calls: Some(vec![d]), ..ChatDelta::default() });
     match piece {
-        ReplyPiece::Reasoning(t) => vec![ChatDelta { reasoning_content: Some(t), ..ChatDelta::default() }],
-        ReplyPiece::Content(t) => vec![ChatDelta { content: Some(t), ..ChatDelta::default() }],
-        ReplyPiece::Call(c) => {
-            let index = *call_index;
-            *call_index += 1;
-            let head = ToolCallDelta {
-                index,
-                id: Some(c.id),
-                kind: Some("function"),
-                function: FunctionDelta { name: Some(c.name), arguments: String::new() },
-            };
-            let args = ToolCallDelta {
-                index,
-                id: None,
-                kind: None,
-                function: FunctionDelta { name: None, arguments: c.arguments },
-            };
-            vec![
-                ChatDelta { tool_calls: Some(vec![head]), ..ChatDelta::default() },
-                ChatDelta { tool_calls: Some(vec![args]), ..ChatDelta::default() },
-            ]
+        ReplyPiece::Reasoning(t) => Some(ChatDelta { reasoning_content: Some(t), ..ChatDelta::default() }),
+        ReplyPiece::Content(t) => Some(ChatDelta { content: Some(t), ..ChatDelta::default() }),
+        ReplyPiece::Call(CallEvent::Start { index, id, name }) => call(ToolCallDelta {
+            index,
+            id: Some(id),
+            kind: Some("function"),
+            function: FunctionDelta { name: Some(name), arguments: String::new() },
+        }),
+        ReplyPiece::Call(CallEvent::Arguments { index, text }) => {
+            call(ToolCallDelta { index, id: None, kind: None, function: FunctionDelta { name: None, arguments: text } })
         }
+        ReplyPiece::Call(CallEvent::End { .. }) => None,
     }
 }
 
 /// One choice of a streamed reply.
 struct StreamChoice {
     parser: ReplyParser,
-    calls: usize,
+    /// Calls that ended whole (they make the finish reason `tool_calls`).
+    whole_calls: usize,
 }
 
 /// The SSE body: role chunks, reasoning / content / tool-call chunks as the engine produces them
@@ -478,7 +473,7 @@ struct ChatStream {
 
 impl ChatStream {
     fn new(choices: Choices, reply: Reply, n: usize, include_usage: bool) -> Self {
-        let parsers = (0..n).map(|_| StreamChoice { parser: reply.setup.parser(), calls: 0 }).collect();
+        let parsers = (0..n).map(|_| StreamChoice { parser: reply.setup.parser(), whole_calls: 0 }).collect();
         Self { choices, reply, parsers, include_usage, completion_tokens: 0, cached: None, started: false, done: false }
     }
 
@@ -508,7 +503,10 @@ impl ChatStream {
     fn pieces(&mut self, i: usize, pieces: Vec<ReplyPiece>, mut logprobs: Option<ChatLogprobs>) -> BytesMut {
         let mut deltas = Vec::new();
         for piece in pieces {
-            deltas.extend(piece_deltas(piece, &mut self.parsers[i].calls));
+            if let ReplyPiece::Call(CallEvent::End { whole: true, .. }) = piece {
+                self.parsers[i].whole_calls += 1;
+            }
+            deltas.extend(piece_delta(piece));
         }
         if deltas.is_empty() && logprobs.is_some() {
             deltas.push(ChatDelta { content: Some(String::new()), ..ChatDelta::default() });
@@ -553,8 +551,7 @@ impl SseSource for ChatStream {
                     }
                     let pieces = self.parsers[i].parser.finish();
                     let mut out = self.pieces(i, pieces, None);
-                    let made_calls = self.parsers[i].calls > 0;
-                    let finish = ChatFinishReason::new(reason, made_calls);
+                    let finish = ChatFinishReason::new(reason, self.parsers[i].whole_calls > 0);
                     out.extend_from_slice(&self.one(i, ChatDelta::default(), None, Some(finish)));
                     return Some(out.freeze());
                 }
@@ -631,6 +628,21 @@ mod tests {
         assert_eq!(kw(json!({"custom": [1]}), None, &l)["custom"], json!([1]));
         // A lane without defaults adds nothing: never a silent "max".
         assert_eq!(kw(json!(null), None, &lane(None, None)), json!({}));
+    }
+
+    #[test]
+    fn call_events_stream_in_openai_shape() {
+        let delta = |e: CallEvent| piece_delta(ReplyPiece::Call(e)).map(|d| serde_json::to_value(d).unwrap());
+        assert_eq!(
+            delta(CallEvent::Start { index: 1, id: "call_1".into(), name: "get_weather".into() }),
+            Some(json!({"tool_calls": [{"index": 1, "id": "call_1", "type": "function",
+                                        "function": {"name": "get_weather", "arguments": ""}}]}))
+        );
+        assert_eq!(
+            delta(CallEvent::Arguments { index: 1, text: "{\"city\":\"Oslo\"".into() }),
+            Some(json!({"tool_calls": [{"index": 1, "function": {"arguments": "{\"city\":\"Oslo\""}}]}))
+        );
+        assert_eq!(delta(CallEvent::End { index: 1, whole: true }), None);
     }
 
     #[test]

@@ -1,14 +1,16 @@
 //! What a chat reply's text means: reasoning, answer text and tool calls. [`ReplySetup`] is
 //! decided once per request from the template, the rendered prompt and the request's tools;
 //! [`ReplyParser`] (one per choice) runs the reasoning split first and the tool-call parser on the
-//! answer only, so a call written inside the reasoning block is not a call.
+//! answer only, so a call written inside the reasoning block is not a call. Calls come out as
+//! [`CallEvent`]s (header, argument pieces, end): the streamed replies send them as they come,
+//! the non-streamed ones assemble them with `CallList`, so both carry the same arguments.
 //!
 //! Markers that the vocabulary holds as *special* tokens (GLM's `<think>`) are dropped by the
 //! detokenizer's default; for such models the request keeps special tokens in the text and this
 //! parser removes every other special token's text (EOS and turn markers) itself.
 
 use super::reasoning::{ReasoningSplitter, ReasoningStart, THINK_CLOSE, THINK_OPEN};
-use super::tools::parse::{Piece, ToolCall, ToolCallParser};
+use super::tools::parse::{CallEvent, Piece, ToolCallParser};
 use super::tools::{ToolFormat, ToolSpec};
 use crate::tokenizer::TokenizerBundle;
 
@@ -54,12 +56,13 @@ impl ReplySetup {
 
     pub fn parser(&self) -> ReplyParser {
         let mut tools = self.tools.as_ref().map(|(f, t)| ToolCallParser::new(*f, t.clone()));
-        if let (Some(p), Some(prefix)) = (tools.as_mut(), self.forced_prefix.as_deref()) {
-            // The prefix only opens a call, so it releases nothing.
-            let released = p.push(prefix);
-            debug_assert!(released.is_empty(), "a forced prefix released {released:?}");
-        }
-        ReplyParser { reasoning: ReasoningSplitter::new(self.reasoning), tools, strip: self.strip.clone() }
+        // The prefix opens a call; with the name fixed it releases the call's header, which
+        // goes out with the reply's first piece.
+        let pending = match (tools.as_mut(), self.forced_prefix.as_deref()) {
+            (Some(p), Some(prefix)) => p.push(prefix).into_iter().map(ReplyPiece::from).collect(),
+            _ => Vec::new(),
+        };
+        ReplyParser { reasoning: ReasoningSplitter::new(self.reasoning), tools, strip: self.strip.clone(), pending }
     }
 }
 
@@ -68,13 +71,24 @@ impl ReplySetup {
 pub enum ReplyPiece {
     Reasoning(String),
     Content(String),
-    Call(ToolCall),
+    Call(CallEvent),
+}
+
+impl From<Piece> for ReplyPiece {
+    fn from(piece: Piece) -> Self {
+        match piece {
+            Piece::Content(c) => Self::Content(c),
+            Piece::Call(e) => Self::Call(e),
+        }
+    }
 }
 
 pub struct ReplyParser {
     reasoning: ReasoningSplitter,
     tools: Option<ToolCallParser>,
     strip: Vec<String>,
+    /// What the forced prefix released, not yet handed out.
+    pending: Vec<ReplyPiece>,
 }
 
 impl ReplyParser {
@@ -100,7 +114,7 @@ impl ReplyParser {
     }
 
     fn route(&mut self, reasoning: String, content: String, last: bool) -> Vec<ReplyPiece> {
-        let mut out = Vec::new();
+        let mut out = std::mem::take(&mut self.pending);
         if !reasoning.is_empty() {
             out.push(ReplyPiece::Reasoning(reasoning));
         }
@@ -110,10 +124,7 @@ impl ReplyParser {
                 if last {
                     pieces.extend(p.finish());
                 }
-                out.extend(pieces.into_iter().map(|piece| match piece {
-                    Piece::Content(c) => ReplyPiece::Content(c),
-                    Piece::Call(c) => ReplyPiece::Call(c),
-                }));
+                out.extend(pieces.into_iter().map(ReplyPiece::from));
             }
             None if !content.is_empty() => out.push(ReplyPiece::Content(content)),
             None => {}
@@ -125,6 +136,7 @@ impl ReplyParser {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::tools::parse::CallList;
     use serde_json::json;
 
     fn collect(setup: &ReplySetup, pieces: &[&str]) -> (String, String, Vec<(String, String)>) {
@@ -134,15 +146,15 @@ mod tests {
             all.extend(p.push(s));
         }
         all.extend(p.finish());
-        let (mut r, mut c, mut calls) = (String::new(), String::new(), Vec::new());
+        let (mut r, mut c, mut calls) = (String::new(), String::new(), CallList::default());
         for piece in all {
             match piece {
                 ReplyPiece::Reasoning(t) => r += &t,
                 ReplyPiece::Content(t) => c += &t,
-                ReplyPiece::Call(k) => calls.push((k.name, k.arguments)),
+                ReplyPiece::Call(e) => calls.add(e),
             }
         }
-        (r, c, calls)
+        (r, c, calls.calls.into_iter().map(|k| (k.name, k.arguments)).collect())
     }
 
     fn tools() -> Vec<ToolSpec> {
@@ -180,5 +192,11 @@ mod tests {
         let (r, c, calls) = collect(&setup, &["{}}\n</tool_call>", "<|im_end|>"]);
         assert_eq!((r.as_str(), c.as_str()), ("", ""));
         assert_eq!(calls, vec![("get_time".to_owned(), "{}".to_owned())]);
+        // The prefix names the tool: its header comes first, with the first push.
+        let mut p = setup.parser();
+        let first = p.push("{");
+        assert!(
+            matches!(&first[..], [ReplyPiece::Call(CallEvent::Start { index: 0, name, .. })] if name == "get_time")
+        );
     }
 }

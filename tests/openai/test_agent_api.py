@@ -143,6 +143,55 @@ def openai_required_tool_call_is_a_call_of_an_offered_tool():
     expect([(n, json.loads(a)) for _, n, a in scalls] == [(call.function.name, args)], f"streamed {scalls}")
 
 
+TRIP = {
+    "type": "function",
+    "function": {
+        "name": "plan_trip",
+        "description": "Plan a trip",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "days": {"type": "integer", "minimum": 1, "maximum": 30},
+                "hotel": {"type": "boolean"},
+            },
+            "required": ["city", "days", "hotel"],
+            "additionalProperties": False,
+        },
+    },
+}
+TRIP_ASK = [{"role": "user", "content": "Plan a three day trip to Rome with a hotel."}]
+
+
+@check
+def openai_streamed_arguments_arrive_in_pieces_equal_to_the_whole():
+    """A forced call with several arguments: the first delta of the call carries its index, id,
+    type and name with empty arguments; the arguments follow in more than one delta, and their
+    concatenation is exactly the non-streamed `arguments` string."""
+    kw = dict(messages=TRIP_ASK, tools=[TRIP], tool_choice={"type": "function", "function": {"name": "plan_trip"}}, max_tokens=64)
+    whole = chat(**kw).choices[0]
+    expect(whole.finish_reason == "tool_calls", f"{whole.finish_reason} {whole.message}")
+    arguments = whole.message.tool_calls[0].function.arguments
+    jsonschema.validate(json.loads(arguments), schema_of(TRIP))
+    deltas, finish = [], None
+    for chunk in chat(stream=True, **kw):
+        for ch in chunk.choices:
+            deltas.extend(ch.delta.tool_calls or [])
+            finish = ch.finish_reason or finish
+    expect(finish == "tool_calls", f"streamed finish {finish}")
+    expect(deltas, "no tool call deltas")
+    head, rest = deltas[0], deltas[1:]
+    expect(
+        (head.index, head.type, head.function.name, head.function.arguments) == (0, "function", "plan_trip", "")
+        and head.id.startswith("call_"),
+        f"first delta {head}",
+    )
+    expect(all(d.index == 0 and d.id is None and d.function.name is None for d in rest), f"later deltas {rest}")
+    pieces = [d.function.arguments for d in rest if d.function.arguments]
+    expect(len(pieces) > 1, f"the arguments came in one piece: {pieces}")
+    expect("".join(pieces) == arguments, f"streamed {''.join(pieces)!r} != non-streamed {arguments!r}")
+
+
 # ---------------------------------------------------------------- structured outputs
 
 PERSON = {
@@ -344,6 +393,36 @@ def anthropic_agent_loop_streamed():
         text = "".join(s.text_stream)
         final = s.get_final_message()
     expect(text.strip() and final.stop_reason in ("end_turn", "max_tokens"), f"answer {text!r} {final.stop_reason}")
+
+
+@check
+def anthropic_streamed_input_arrives_in_json_pieces():
+    """A required tool_use block with several arguments, streamed: `content_block_start` with an
+    empty input, more than one `input_json_delta`, `content_block_stop`; the pieces join to the
+    non-streamed block's input (in its compact JSON spelling). (The SDK's own assembly of the
+    pieces is checked by the agent loop below.)"""
+    tool = {"name": "plan_trip", "description": "Plan a trip", "input_schema": schema_of(TRIP)}
+    kw = dict(max_tokens=64, tools=[tool], tool_choice={"type": "any"}, messages=TRIP_ASK)
+    whole = ant(**kw)
+    uses = [b for b in whole.content if b.type == "tool_use"]
+    expect(whole.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "plan_trip", f"{whole}")
+    jsonschema.validate(uses[0].input, schema_of(TRIP))
+    events = list(ant(stream=True, **kw))
+    starts = [e for e in events if e.type == "content_block_start" and e.content_block.type == "tool_use"]
+    expect(len(starts) == 1, f"tool_use starts {starts}")
+    start = starts[0]
+    expect(start.content_block.name == "plan_trip" and start.content_block.input == {}, f"{start}")
+    index = start.index
+    after = events[events.index(start) + 1 :]
+    stop_at = next(i for i, e in enumerate(after) if e.type == "content_block_stop" and e.index == index)
+    inside = after[:stop_at]
+    expect(all(e.type == "content_block_delta" and e.index == index and e.delta.type == "input_json_delta" for e in inside), f"{inside}")
+    pieces = [e.delta.partial_json for e in inside]
+    expect(len(pieces) > 1, f"the input came in one piece: {pieces}")
+    joined = "".join(pieces)
+    expect(joined == json.dumps(uses[0].input, separators=(",", ":"), ensure_ascii=False), f"{joined!r} vs {uses[0].input}")
+    delta = next(e for e in events if e.type == "message_delta")
+    expect(delta.delta.stop_reason == "tool_use", f"{delta}")
 
 
 @check

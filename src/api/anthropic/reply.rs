@@ -3,7 +3,10 @@
 //! prompt tokens the prefix cache served (`input_tokens` counts the rest, as Anthropic does).
 //! Streaming follows Anthropic's event sequence: `message_start`, per block
 //! `content_block_start` / `content_block_delta`… / `content_block_stop`, then `message_delta`
-//! (stop reason, usage) and `message_stop`; an engine failure is an `error` event.
+//! (stop reason, usage) and `message_stop`; an engine failure is an `error` event. A `tool_use`
+//! block starts (with an empty `input`) as soon as the call's name is known; its input follows
+//! as `input_json_delta` pieces as the model writes it (they concatenate to the non-streamed
+//! block's input JSON), and the block stops when the call ends.
 
 use std::sync::Arc;
 
@@ -17,7 +20,7 @@ use crate::api::errors::ApiError;
 use crate::api::metrics;
 use crate::api::output::{ReplyParser, ReplyPiece, ReplySetup};
 use crate::api::sse::{self, Choices, SseSource};
-use crate::api::tools::parse::ToolCall;
+use crate::api::tools::parse::CallEvent;
 use crate::tokenizer::TokenizerBundle;
 
 /// How many trailing tokens are decoded to tell which stop sequence ended the reply.
@@ -114,7 +117,7 @@ impl Reply {
             }
         }
         let (reason, usage) = finish.ok_or_else(|| ApiError::Internal("the reply ended without finishing".into()))?;
-        let stop = self.stop(reason, blocks.calls > 0, &tail);
+        let stop = self.stop(reason, blocks.whole_calls > 0, &tail);
         Ok(HttpResponse::Ok().json(self.message(blocks.blocks, Some(stop), self.usage(usage))))
     }
 }
@@ -130,7 +133,10 @@ fn keep_tail(tail: &mut Vec<u32>, ids: impl Iterator<Item = u32>) {
 #[derive(Default)]
 struct Blocks {
     blocks: Vec<Value>,
-    calls: usize,
+    /// The open call's arguments so far (a call's events are never interleaved with others).
+    arguments: String,
+    /// Calls that ended whole (they make the stop reason `tool_use`).
+    whole_calls: usize,
 }
 
 impl Blocks {
@@ -139,9 +145,17 @@ impl Blocks {
             match piece {
                 ReplyPiece::Reasoning(t) => self.append("thinking", &t),
                 ReplyPiece::Content(t) => self.append("text", &t),
-                ReplyPiece::Call(c) => {
-                    self.calls += 1;
-                    self.blocks.push(tool_use(&c));
+                ReplyPiece::Call(CallEvent::Start { id, name, .. }) => {
+                    self.arguments.clear();
+                    self.blocks.push(tool_use_start(&id, &name));
+                }
+                ReplyPiece::Call(CallEvent::Arguments { text, .. }) => self.arguments.push_str(&text),
+                ReplyPiece::Call(CallEvent::End { whole, .. }) => {
+                    self.whole_calls += usize::from(whole);
+                    let input = serde_json::from_str(&self.arguments).unwrap_or_else(|_| json!({}));
+                    if let Some(block) = self.blocks.last_mut().filter(|b| b["type"] == "tool_use") {
+                        block["input"] = input;
+                    }
                 }
             }
         }
@@ -166,13 +180,10 @@ impl Blocks {
     }
 }
 
-fn tool_use_id(c: &ToolCall) -> String {
-    format!("toolu_{}", c.id.trim_start_matches("call_"))
-}
-
-fn tool_use(c: &ToolCall) -> Value {
-    let input: Value = serde_json::from_str(&c.arguments).unwrap_or_else(|_| json!({}));
-    json!({"type": "tool_use", "id": tool_use_id(c), "name": c.name, "input": input})
+/// A `tool_use` block as it starts: `input` empty, filled by the call's arguments.
+fn tool_use_start(call_id: &str, name: &str) -> Value {
+    let id = format!("toolu_{}", call_id.trim_start_matches("call_"));
+    json!({"type": "tool_use", "id": id, "name": name, "input": {}})
 }
 
 pub(crate) fn stream(choices: Choices, reply: Reply) -> HttpResponse {
@@ -183,7 +194,7 @@ pub(crate) fn stream(choices: Choices, reply: Reply) -> HttpResponse {
         parser,
         open: None,
         index: 0,
-        calls: 0,
+        whole_calls: 0,
         tail: Vec::new(),
         state: Phase::Start,
     })
@@ -201,11 +212,12 @@ struct MessageStream {
     choices: Choices,
     reply: Reply,
     parser: ReplyParser,
-    /// The open content block's kind (`thinking` or `text`; tool blocks open and close at once).
+    /// The open content block's kind (`thinking`, `text` or `tool_use`).
     open: Option<&'static str>,
     /// Index of the next block.
     index: usize,
-    calls: usize,
+    /// Calls that ended whole (they make the stop reason `tool_use`).
+    whole_calls: usize,
     tail: Vec<u32>,
     state: Phase,
 }
@@ -262,17 +274,18 @@ impl MessageStream {
             match piece {
                 ReplyPiece::Reasoning(t) => self.text("thinking", t, &mut out),
                 ReplyPiece::Content(t) => self.text("text", t, &mut out),
-                ReplyPiece::Call(c) => {
-                    self.calls += 1;
-                    let block = json!({"type": "tool_use", "id": tool_use_id(&c), "name": c.name, "input": {}});
-                    let index = self.start_block(block, &mut out);
-                    let delta = json!({"type": "content_block_delta", "index": index,
-                                       "delta": {"type": "input_json_delta", "partial_json": c.arguments}});
+                ReplyPiece::Call(CallEvent::Start { id, name, .. }) => {
+                    self.start_block(tool_use_start(&id, &name), &mut out);
+                    self.open = Some("tool_use");
+                }
+                ReplyPiece::Call(CallEvent::Arguments { text, .. }) => {
+                    let delta = json!({"type": "content_block_delta", "index": self.index - 1,
+                                       "delta": {"type": "input_json_delta", "partial_json": text}});
                     out.extend_from_slice(&event("content_block_delta", &delta));
-                    out.extend_from_slice(&event(
-                        "content_block_stop",
-                        &json!({"type": "content_block_stop", "index": index}),
-                    ));
+                }
+                ReplyPiece::Call(CallEvent::End { whole, .. }) => {
+                    self.whole_calls += usize::from(whole);
+                    self.close(&mut out);
                 }
             }
         }
@@ -308,7 +321,7 @@ impl SseSource for MessageStream {
                     let pieces = self.parser.finish();
                     let mut out = self.pieces(pieces);
                     self.close(&mut out);
-                    let (stop_reason, stop_sequence) = self.reply.stop(reason, self.calls > 0, &self.tail);
+                    let (stop_reason, stop_sequence) = self.reply.stop(reason, self.whole_calls > 0, &self.tail);
                     let delta = json!({"type": "message_delta",
                                        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                        "usage": self.reply.usage(usage)});

@@ -114,7 +114,7 @@ mod tests {
 
     use super::*;
     use crate::api::tools::forced_call_prefix;
-    use crate::api::tools::parse::{Piece, ToolCallParser};
+    use crate::api::tools::parse::{CallList, Piece, ToolCallParser};
     use crate::structured::{GrammarCompiler, GrammarState};
     use crate::tokenizer::TokenizerBundle;
 
@@ -192,11 +192,14 @@ mod tests {
         let mut pieces = parser.push(&prefix);
         pieces.extend(parser.push(reply));
         pieces.extend(parser.finish());
-        let call = pieces.iter().find_map(|p| match p {
-            Piece::Call(call) => Some(call.clone()),
-            _ => None,
-        });
-        let call = call.expect("a call");
+        let mut calls = CallList::default();
+        for p in pieces {
+            if let Piece::Call(e) = p {
+                calls.add(e);
+            }
+        }
+        assert_eq!(calls.whole, 1);
+        let call = &calls.calls[0];
         assert_eq!(call.name, "get_weather");
         assert_eq!(serde_json::from_str::<Value>(&call.arguments).unwrap(), json!({"city": "Oslo", "days": 3}));
     }

@@ -1,7 +1,8 @@
 //! Tool calling for the chat and messages APIs: which call syntax the model writes (chosen from
 //! its chat template), the request's tools and `tool_choice`, the default tool prompt for
-//! templates without tool syntax, and (in `parse`) the streaming parser that turns the model's
-//! text into calls with JSON arguments typed by each tool's schema.
+//! templates without tool syntax, and (in `parse`, with `args`) the streaming parser that turns
+//! the model's text into calls, released as they are written: a header once the name is known,
+//! then the JSON arguments (typed by each tool's schema) in pieces.
 //!
 //! Owns no I/O and no engine state. Reasoning text never reaches the parser (the reasoning
 //! splitter runs first), so a call written while thinking is not a call.
@@ -12,6 +13,7 @@
 //! assistant calls are rendered back in that syntax, and `tool` messages become user messages
 //! wrapped in `<tool_response>…</tool_response>`.
 
+pub mod args;
 pub mod grammar;
 pub mod parse;
 
@@ -276,24 +278,41 @@ pub fn forced_call_prefix(format: ToolFormat, choice: &ToolChoice) -> Option<Str
 /// `42`, `"true"` for a boolean becomes `true`, a JSON text for an object/array property is
 /// parsed. Values the schema does not type, or that do not convert, are left as they are.
 pub fn type_arguments(args: &mut Map<String, Value>, schema: Option<&Value>) {
-    let Some(props) = schema.and_then(|s| s.get("properties")).and_then(Value::as_object) else { return };
     for (key, value) in args.iter_mut() {
-        let Value::String(text) = &*value else { continue };
-        let types = schema_types(props.get(key));
-        if types.is_empty() || types.iter().any(|t| t == "string") {
-            continue;
-        }
-        let trimmed = text.trim();
-        let parsed = serde_json::from_str::<Value>(trimmed).ok().or_else(|| match trimmed {
-            "True" => Some(Value::Bool(true)),
-            "False" => Some(Value::Bool(false)),
-            "None" => Some(Value::Null),
-            _ => None,
-        });
-        if let Some(p) = parsed.filter(|p| types.iter().any(|t| value_has_type(p, t))) {
-            *value = p;
-        }
+        *value = type_argument(schema, key, std::mem::take(value));
     }
+}
+
+/// One argument typed as [`type_arguments`] types it.
+pub fn type_argument(schema: Option<&Value>, key: &str, value: Value) -> Value {
+    let Value::String(text) = &value else { return value };
+    let types = property_types(schema, key);
+    if keeps_strings(&types) {
+        return value;
+    }
+    let trimmed = text.trim();
+    let parsed = serde_json::from_str::<Value>(trimmed).ok().or_else(|| match trimmed {
+        "True" => Some(Value::Bool(true)),
+        "False" => Some(Value::Bool(false)),
+        "None" => Some(Value::Null),
+        _ => None,
+    });
+    parsed.filter(|p| types.iter().any(|t| value_has_type(p, t))).unwrap_or(value)
+}
+
+/// Whether a string written for `key` stays the same string once typed (so it can be streamed
+/// as it is written).
+pub fn string_stays_string(schema: Option<&Value>, key: &str) -> bool {
+    keeps_strings(&property_types(schema, key))
+}
+
+fn property_types(schema: Option<&Value>, key: &str) -> Vec<String> {
+    let props = schema.and_then(|s| s.get("properties")).and_then(Value::as_object);
+    schema_types(props.and_then(|p| p.get(key)))
+}
+
+fn keeps_strings(types: &[String]) -> bool {
+    types.is_empty() || types.iter().any(|t| t == "string")
 }
 
 fn schema_types(prop: Option<&Value>) -> Vec<String> {

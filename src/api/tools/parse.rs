@@ -1,21 +1,36 @@
 //! The streaming tool-call parser: text in (the answer part of the reply, after the reasoning
-//! split), content and complete calls out. Text that might be the start of a call marker is held
-//! back until it resolves; a call is released once it is complete (its closing marker, or the end
-//! of the reply for formats without one), with arguments as a JSON object typed by the tool's
-//! schema. Text that looked like a call but does not parse is given back as content, never lost.
+//! split), content and call events out, in order. Text that might be the start of a call marker
+//! is held back until it resolves. A call is released as it is written: [`CallEvent::Start`]
+//! (index, id, name) as soon as the name is complete and names an offered tool, then
+//! [`CallEvent::Arguments`] pieces (see [`args`](super::args): every completed top-level argument
+//! is a piece, string values stream as written), then [`CallEvent::End`]. The pieces of a call
+//! concatenate to its `arguments` string; the non-streamed replies are assembled from the same
+//! events ([`CallList`]), so streamed and non-streamed arguments are equal by construction.
+//!
+//! Text that does not become a call is content, never lost:
+//! - before the header (a name that is not an offered tool, a body that is not the syntax), the
+//!   call's text so far is content and reading resumes where it failed;
+//! - after the header (the arguments turn out malformed, or the reply ends inside the call), the
+//!   call is ended with the text that closes what was sent into a valid JSON object (an open
+//!   string's quote, `}`) and `End { whole: false }`; then the call's raw text up to the fault is
+//!   content and reading resumes there. Pieces already sent are never contradicted. A call that
+//!   did not end whole does not make the reply's finish reason `tool_calls`.
+//!
+//! Formats: Hermes / Qwen and GLM calls sit in `<tool_call>…</tool_call>`; Llama 3 calls start
+//! the reply (optionally after `<|python_tag|>`) and are separated by `;`; Mistral's follow
+//! `[TOOL_CALLS]`, as a `[{…}, …]` list or `name[ARGS]{…}`. A call whose closing marker never
+//! comes (a forced call's `</tool_call>` is a stop string, cut from the text) is complete when
+//! its body is.
 
-use serde_json::{Map, Value};
-
-use super::{type_arguments, ToolFormat, ToolSpec};
+use super::args::{CallOut, GlmCall, JsonCall, NamedCall, Progress, TAG_CLOSE};
+use super::{ToolFormat, ToolSpec};
 use crate::api::reasoning::partial_suffix;
 
-const HERMES_OPEN: &str = "<tool_call>";
-const HERMES_CLOSE: &str = "</tool_call>";
+const TAG_OPEN: &str = "<tool_call>";
 const MISTRAL_OPEN: &str = "[TOOL_CALLS]";
-const MISTRAL_ARGS: &str = "[ARGS]";
 const PYTHON_TAG: &str = "<|python_tag|>";
 
-/// One parsed call, arguments serialised as OpenAI sends them (a JSON string).
+/// One call, as a non-streamed reply shows it: arguments as a JSON string.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ToolCall {
     pub id: String,
@@ -23,168 +38,382 @@ pub struct ToolCall {
     pub arguments: String,
 }
 
+/// A step of one call; `index` counts the reply's calls from 0.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CallEvent {
+    Start {
+        index: usize,
+        id: String,
+        name: String,
+    },
+    /// The next piece of the call's arguments string.
+    Arguments {
+        index: usize,
+        text: String,
+    },
+    /// The arguments are complete; `whole: false` when the parser closed them (see the module doc).
+    End {
+        index: usize,
+        whole: bool,
+    },
+}
+
 /// What one push released, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Piece {
     Content(String),
-    Call(ToolCall),
+    Call(CallEvent),
 }
 
+/// Calls assembled from their events (the non-streamed view).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CallList {
+    pub calls: Vec<ToolCall>,
+    /// How many calls ended whole.
+    pub whole: usize,
+}
+
+impl CallList {
+    pub fn add(&mut self, event: CallEvent) {
+        match event {
+            CallEvent::Start { id, name, .. } => self.calls.push(ToolCall { id, name, arguments: String::new() }),
+            CallEvent::Arguments { text, .. } => {
+                if let Some(call) = self.calls.last_mut() {
+                    call.arguments.push_str(&text);
+                }
+            }
+            CallEvent::End { whole, .. } => self.whole += usize::from(whole),
+        }
+    }
+}
+
+/// The reader of the call being read.
+enum Reader {
+    Json(JsonCall),
+    Glm(GlmCall),
+    Named(NamedCall),
+}
+
+impl Reader {
+    fn advance(&mut self, text: &str, pos: &mut usize, tools: &[ToolSpec], out: &mut Vec<CallOut>) -> Progress {
+        match self {
+            Self::Json(r) => r.advance(text, pos, tools, out),
+            Self::Glm(r) => r.advance(text, pos, tools, out),
+            Self::Named(r) => r.advance(text, pos, tools, out),
+        }
+    }
+
+    fn finish(&mut self, text: &str, pos: &mut usize, tools: &[ToolSpec], out: &mut Vec<CallOut>) -> Progress {
+        match self {
+            Self::Glm(r) => r.finish(text, pos, tools, out),
+            Self::Json(_) | Self::Named(_) => Progress::Fault,
+        }
+    }
+
+    fn header_sent(&self) -> bool {
+        match self {
+            Self::Json(r) => r.header_sent(),
+            Self::Glm(r) => r.header_sent(),
+            Self::Named(r) => r.header_sent(),
+        }
+    }
+
+    fn seal(&mut self) -> String {
+        match self {
+            Self::Json(r) => r.seal(),
+            Self::Glm(r) => r.seal(),
+            Self::Named(r) => r.seal(),
+        }
+    }
+}
+
+/// What may follow a complete call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Group {
+    /// `</tool_call>` (Hermes; GLM's reader reads its own).
+    CloseTag,
+    /// Nothing in particular: back to content.
+    Single,
+    /// `;` and another call (Llama 3).
+    Semicolon,
+    /// `,` and another call, or `]` (Mistral's list).
+    List,
+}
+
 enum State {
-    /// Looking for the start of a call.
+    /// Content, looking for the start of a call.
     Scan,
-    /// Inside a call that ends with `</tool_call>`.
-    InTagged,
-    /// Inside calls that run to the end of the reply (Mistral, Llama 3).
-    ToEnd,
+    Call(Box<Reader>, Group),
+    Between(Group),
+    /// After `[TOOL_CALLS]`: a list or a named call.
+    MistralOpen,
 }
 
 pub struct ToolCallParser {
     format: ToolFormat,
     tools: Vec<ToolSpec>,
     state: State,
+    /// Text not released yet; inside a call it starts at the call's opening marker.
     buf: String,
+    /// How far a call's reader has read `buf`.
+    pos: usize,
     /// Nothing but whitespace has been released yet (Llama 3 calls start the reply).
     at_start: bool,
     /// The last release was a call: whitespace before the next text is dropped.
     after_call: bool,
+    /// Calls started so far.
+    calls: usize,
 }
 
 impl ToolCallParser {
     pub fn new(format: ToolFormat, tools: Vec<ToolSpec>) -> Self {
-        Self { format, tools, state: State::Scan, buf: String::new(), at_start: true, after_call: false }
+        Self {
+            format,
+            tools,
+            state: State::Scan,
+            buf: String::new(),
+            pos: 0,
+            at_start: true,
+            after_call: false,
+            calls: 0,
+        }
     }
 
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
         self.buf.push_str(text);
         let mut out = Vec::new();
-        loop {
-            match self.state {
-                State::ToEnd => return out,
-                State::InTagged => match self.buf.find(HERMES_CLOSE) {
-                    Some(at) => {
-                        let body = self.buf[..at].to_owned();
-                        self.buf.drain(..at + HERMES_CLOSE.len());
-                        self.state = State::Scan;
-                        self.release_tagged(&body, true, &mut out);
-                    }
-                    None => return out,
-                },
-                State::Scan => {
-                    if self.after_call || self.at_start {
-                        let trimmed = self.buf.trim_start().len();
-                        if trimmed == 0 {
-                            return out;
-                        }
-                        if self.after_call {
-                            self.buf.drain(..self.buf.len() - trimmed);
-                            self.after_call = false;
-                        }
-                    }
-                    if self.at_start && self.format == ToolFormat::Llama3Json {
-                        let t = self.buf.trim_start();
-                        if t.starts_with('{') || t.starts_with(PYTHON_TAG) {
-                            self.state = State::ToEnd;
-                            continue;
-                        }
-                        if PYTHON_TAG.starts_with(t) {
-                            return out;
-                        }
-                    }
-                    let marker = match self.format {
-                        ToolFormat::Hermes | ToolFormat::Glm => HERMES_OPEN,
-                        ToolFormat::Mistral => MISTRAL_OPEN,
-                        ToolFormat::Llama3Json => {
-                            self.release_content(self.buf.len(), &mut out);
-                            return out;
-                        }
-                    };
-                    match self.buf.find(marker) {
-                        Some(at) => {
-                            self.release_content(at, &mut out);
-                            if self.format == ToolFormat::Mistral {
-                                self.state = State::ToEnd;
-                            } else {
-                                self.buf.drain(..marker.len());
-                                self.state = State::InTagged;
-                            }
-                        }
-                        None => {
-                            let keep = partial_suffix(&self.buf, marker);
-                            self.release_content(self.buf.len() - keep, &mut out);
-                            return out;
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// End of the reply: a call without its closing marker is parsed as it stands; what does
-    /// not parse is content.
-    pub fn finish(&mut self) -> Vec<Piece> {
-        let mut out = Vec::new();
-        let rest = std::mem::take(&mut self.buf);
-        match self.state {
-            State::Scan => {
-                if !(rest.is_empty() || self.after_call && rest.trim().is_empty()) {
-                    out.push(Piece::Content(rest));
-                }
-            }
-            State::InTagged => self.release_tagged(&rest, false, &mut out),
-            State::ToEnd => {
-                let parsed = match self.format {
-                    ToolFormat::Mistral => parse_mistral(&rest),
-                    _ => parse_llama3(&rest),
-                };
-                match parsed {
-                    Some(calls) if !calls.is_empty() => {
-                        for (name, args) in calls {
-                            out.push(self.call(name, args));
-                        }
-                    }
-                    _ => out.push(Piece::Content(rest)),
-                }
-            }
-        }
-        self.state = State::Scan;
+        self.run(false, &mut out);
         out
     }
 
-    fn release_content(&mut self, upto: usize, out: &mut Vec<Piece>) {
+    /// End of the reply: a call is complete if its body is (see the module doc); whatever is
+    /// held back is released.
+    pub fn finish(&mut self) -> Vec<Piece> {
+        let mut out = Vec::new();
+        self.run(true, &mut out);
+        out
+    }
+
+    fn run(&mut self, at_end: bool, out: &mut Vec<Piece>) {
+        loop {
+            let go_on = match std::mem::replace(&mut self.state, State::Scan) {
+                State::Scan => self.scan(at_end, out),
+                State::Call(reader, group) => self.read_call(reader, group, at_end, out),
+                State::Between(group) => self.between(group, at_end),
+                State::MistralOpen => self.mistral_open(at_end, out),
+            };
+            if !go_on {
+                return;
+            }
+        }
+    }
+
+    /// Content up to the next call marker. `false`: wait for more text.
+    fn scan(&mut self, at_end: bool, out: &mut Vec<Piece>) -> bool {
+        if self.after_call || self.at_start {
+            let trimmed = self.buf.trim_start().len();
+            if trimmed == 0 {
+                if at_end && !self.after_call {
+                    self.release(self.buf.len(), out);
+                }
+                if at_end {
+                    self.buf.clear();
+                }
+                return false;
+            }
+            if self.after_call {
+                self.buf.drain(..self.buf.len() - trimmed);
+                self.after_call = false;
+            }
+        }
+        if self.at_start && self.format == ToolFormat::Llama3Json {
+            let t = self.buf.trim_start();
+            let lead = self.buf.len() - t.len();
+            if t.starts_with('{') || t.starts_with(PYTHON_TAG) {
+                self.pos = lead + if t.starts_with(PYTHON_TAG) { PYTHON_TAG.len() } else { 0 };
+                self.state = State::Call(Box::new(Reader::Json(JsonCall::new())), Group::Semicolon);
+                return true;
+            }
+            if PYTHON_TAG.starts_with(t) && !at_end {
+                return false;
+            }
+        }
+        let marker = match self.format {
+            ToolFormat::Hermes | ToolFormat::Glm => TAG_OPEN,
+            ToolFormat::Mistral => MISTRAL_OPEN,
+            ToolFormat::Llama3Json => {
+                self.release(self.buf.len(), out);
+                return false;
+            }
+        };
+        match self.buf.find(marker) {
+            Some(at) => {
+                self.release(at, out);
+                self.pos = marker.len();
+                self.state = match self.format {
+                    ToolFormat::Glm => State::Call(Box::new(Reader::Glm(GlmCall::new())), Group::Single),
+                    ToolFormat::Mistral => State::MistralOpen,
+                    _ => State::Call(Box::new(Reader::Json(JsonCall::new())), Group::CloseTag),
+                };
+                true
+            }
+            None => {
+                let keep = if at_end { 0 } else { partial_suffix(&self.buf, marker) };
+                self.release(self.buf.len() - keep, out);
+                false
+            }
+        }
+    }
+
+    fn read_call(&mut self, mut reader: Box<Reader>, group: Group, at_end: bool, out: &mut Vec<Piece>) -> bool {
+        let mut released = Vec::new();
+        let mut progress = reader.advance(&self.buf, &mut self.pos, &self.tools, &mut released);
+        if progress == Progress::NeedMore && at_end {
+            progress = reader.finish(&self.buf, &mut self.pos, &self.tools, &mut released);
+        }
+        self.emit(released, out);
+        match progress {
+            Progress::NeedMore => {
+                self.state = State::Call(reader, group);
+                false
+            }
+            Progress::Done => {
+                out.push(Piece::Call(CallEvent::End { index: self.calls - 1, whole: true }));
+                self.buf.drain(..self.pos);
+                self.pos = 0;
+                self.state = match group {
+                    Group::Single => {
+                        self.after_call = true;
+                        State::Scan
+                    }
+                    g => State::Between(g),
+                };
+                true
+            }
+            Progress::Fault => {
+                self.fault(&mut reader, out);
+                true
+            }
+        }
+    }
+
+    fn emit(&mut self, released: Vec<CallOut>, out: &mut Vec<Piece>) {
+        for r in released {
+            match r {
+                CallOut::Header(name) => {
+                    self.at_start = false;
+                    out.push(Piece::Call(CallEvent::Start { index: self.calls, id: call_id(), name }));
+                    self.calls += 1;
+                }
+                CallOut::Args(text) if !text.is_empty() => {
+                    out.push(Piece::Call(CallEvent::Arguments { index: self.calls - 1, text }));
+                }
+                CallOut::Args(_) => {}
+            }
+        }
+    }
+
+    /// The call is not what it looked like (see the module doc).
+    fn fault(&mut self, reader: &mut Reader, out: &mut Vec<Piece>) {
+        if reader.header_sent() {
+            let index = self.calls - 1;
+            let seal = reader.seal();
+            if !seal.is_empty() {
+                out.push(Piece::Call(CallEvent::Arguments { index, text: seal }));
+            }
+            out.push(Piece::Call(CallEvent::End { index, whole: false }));
+        }
+        // At least one character, so the same text is never read as the same call again.
+        let first = self.buf.chars().next().map_or(0, char::len_utf8);
+        self.release(self.pos.max(first), out);
+        self.pos = 0;
+        self.after_call = false;
+        self.state = State::Scan;
+    }
+
+    /// After a complete call: its group's separator and the next call, or back to content.
+    /// What is held at the end of the reply (whitespace, separators, a partial closing tag) is
+    /// markup and dropped.
+    fn between(&mut self, group: Group, at_end: bool) -> bool {
+        let t = self.buf.trim_start();
+        let lead = self.buf.len() - t.len();
+        let next_call = |this: &mut Self, at: usize, group: Group| {
+            this.buf.drain(..at);
+            this.pos = 0;
+            this.state = State::Call(Box::new(Reader::Json(JsonCall::new())), group);
+            true
+        };
+        let hold = |this: &mut Self, group: Group| {
+            if at_end {
+                this.buf.clear();
+            } else {
+                this.state = State::Between(group);
+            }
+            false
+        };
+        match group {
+            Group::CloseTag if t.starts_with(TAG_CLOSE) => {
+                self.buf.drain(..lead + TAG_CLOSE.len());
+            }
+            Group::CloseTag if TAG_CLOSE.starts_with(t) => return hold(self, group),
+            Group::Semicolon => {
+                let rest = t.trim_start_matches(|c: char| c == ';' || c.is_whitespace());
+                let at = self.buf.len() - rest.len();
+                if rest.starts_with('{') {
+                    return next_call(self, at, group);
+                }
+                if rest.is_empty() {
+                    return hold(self, group);
+                }
+            }
+            Group::List => {
+                if let Some(after) = t.strip_prefix(',') {
+                    let rest = after.trim_start();
+                    if rest.starts_with('{') {
+                        let at = self.buf.len() - rest.len();
+                        return next_call(self, at, group);
+                    }
+                    if rest.is_empty() {
+                        return hold(self, group);
+                    }
+                } else if t.starts_with(']') {
+                    self.buf.drain(..lead + 1);
+                } else if t.is_empty() {
+                    return hold(self, group);
+                }
+            }
+            Group::CloseTag | Group::Single => {}
+        }
+        // Whatever else follows is content.
+        self.after_call = true;
+        self.state = State::Scan;
+        true
+    }
+
+    fn mistral_open(&mut self, at_end: bool, out: &mut Vec<Piece>) -> bool {
+        let t = self.buf[self.pos..].trim_start();
+        if t.is_empty() && !at_end {
+            self.state = State::MistralOpen;
+            return false;
+        }
+        if t.starts_with('[') {
+            self.pos = self.buf.len() - t.len() + 1;
+            self.state = State::Call(Box::new(Reader::Json(JsonCall::new())), Group::List);
+        } else if t.is_empty() {
+            self.fault(&mut Reader::Named(NamedCall::new()), out);
+        } else {
+            self.state = State::Call(Box::new(Reader::Named(NamedCall::new())), Group::Single);
+        }
+        true
+    }
+
+    fn release(&mut self, upto: usize, out: &mut Vec<Piece>) {
         if upto == 0 {
             return;
         }
         let text: String = self.buf.drain(..upto).collect();
         self.at_start = false;
         out.push(Piece::Content(text));
-    }
-
-    fn release_tagged(&mut self, body: &str, closed: bool, out: &mut Vec<Piece>) {
-        let parsed = match self.format {
-            ToolFormat::Glm => parse_glm(body),
-            _ => parse_json_call(body.trim()),
-        };
-        match parsed {
-            Some((name, args)) => {
-                let piece = self.call(name, args);
-                out.push(piece);
-                self.after_call = true;
-            }
-            None => {
-                let close = if closed { HERMES_CLOSE } else { "" };
-                out.push(Piece::Content(format!("{HERMES_OPEN}{body}{close}")));
-            }
-        }
-        self.at_start = false;
-    }
-
-    fn call(&mut self, name: String, mut args: Map<String, Value>) -> Piece {
-        let schema = self.tools.iter().find(|t| t.name == name).map(|t| &t.parameters);
-        type_arguments(&mut args, schema);
-        self.at_start = false;
-        Piece::Call(ToolCall { id: call_id(), name, arguments: Value::Object(args).to_string() })
     }
 }
 
@@ -193,206 +422,6 @@ pub fn call_id() -> String {
     format!("call_{:024x}", rand::random::<u128>() >> 32)
 }
 
-/// `{"name": …, "arguments"|"parameters": {…} or "<json>"}`.
-fn json_call(v: &Value) -> Option<(String, Map<String, Value>)> {
-    let obj = v.as_object()?;
-    let name = obj.get("name")?.as_str()?.to_owned();
-    let args = match obj.get("arguments").or_else(|| obj.get("parameters")) {
-        None | Some(Value::Null) => Map::new(),
-        Some(Value::Object(m)) => m.clone(),
-        Some(Value::String(s)) if s.trim().is_empty() => Map::new(),
-        Some(Value::String(s)) => serde_json::from_str::<Value>(s).ok()?.as_object()?.clone(),
-        Some(_) => return None,
-    };
-    Some((name, args))
-}
-
-fn parse_json_call(body: &str) -> Option<(String, Map<String, Value>)> {
-    json_call(&serde_json::from_str(body).ok()?)
-}
-
-/// `name<arg_key>k</arg_key><arg_value>v</arg_value>…` (newlines between parts allowed); values
-/// are text, typed later by the schema.
-fn parse_glm(body: &str) -> Option<(String, Map<String, Value>)> {
-    let (name, mut rest) = match body.find("<arg_key>") {
-        Some(at) => (body[..at].trim(), &body[at..]),
-        None => (body.trim(), ""),
-    };
-    if name.is_empty() || name.contains(char::is_whitespace) || name.contains('<') {
-        return None;
-    }
-    let mut args = Map::new();
-    loop {
-        rest = rest.trim_start();
-        if rest.is_empty() {
-            break;
-        }
-        let after_key = rest.strip_prefix("<arg_key>")?;
-        let key_end = after_key.find("</arg_key>")?;
-        let key = after_key[..key_end].trim();
-        let after = after_key[key_end + "</arg_key>".len()..].trim_start();
-        let after_val = after.strip_prefix("<arg_value>")?;
-        let val_end = after_val.find("</arg_value>")?;
-        args.insert(key.to_owned(), Value::String(after_val[..val_end].to_owned()));
-        rest = &after_val[val_end + "</arg_value>".len()..];
-    }
-    Some((name.to_owned(), args))
-}
-
-/// One or more JSON calls, optionally after `<|python_tag|>`, separated by `;` or whitespace.
-fn parse_llama3(text: &str) -> Option<Vec<(String, Map<String, Value>)>> {
-    let mut rest = text.trim_start();
-    rest = rest.strip_prefix(PYTHON_TAG).unwrap_or(rest);
-    let mut calls = Vec::new();
-    loop {
-        rest = rest.trim_start().trim_start_matches(';').trim_start();
-        if rest.is_empty() {
-            return Some(calls);
-        }
-        let mut stream = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
-        let v = stream.next()?.ok()?;
-        calls.push(json_call(&v)?);
-        rest = &rest[stream.byte_offset()..];
-    }
-}
-
-/// `[TOOL_CALLS][{…}, …]` or `[TOOL_CALLS]name[ARGS]{…}` (repeated).
-fn parse_mistral(text: &str) -> Option<Vec<(String, Map<String, Value>)>> {
-    let mut calls = Vec::new();
-    for part in text.split(MISTRAL_OPEN).map(str::trim).filter(|p| !p.is_empty()) {
-        if part.starts_with('[') {
-            let list: Vec<Value> = serde_json::from_str(part).ok()?;
-            for v in &list {
-                calls.push(json_call(v)?);
-            }
-        } else {
-            let (name, args) = part.split_once(MISTRAL_ARGS)?;
-            let args = serde_json::from_str::<Value>(args.trim()).ok()?.as_object()?.clone();
-            calls.push((name.trim().to_owned(), args));
-        }
-    }
-    Some(calls)
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    fn tools() -> Vec<ToolSpec> {
-        vec![
-            ToolSpec {
-                name: "get_weather".into(),
-                description: None,
-                parameters: json!({"type": "object", "properties": {"location": {"type": "string"},
-                    "unit": {"type": "string"}, "days": {"type": "integer"}}}),
-            },
-            ToolSpec { name: "get_time".into(), description: None, parameters: json!({}) },
-        ]
-    }
-
-    /// (content, [(name, arguments as JSON)]) of `text` fed whole, and checked to be the same
-    /// fed in two pieces at every cut and character by character.
-    fn parse(format: ToolFormat, text: &str) -> (String, Vec<(String, Value)>) {
-        let run = |pieces: &[&str]| {
-            let mut p = ToolCallParser::new(format, tools());
-            let mut out = Vec::new();
-            for s in pieces {
-                out.extend(p.push(s));
-            }
-            out.extend(p.finish());
-            let mut content = String::new();
-            let mut calls = Vec::new();
-            for piece in out {
-                match piece {
-                    Piece::Content(c) => content.push_str(&c),
-                    Piece::Call(c) => {
-                        assert!(c.id.starts_with("call_") && c.id.len() == 29, "{}", c.id);
-                        calls.push((c.name, serde_json::from_str::<Value>(&c.arguments).unwrap()));
-                    }
-                }
-            }
-            (content, calls)
-        };
-        let whole = run(&[text]);
-        for i in (0..=text.len()).filter(|&i| text.is_char_boundary(i)) {
-            assert_eq!(run(&[&text[..i], &text[i..]]), whole, "cut at {i}");
-        }
-        let chars: Vec<String> = text.chars().map(String::from).collect();
-        assert_eq!(run(&chars.iter().map(String::as_str).collect::<Vec<_>>()), whole, "char by char");
-        whole
-    }
-
-    // Golden outputs below follow the examples each family documents for its chat template.
-
-    #[test]
-    fn hermes_qwen_single_parallel_and_zero_argument_calls() {
-        let text = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"location\": \"San Francisco, CA\", \"unit\": \"celsius\"}}\n</tool_call>";
-        let (content, calls) = parse(ToolFormat::Hermes, text);
-        assert_eq!(content, "");
-        assert_eq!(calls, vec![("get_weather".into(), json!({"location": "San Francisco, CA", "unit": "celsius"}))]);
-
-        let text = "Let me check both.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"location\": \"Paris\", \"days\": \"3\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>";
-        let (content, calls) = parse(ToolFormat::Hermes, text);
-        assert_eq!(content, "Let me check both.\n");
-        assert_eq!(
-            calls,
-            vec![("get_weather".into(), json!({"location": "Paris", "days": 3})), ("get_time".into(), json!({})),]
-        );
-    }
-
-    #[test]
-    fn hermes_text_without_calls_and_broken_calls_stay_content() {
-        let text = "Use the <tool tag> like <tool_ca... no.";
-        assert_eq!(parse(ToolFormat::Hermes, text), (text.to_owned(), vec![]));
-        let text = "<tool_call>\n{\"name\": oops}\n</tool_call>";
-        assert_eq!(parse(ToolFormat::Hermes, text), (text.to_owned(), vec![]));
-        // Max tokens before the closing tag, but the JSON is complete: still a call.
-        let (_, calls) = parse(ToolFormat::Hermes, "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n");
-        assert_eq!(calls.len(), 1);
-        // Cut mid-JSON: given back as text.
-        let (content, calls) = parse(ToolFormat::Hermes, "<tool_call>\n{\"name\": \"get_ti");
-        assert_eq!((content.as_str(), calls.len()), ("<tool_call>\n{\"name\": \"get_ti", 0));
-    }
-
-    #[test]
-    fn glm_calls_with_typed_arguments() {
-        // GLM-4.5 writes each part on its own line; GLM-4.7 / 5 write them back to back.
-        let glm45 = "I'll look it up.\n<tool_call>get_weather\n<arg_key>location</arg_key>\n<arg_value>Beijing</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>";
-        let (content, calls) = parse(ToolFormat::Glm, glm45);
-        assert_eq!(content, "I'll look it up.\n");
-        assert_eq!(calls, vec![("get_weather".into(), json!({"location": "Beijing", "days": 2}))]);
-
-        let glm47 = "<tool_call>get_weather<arg_key>location</arg_key><arg_value>42</arg_value></tool_call><tool_call>get_time</tool_call>";
-        let (content, calls) = parse(ToolFormat::Glm, glm47);
-        assert_eq!(content, "");
-        // `location` is a string in the schema: "42" stays a string.
-        assert_eq!(calls, vec![("get_weather".into(), json!({"location": "42"})), ("get_time".into(), json!({}))]);
-    }
-
-    #[test]
-    fn llama3_json_calls() {
-        let text = "{\"name\": \"get_weather\", \"parameters\": {\"location\": \"Paris\", \"days\": 2}}";
-        assert_eq!(
-            parse(ToolFormat::Llama3Json, text),
-            (String::new(), vec![("get_weather".into(), json!({"location": "Paris", "days": 2}))])
-        );
-        let text = "<|python_tag|>{\"name\": \"get_time\", \"parameters\": {}}; {\"name\": \"get_weather\", \"parameters\": {\"location\": \"Rome\"}}";
-        let (_, calls) = parse(ToolFormat::Llama3Json, text);
-        assert_eq!(calls.iter().map(|c| c.0.as_str()).collect::<Vec<_>>(), ["get_time", "get_weather"]);
-        // Prose is prose, even if it contains braces later.
-        let text = "The set {1, 2} has two elements.";
-        assert_eq!(parse(ToolFormat::Llama3Json, text), (text.to_owned(), vec![]));
-    }
-
-    #[test]
-    fn mistral_calls() {
-        let text = "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"location\": \"Paris\"}}, {\"name\": \"get_time\", \"arguments\": {}}]";
-        let (content, calls) = parse(ToolFormat::Mistral, text);
-        assert_eq!(content, "");
-        assert_eq!(calls, vec![("get_weather".into(), json!({"location": "Paris"})), ("get_time".into(), json!({}))]);
-        let text = "[TOOL_CALLS]get_weather[ARGS]{\"location\": \"Paris\", \"days\": \"1\"}";
-        let (_, calls) = parse(ToolFormat::Mistral, text);
-        assert_eq!(calls, vec![("get_weather".into(), json!({"location": "Paris", "days": 1}))]);
-    }
-}
+#[path = "parse_tests.rs"]
+mod tests;
