@@ -243,12 +243,14 @@ fn join_text_parts(i: usize, parts: &[Value]) -> Result<String, ApiError> {
         match obj.get("type").and_then(Value::as_str) {
             Some("text") => {}
             Some("image_url") => continue,
-            Some(other) => return Err(ApiError::unsupported(
-                format!("{param}.type"),
-                format!(
+            Some(other) => {
+                return Err(ApiError::unsupported(
+                    format!("{param}.type"),
+                    format!(
                     "content part type `{other}` in `{param}` is not supported; only `text` and `image_url` parts are"
                 ),
-            )),
+                ))
+            }
             None => return Err(ApiError::invalid(format!("{param}.type"), format!("`{param}.type` must be a string"))),
         }
         match obj.get("text") {
