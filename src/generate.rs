@@ -561,6 +561,20 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     }
 }
 
+/// The parts of `encoded` images (placeholder spans and embeddings) that a chunk of `len` rows
+/// from position `lo` covers, as that chunk's embedded rows.
+fn image_runs(encoded: &[(std::ops::Range<usize>, ImageEmbedding)], lo: usize, len: usize) -> Vec<EmbeddedRows<'_>> {
+    let hi = lo + len;
+    encoded
+        .iter()
+        .filter(|(s, _)| s.start < hi && s.end > lo)
+        .map(|(s, e)| {
+            let (a, b, d) = (s.start.max(lo), s.end.min(hi), e.hidden);
+            EmbeddedRows { first_row: a - lo, hidden: d, data: &e.data[(a - s.start) * d..(b - s.start) * d] }
+        })
+        .collect()
+}
+
 /// One sequence at a time over a backend.
 pub struct Runner<B: Backend> {
     pub backend: B,
@@ -615,11 +629,31 @@ impl<B: Backend> Runner<B> {
         if ids.is_empty() {
             return Err(GenerateError::EmptyPrompt);
         }
+        self.check_fits(ids.len(), 0)?;
+        let encoded = self.encode_images(ids, images)?;
+        let chunk = chunk.max(1);
+        let mut out = Vec::with_capacity(ids.len() * self.backend.vocab_size());
+        for (ci, c) in ids.chunks(chunk).enumerate() {
+            let lo = ci * chunk;
+            let step =
+                SeqStep { tokens: c, start_pos: lo, block_table: &self.table, logits_rows: c.len(), state_slot: 0 };
+            let runs = image_runs(&encoded, lo, c.len());
+            out.extend(self.backend.forward_embedded(&[step], &[], &[runs])?.data);
+        }
+        Ok(out)
+    }
+
+    /// Run the vision tower on `images`, one per run of image placeholders in `ids` (in order,
+    /// already expanded), checking that runs and images match in number and length.
+    fn encode_images(
+        &mut self,
+        ids: &[u32],
+        images: &[ProcessedImage],
+    ) -> Result<Vec<(std::ops::Range<usize>, ImageEmbedding)>, GenerateError> {
         let invalid = |m: String| GenerateError::Backend(BackendError::InvalidStep(m));
         let Some(image_token_id) = self.backend.image_token_id() else {
             return Err(invalid("this model has no vision tower, so it takes no images".into()));
         };
-        self.check_fits(ids.len(), 0)?;
         let mm = MultimodalIds { image_token_id, video_start_token_id: None, video_end_token_id: None };
         let spans = image_spans(ids, &mm);
         if spans.len() != images.len() {
@@ -629,8 +663,8 @@ impl<B: Backend> Runner<B> {
                 images.len()
             )));
         }
-        let mut embeds = Vec::with_capacity(images.len());
-        for (k, (img, span)) in images.iter().zip(&spans).enumerate() {
+        let mut encoded = Vec::with_capacity(images.len());
+        for (k, (img, span)) in images.iter().zip(spans).enumerate() {
             let e = self.backend.encode_image(&img.pixel_values, img.grid)?;
             if e.rows != span.len() {
                 return Err(invalid(format!(
@@ -640,26 +674,9 @@ impl<B: Backend> Runner<B> {
                     e.rows
                 )));
             }
-            embeds.push(e);
+            encoded.push((span, e));
         }
-        let chunk = chunk.max(1);
-        let mut out = Vec::with_capacity(ids.len() * self.backend.vocab_size());
-        for (ci, c) in ids.chunks(chunk).enumerate() {
-            let (lo, hi) = (ci * chunk, ci * chunk + c.len());
-            let runs: Vec<EmbeddedRows<'_>> = spans
-                .iter()
-                .zip(&embeds)
-                .filter(|(s, _)| s.start < hi && s.end > lo)
-                .map(|(s, e)| {
-                    let (a, b, d) = (s.start.max(lo), s.end.min(hi), e.hidden);
-                    EmbeddedRows { first_row: a - lo, hidden: d, data: &e.data[(a - s.start) * d..(b - s.start) * d] }
-                })
-                .collect();
-            let step =
-                SeqStep { tokens: c, start_pos: lo, block_table: &self.table, logits_rows: c.len(), state_slot: 0 };
-            out.extend(self.backend.forward_embedded(&[step], &[], &[runs])?.data);
-        }
-        Ok(out)
+        Ok(encoded)
     }
 
     fn check_fits(&self, prompt: usize, max_tokens: usize) -> Result<(), GenerateError> {
@@ -689,6 +706,20 @@ impl<B: Backend> Runner<B> {
         &mut self,
         prompt: &[u32],
         opts: &GenerateOptions,
+        drafter: Option<(&mut dyn DraftSource, usize)>,
+        on_token: impl FnMut(&Sampled) -> bool,
+    ) -> Result<GenerateOutput, GenerateError> {
+        self.generate_with_images(prompt, &[], opts, drafter, on_token)
+    }
+
+    /// [`Runner::generate_drafted`] for a prompt whose ids hold each image's placeholder tokens
+    /// already expanded (as [`Runner::score_with_images`] takes them): the images' embeddings
+    /// replace those rows in the prefill.
+    pub fn generate_with_images(
+        &mut self,
+        prompt: &[u32],
+        images: &[ProcessedImage],
+        opts: &GenerateOptions,
         mut drafter: Option<(&mut dyn DraftSource, usize)>,
         mut on_token: impl FnMut(&Sampled) -> bool,
     ) -> Result<GenerateOutput, GenerateError> {
@@ -696,6 +727,7 @@ impl<B: Backend> Runner<B> {
             return Err(GenerateError::EmptyPrompt);
         }
         self.check_fits(prompt.len(), opts.max_tokens)?;
+        let encoded = if images.is_empty() { Vec::new() } else { self.encode_images(prompt, images)? };
         let chunk = opts.prefill_chunk.max(1);
         let mut logits = Vec::new();
         // A drafter that reads the target's hidden states gets those of every token kept.
@@ -711,7 +743,11 @@ impl<B: Backend> Runner<B> {
                 logits_rows: usize::from(last),
                 state_slot: 0,
             };
-            logits = self.backend.forward(&[step])?.data;
+            logits = if encoded.is_empty() {
+                self.backend.forward(&[step])?.data
+            } else {
+                self.backend.forward_embedded(&[step], &[], &[image_runs(&encoded, ci * chunk, c.len())])?.data
+            };
             if let Some(t) = self.backend.take_hidden_taps() {
                 prompt_hidden.push(HiddenChunk::from_taps(&t, 0, ci * chunk, c.len()));
             }

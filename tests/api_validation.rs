@@ -217,6 +217,7 @@ impl TestServer {
                 vocab_size: VOCAB,
                 tokenizer: Some(tokenizer()),
                 eos_token_ids: vec![IM_END],
+                vision: None,
             },
             ready: AtomicBool::new(true),
             submitted: Mutex::new(Vec::new()),
@@ -408,9 +409,19 @@ fn malformed_cases() -> Vec<Case> {
         Case {
             code: Some("unsupported_parameter"),
             ..case(
-                "image content part",
+                "image on a model without a vision tower",
                 CHAT,
                 json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+                400,
+                Some("messages[0].content[0]"),
+            )
+        },
+        Case {
+            code: Some("unsupported_parameter"),
+            ..case(
+                "audio content part",
+                CHAT,
+                json!({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}),
                 400,
                 Some("messages[0].content[0].type"),
             )

@@ -127,6 +127,7 @@ fn request(lane: &str, prompt: &[u32], sampling: SamplingParams, max_tokens: usi
         skip_special_tokens: true,
         loop_guard: shelfserve::sampling::loop_guard::LoopGuardConfig::off(),
         grammar: None,
+        images: Vec::new(),
     }
 }
 

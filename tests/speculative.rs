@@ -79,6 +79,7 @@ async fn generate_n(
         skip_special_tokens: true,
         loop_guard: shelfserve::sampling::loop_guard::LoopGuardConfig::off(),
         grammar: None,
+        images: Vec::new(),
     };
     let mut events = engine.submit(req).expect("admitted");
     let mut ids = Vec::new();

@@ -9,7 +9,7 @@ use ractor::{Actor, ActorRef};
 
 use super::drafter::{sources_for, DrafterActor, DrafterMsg, LanePricing};
 use super::executor::{ExecutorActor, ExecutorArgs, ExecutorMsg, WorkspaceProbe};
-use super::handle::{EngineError, EventStream, GenerationRequest, InferenceEngine, ModelInfo};
+use super::handle::{EngineError, EventStream, GenerationRequest, InferenceEngine, ModelInfo, VisionInfo};
 use super::kvpool::PoolStats;
 use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg, SchedulerStats, SharedCounters};
 use crate::backend::KvGeometry;
@@ -53,6 +53,56 @@ pub fn model_fingerprint(bundle: &ModelBundle) -> String {
         }
     }
     h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect()
+}
+
+/// How the API prepares images for this model: `None` when its checkpoint has no vision tower
+/// (a GGUF file, a text-only config).
+pub fn vision_info(bundle: &ModelBundle) -> Result<Option<VisionInfo>, EngineError> {
+    use crate::model::glm5_next::vision::read_vision_config;
+    let dir = bundle.weights.origin();
+    if !dir.join("config.json").is_file() {
+        return Ok(None);
+    }
+    let Some((vc, ids)) = read_vision_config(dir).map_err(|e| EngineError::Invalid(e.to_string()))? else {
+        return Ok(None);
+    };
+    let processor = crate::media::ImageProcessor::from_dir(dir).map_err(|e| EngineError::Invalid(e.to_string()))?;
+    if processor.patch_size != vc.patch_size
+        || processor.merge_size != vc.spatial_merge_size
+        || processor.temporal_patch_size != vc.temporal_patch_size
+    {
+        return Err(EngineError::Invalid(format!(
+            "preprocessor_config.json (patch {}, merge {}, temporal {}) disagrees with the vision config \
+             (patch {}, merge {}, temporal {})",
+            processor.patch_size,
+            processor.merge_size,
+            processor.temporal_patch_size,
+            vc.patch_size,
+            vc.spatial_merge_size,
+            vc.temporal_patch_size
+        )));
+    }
+    Ok(Some(VisionInfo { image_token_id: ids.image_token_id, merge_size: vc.spatial_merge_size, processor }))
+}
+
+/// A request's images must sit on runs of the model's placeholder id, in order, one placeholder
+/// per merged patch group of their grid, inside the prompt.
+fn check_images(req: &GenerationRequest, vision: Option<&VisionInfo>) -> Result<(), String> {
+    let Some(v) = vision else { return Err("this model has no vision tower, so it takes no images".into()) };
+    let mut end = 0;
+    for (k, img) in req.images.iter().enumerate() {
+        let tokens = img.grid.iter().product::<usize>() / (v.merge_size * v.merge_size);
+        let ok = img.span.start >= end
+            && img.span.end <= req.prompt.len()
+            && img.span.len() == tokens
+            && tokens > 0
+            && req.prompt[img.span.clone()].iter().all(|&t| t == v.image_token_id);
+        if !ok {
+            return Err(format!("image {k} does not match a run of {tokens} placeholder tokens in the prompt"));
+        }
+        end = img.span.end;
+    }
+    Ok(())
 }
 
 /// Events buffered per request before the request actor waits for the client.
@@ -142,6 +192,7 @@ pub async fn start_engine(
         vocab_size: bundle.config.vocab_size,
         tokenizer: tokenizer.clone(),
         eos_token_ids: eos.clone(),
+        vision: vision_info(&bundle)?,
     };
     let counters = Arc::new(SharedCounters {
         ready: AtomicBool::new(false),
@@ -372,6 +423,9 @@ impl InferenceEngine for Engine {
         }
         if req.prompt.is_empty() {
             return Err(EngineError::Invalid("the prompt is empty".into()));
+        }
+        if !req.images.is_empty() {
+            check_images(&req, self.info.vision.as_ref()).map_err(EngineError::Invalid)?;
         }
         let needed = req.prompt.len() + req.max_tokens;
         if needed > self.info.max_context {

@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
+use super::handle::PromptImage;
 use super::scheduler::SchedulerMsg;
 use super::spill::SpillMsg;
-use crate::backend::{Backend, DeviceSampleSpec, HiddenTaps, SeqStep};
+use crate::backend::{Backend, DeviceSampleSpec, EmbeddedRows, HiddenTaps, ImageEmbedding, SeqStep};
 use crate::kv::{EvictedPage, PageHash, SlotSnapshot};
 use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::SeqId;
@@ -50,6 +51,10 @@ pub struct PlanSeq {
     /// the step is marked on the backend before the forward; one at the step's end is the slot
     /// afterwards (a verify run: only if every draft was accepted).
     pub snapshot_after: Vec<usize>,
+    /// The prompt's images whose placeholder rows this step's tokens cover (all or part of
+    /// them): the executor encodes them (or finds them in its encoder cache) and feeds their
+    /// embeddings in place of those rows.
+    pub images: Vec<PromptImage>,
 }
 
 /// Everything an executor needs to run one step.
@@ -117,6 +122,9 @@ enum Job {
 }
 
 pub struct ExecutorActor;
+
+/// Images whose vision-tower output the compute thread keeps (see [`EncoderCache`]).
+const ENCODER_CACHE_IMAGES: usize = 16;
 
 pub struct ExecutorArgs {
     /// Builds the backend on the executor thread (loading weights can take a while, and
@@ -190,8 +198,73 @@ pub struct ExecutorState {
     thread: Option<JoinHandle<()>>,
 }
 
+/// Vision-tower outputs by image content hash, owned by the compute thread: an image whose
+/// placeholders span several prefill chunks (or that a resumed or repeated request sends again)
+/// is encoded once while it stays among the most recent `capacity` images.
+pub struct EncoderCache {
+    capacity: usize,
+    entries: std::collections::VecDeque<(u64, Arc<ImageEmbedding>)>,
+}
+
+impl EncoderCache {
+    pub fn new(capacity: usize) -> Self {
+        EncoderCache { capacity, entries: std::collections::VecDeque::new() }
+    }
+
+    fn get_or_encode(&mut self, backend: &mut dyn Backend, image: &PromptImage) -> Result<Arc<ImageEmbedding>, String> {
+        if let Some(i) = self.entries.iter().position(|(h, _)| *h == image.hash) {
+            let entry = self.entries.remove(i).expect("index from position");
+            let e = Arc::clone(&entry.1);
+            self.entries.push_back(entry);
+            return Ok(e);
+        }
+        let e = Arc::new(backend.encode_image(&image.pixel_values, image.grid).map_err(|e| e.to_string())?);
+        if e.rows != image.span.len() {
+            return Err(format!(
+                "an image of grid {:?} encodes to {} rows but holds {} placeholder tokens",
+                image.grid,
+                e.rows,
+                image.span.len()
+            ));
+        }
+        if self.capacity > 0 {
+            if self.entries.len() == self.capacity {
+                self.entries.pop_front();
+            }
+            self.entries.push_back((image.hash, Arc::clone(&e)));
+        }
+        Ok(e)
+    }
+}
+
+/// Images the step's sequences cover, encoded: per sequence, `(first row in the step, image
+/// embedding, first image row)` runs.
+type StepEmbeds = Vec<Vec<(usize, Arc<ImageEmbedding>, usize, usize)>>;
+
+fn encode_step_images(
+    backend: &mut dyn Backend,
+    plan: &StepPlan,
+    cache: &mut EncoderCache,
+) -> Result<StepEmbeds, String> {
+    plan.seqs
+        .iter()
+        .map(|s| {
+            let (lo, hi) = (s.start_pos, s.start_pos + s.tokens.len() - s.num_draft);
+            s.images
+                .iter()
+                .filter(|img| img.span.start < hi && img.span.end > lo)
+                .map(|img| {
+                    let e = cache.get_or_encode(backend, img)?;
+                    let (a, b) = (img.span.start.max(lo), img.span.end.min(hi));
+                    Ok((a - lo, e, a - img.span.start, b - a))
+                })
+                .collect::<Result<Vec<_>, String>>()
+        })
+        .collect()
+}
+
 /// Run `plan` on `backend`; rank 0 samples, the other ranks only run the forward pass.
-fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResult {
+fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize, encoders: &mut EncoderCache) -> StepResult {
     let start = Instant::now();
     let steps: Vec<SeqStep<'_>> = plan
         .seqs
@@ -243,14 +316,41 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize) -> StepResu
     // back); a backend that samples on the host answers `None` having run nothing. Grammar masks
     // are applied to host logits, so a step with a constrained sequence samples on the host.
     let constrained = plan.seqs.iter().any(|s| s.sample.as_ref().is_some_and(|spec| spec.grammar.is_some()));
-    if rank == 0 && !verify.contains(&true) && !constrained {
+    // Image rows take the vision tower's embeddings, on the host path (`forward_embedded`).
+    let encoded = if plan.seqs.iter().any(|s| !s.images.is_empty()) {
+        match encode_step_images(backend, plan, encoders) {
+            Ok(e) => Some(e),
+            Err(e) => {
+                result.error = Some(format!("encoding an image: {e}"));
+                Some(Vec::new())
+            }
+        }
+    } else {
+        None
+    };
+    let embeds: Vec<Vec<EmbeddedRows<'_>>> = encoded
+        .iter()
+        .flatten()
+        .map(|runs| {
+            runs.iter()
+                .map(|(first_row, e, from, rows)| EmbeddedRows {
+                    first_row: *first_row,
+                    hidden: e.hidden,
+                    data: &e.data[from * e.hidden..(from + rows) * e.hidden],
+                })
+                .collect()
+        })
+        .collect();
+    if result.error.is_some() {
+        // Nothing ran: the step fails as a whole, like a backend error.
+    } else if rank == 0 && !verify.contains(&true) && !constrained && encoded.is_none() {
         match sample_on_device(backend, &steps, plan) {
             Ok(Some(sampled)) => result.sampled = sampled,
-            Ok(None) => sample_on_host(backend, &steps, &verify, plan, rank, &mut result),
+            Ok(None) => sample_on_host(backend, &steps, &verify, &embeds, plan, rank, &mut result),
             Err(e) => result.error = Some(e),
         }
     } else {
-        sample_on_host(backend, &steps, &verify, plan, rank, &mut result);
+        sample_on_host(backend, &steps, &verify, &embeds, plan, rank, &mut result);
     }
     if let Some(taps) = backend.take_hidden_taps().filter(|_| rank == 0 && result.error.is_none()) {
         result.hidden = kept_hidden(&taps, plan, &result.sampled);
@@ -346,11 +446,18 @@ fn sample_on_host(
     backend: &mut dyn Backend,
     steps: &[SeqStep<'_>],
     verify: &[bool],
+    embeds: &[Vec<EmbeddedRows<'_>>],
     plan: &StepPlan,
     rank: usize,
     result: &mut StepResult,
 ) {
-    let forward = if verify.contains(&true) { backend.forward_verify(steps, verify) } else { backend.forward(steps) };
+    let forward = if embeds.iter().any(|e| !e.is_empty()) {
+        backend.forward_embedded(steps, verify, embeds)
+    } else if verify.contains(&true) {
+        backend.forward_verify(steps, verify)
+    } else {
+        backend.forward(steps)
+    };
     match forward {
         Ok(_) if rank != 0 => {}
         Ok(logits) => {
@@ -478,12 +585,13 @@ impl Actor for ExecutorActor {
                     return;
                 }
             };
+            let mut encoders = EncoderCache::new(ENCODER_CACHE_IMAGES);
             while let Ok(job) = rx.recv() {
                 match job {
                     Job::Step(plan) => {
                         // A panicking backend must still answer, or the scheduler waits forever.
                         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            run_plan(backend.as_mut(), &plan, rank)
+                            run_plan(backend.as_mut(), &plan, rank, &mut encoders)
                         }))
                         .unwrap_or_else(|_| {
                             backend.abort_collectives(&format!("the backend of rank {rank} panicked"));
@@ -580,6 +688,7 @@ mod tests {
                 grammar: None,
             }),
             snapshot_after: Vec::new(),
+            images: Vec::new(),
         }
     }
 

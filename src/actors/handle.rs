@@ -31,6 +31,24 @@ pub struct GenerationRequest {
     /// Structured output: the compiled grammar the reply must follow (one per request: a clone
     /// of the request shares it, so each choice gets its own).
     pub grammar: Option<GrammarHandle>,
+    /// Images whose embeddings replace runs of placeholder tokens in `prompt` (in prompt order,
+    /// spans disjoint); empty for text.
+    pub images: Vec<PromptImage>,
+}
+
+/// One image of a prompt, processed by the API (`media::ImageProcessor`) and handed on as plain
+/// data: the executor runs the vision tower on `pixel_values` and writes the embeddings into the
+/// rows of `span`; the KV pool keys the pages `span` touches by `hash`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptImage {
+    /// Placeholder positions in the prompt (`t·h·w / merge²` of them).
+    pub span: std::ops::Range<usize>,
+    /// `(t, h, w)` in patches.
+    pub grid: [usize; 3],
+    /// `[t·h·w, C·T·P·P]` row-major; shared by every choice of the request.
+    pub pixel_values: Arc<[f32]>,
+    /// `media::content_hash` of the processed image.
+    pub hash: u64,
 }
 
 impl GenerationRequest {
@@ -48,6 +66,7 @@ impl GenerationRequest {
             skip_special_tokens: true,
             loop_guard: LoopGuardConfig::off(),
             grammar: None,
+            images: Vec::new(),
         }
     }
 }
@@ -139,6 +158,19 @@ pub struct ModelInfo {
     pub vocab_size: usize,
     pub tokenizer: Option<Arc<TokenizerBundle>>,
     pub eos_token_ids: Vec<u32>,
+    /// How the model takes images; `None` for a model without a vision tower.
+    pub vision: Option<VisionInfo>,
+}
+
+/// What the API needs to turn images into prompt input for a model with a vision tower.
+#[derive(Clone, Debug)]
+pub struct VisionInfo {
+    /// The placeholder id the chat template writes once per image and the engine repeats.
+    pub image_token_id: u32,
+    /// Side of the square of patches one placeholder token stands for.
+    pub merge_size: usize,
+    /// The checkpoint's `preprocessor_config.json` (or transformers' defaults).
+    pub processor: crate::media::ImageProcessor,
 }
 
 /// What the HTTP layer needs from the engine.

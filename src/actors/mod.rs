@@ -16,5 +16,6 @@ pub mod spill;
 
 pub use engine::{start_engine, DrainReport, Engine, EngineOptions};
 pub use handle::{
-    EngineError, FinishReason, GenerationRequest, InferenceEngine, ModelInfo, StreamEvent, TokenInfo, Usage,
+    EngineError, FinishReason, GenerationRequest, InferenceEngine, ModelInfo, PromptImage, StreamEvent, TokenInfo,
+    Usage, VisionInfo,
 };

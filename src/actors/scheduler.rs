@@ -15,7 +15,7 @@ use tokio::sync::mpsc::Sender;
 
 use super::drafter::{DraftUpdate, DrafterMsg};
 use super::executor::{ExecutorMsg, PlanSeq, SampleSpec, StepPlan, StepResult};
-use super::handle::{EngineError, FinishReason, GenerationRequest, StreamEvent, TokenInfo};
+use super::handle::{EngineError, FinishReason, GenerationRequest, PromptImage, StreamEvent, TokenInfo};
 use super::kvpool::{KvPoolActor, KvPoolArgs, KvPoolMsg, PoolStats};
 use super::ranks::{RankBook, RankReady};
 use super::request::{RequestActor, RequestArgs, RequestMsg};
@@ -145,6 +145,9 @@ struct LiveSeq {
     hit_reported: bool,
     /// Structured output: the matcher, always at the accepted tokens.
     grammar: Option<GrammarHandle>,
+    /// Images of the prompt (placeholder spans, pixels, content hashes): each step's plan carries
+    /// those its chunk covers.
+    images: Vec<PromptImage>,
     /// When the scheduler received it, and when it last emitted tokens (lane target metrics).
     arrived: Instant,
     last_emit: Option<Instant>,
@@ -401,7 +404,12 @@ impl SchedulerState {
                 // A verify run is capped at the page end (`sched::drafts`); the executor snapshots
                 // it only if every draft was accepted, i.e. the kept state really is at the end.
                 let snapshot_after = page_ends_within(p.start_pos, p.tokens.len(), snapshot_page);
+                let end = p.start_pos + p.tokens.len();
+                let images = self.live.get(&p.id).map_or_else(Vec::new, |l| {
+                    l.images.iter().filter(|i| i.span.start < end && i.span.end > p.start_pos).cloned().collect()
+                });
                 PlanSeq {
+                    images,
                     seq: p.id,
                     tokens: p.tokens,
                     start_pos: p.start_pos,
@@ -701,6 +709,7 @@ impl Actor for SchedulerActor {
                         hidden: Vec::new(),
                         hit_reported: false,
                         grammar: req.grammar.clone(),
+                        images: req.images.clone(),
                         arrived: Instant::now(),
                         last_emit: None,
                     },
@@ -710,9 +719,13 @@ impl Actor for SchedulerActor {
                     return Ok(());
                 }
                 let priority = st.args.lanes[lane].priority;
+                let image_keys = req.images.iter().map(|i| (i.span.clone(), i.hash)).collect();
                 let added = match st.policy.as_mut() {
                     Some(p) => p
-                        .add(NewSeq { id, priority, prompt: req.prompt, max_tokens: req.max_tokens })
+                        .add_with_images(
+                            NewSeq { id, priority, prompt: req.prompt, max_tokens: req.max_tokens },
+                            image_keys,
+                        )
                         .map_err(|e| e.to_string()),
                     None => Err("the model is still loading".to_string()),
                 };

@@ -21,6 +21,7 @@ use serde_json::{Map, Value};
 
 use super::conversation::{self, Conversation};
 use super::errors::ApiError;
+use super::media;
 use super::output::{ReplyParser, ReplyPiece, ReplySetup};
 use super::params::{self, json_kind, Plan};
 use super::reasoning::ReasoningStart;
@@ -135,6 +136,7 @@ fn prepare(state: &LaneState, body: &[u8]) -> Result<Prepared, ApiError> {
     let max_tokens = params::resolve_max_tokens(&plan, ids.len(), &state.lane, model, "messages")?;
     let prompt_len = ids.len();
     let mut requests = params::requests(&plan, ids, max_tokens, &state.lane);
+    requests.iter_mut().for_each(|r| r.images = rendered.images.clone());
     // A forced tool call is the whole reply, so its grammar replaces any `response_format`.
     let reasoning = rendered.reply.reasoning;
     match (rendered.call_grammar, constraint) {
@@ -201,7 +203,10 @@ fn normalize_message(i: usize, m: Value) -> Result<Value, ApiError> {
         Some(Value::String(_)) => {}
         Some(Value::Array(parts)) => {
             let text = join_text_parts(i, parts)?;
-            obj.insert("content".into(), Value::String(text));
+            // With images the parts stay a list (`api::media` takes the images out of it).
+            if !parts.iter().any(media::is_image_part) {
+                obj.insert("content".into(), Value::String(text));
+            }
         }
         Some(other) => {
             return Err(ApiError::invalid(
@@ -239,10 +244,13 @@ fn join_text_parts(i: usize, parts: &[Value]) -> Result<String, ApiError> {
         };
         match obj.get("type").and_then(Value::as_str) {
             Some("text") => {}
+            Some("image_url") => continue,
             Some(other) => {
                 return Err(ApiError::unsupported(
                     format!("{param}.type"),
-                    format!("content part type `{other}` in `{param}` is not supported; only `text` parts are"),
+                    format!(
+                    "content part type `{other}` in `{param}` is not supported; only `text` and `image_url` parts are"
+                ),
                 ))
             }
             None => return Err(ApiError::invalid(format!("{param}.type"), format!("`{param}.type` must be a string"))),
@@ -676,7 +684,7 @@ mod tests {
             (json!({"role": "user"}), "messages[0].content"),
             (json!({"role": "user", "content": 5}), "messages[0].content"),
             (
-                json!({"role": "user", "content": [{"type": "image_url", "image_url": {}}]}),
+                json!({"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}),
                 "messages[0].content[0].type",
             ),
             (json!({"role": "user", "content": [{"type": "text", "text": 1}]}), "messages[0].content[0].text"),

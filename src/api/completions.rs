@@ -477,7 +477,14 @@ mod tests {
     use serde_json::json;
 
     fn model() -> ModelInfo {
-        ModelInfo { id: "m".into(), max_context: 64, vocab_size: 100, tokenizer: None, eos_token_ids: vec![] }
+        ModelInfo {
+            id: "m".into(),
+            max_context: 64,
+            vocab_size: 100,
+            tokenizer: None,
+            eos_token_ids: vec![],
+            vision: None,
+        }
     }
 
     fn shapes(v: Value) -> Result<Vec<String>, String> {

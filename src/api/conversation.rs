@@ -6,11 +6,13 @@
 use serde_json::{Map, Value};
 
 use super::errors::ApiError;
+use super::media;
 use super::output::ReplySetup;
 use super::reasoning::{ReasoningStart, THINK_CLOSE};
 use super::structured::{self, Constraint};
 use super::tools::{self, TemplateTools, ToolChoice, ToolFormat, ToolSpec};
 use super::{LaneState, TemplateState};
+use crate::actors::handle::PromptImage;
 use crate::tokenizer::bounded::proves_over;
 use crate::tokenizer::chat::ChatRender;
 use crate::tokenizer::TokenizerError;
@@ -35,6 +37,8 @@ pub(crate) struct RenderedPrompt {
     /// The grammar that makes a forced call's arguments follow the tool's schema (Hermes and GLM
     /// syntax; `None` for other families and when nothing is forced).
     pub call_grammar: Option<Constraint>,
+    /// The conversation's images, their placeholders already expanded in `ids` (`api::media`).
+    pub images: Vec<PromptImage>,
 }
 
 /// `param` names the field the conversation came in, for errors.
@@ -62,6 +66,11 @@ pub(crate) fn render(state: &LaneState, conv: Conversation, param: &'static str)
     let syntax = TemplateTools::detect(source);
     let use_tools = !conv.tools.is_empty() && conv.tool_choice != ToolChoice::None;
     let mut messages = conv.messages;
+    // Images leave the messages before the template sees them (one bare `image` part each); the
+    // cheap refusals (no vision tower, too many) come before any rendering or decoding.
+    let image_refs = media::take_images(&mut messages)?;
+    let vision = state.shared.engine.model().vision.as_ref();
+    media::check_images(&image_refs, vision, &state.shared.opts.media)?;
     let template_tools = if syntax.native {
         use_tools.then(|| tools::template_tools(&conv.tools))
     } else {
@@ -124,6 +133,7 @@ pub(crate) fn render(state: &LaneState, conv: Conversation, param: &'static str)
         text.push_markup(prefix);
     }
     let ids = encoder.encode(tokenizer, &text).map_err(template_error)?;
+    let (ids, images) = media::attach_images(&image_refs, ids, vision, &state.shared.opts.media, param)?;
     if ids.is_empty() {
         return Err(ApiError::invalid(param, "the conversation renders to an empty prompt"));
     }
@@ -137,5 +147,6 @@ pub(crate) fn render(state: &LaneState, conv: Conversation, param: &'static str)
         keep_special_tokens,
         stop_after_call,
         call_grammar,
+        images,
     })
 }

@@ -20,6 +20,7 @@ mod chat;
 mod completions;
 mod conversation;
 pub mod errors;
+pub mod media;
 pub mod metrics;
 mod output;
 pub mod params;
@@ -82,6 +83,8 @@ pub struct ApiOptions {
     pub allowed_origins: Vec<String>,
     /// Serve HTTPS with this configuration instead of plain HTTP.
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// Where images may come from and how large they may be.
+    pub media: media::MediaOptions,
 }
 
 impl ApiOptions {
@@ -102,6 +105,7 @@ impl ApiOptions {
             body_read_timeout: Self::DEFAULT_BODY_READ_TIMEOUT,
             allowed_origins: Vec::new(),
             tls: None,
+            media: media::MediaOptions::default(),
         }
     }
 
@@ -128,6 +132,7 @@ impl std::fmt::Debug for ApiOptions {
             .field("body_read_timeout", &self.body_read_timeout)
             .field("allowed_origins", &self.allowed_origins)
             .field("tls", &self.tls.is_some())
+            .field("media", &self.media)
             .finish()
     }
 }

@@ -255,6 +255,7 @@ pub fn requests(plan: &Plan, prompt: Vec<u32>, max_tokens: usize, lane: &LaneCon
                 skip_special_tokens: plan.skip_special_tokens,
                 loop_guard: lane.loop_guard,
                 grammar: None,
+                images: Vec::new(),
             }
         })
         .collect()
@@ -286,7 +287,14 @@ mod tests {
     }
 
     fn model() -> ModelInfo {
-        ModelInfo { id: "m".into(), max_context: 128, vocab_size: 1000, tokenizer: None, eos_token_ids: vec![2] }
+        ModelInfo {
+            id: "m".into(),
+            max_context: 128,
+            vocab_size: 1000,
+            tokenizer: None,
+            eos_token_ids: vec![2],
+            vision: None,
+        }
     }
 
     fn plan_of(body: serde_json::Value) -> Result<Plan, ApiError> {

@@ -134,6 +134,12 @@ pub struct GenerateArgs {
     /// Draft tokens verified per step (1..=7).
     #[arg(long, env = "SHELFSERVE_NUM_SPECULATIVE_TOKENS", default_value_t = crate::spec::MAX_SPECULATIVE_TOKENS)]
     pub num_speculative_tokens: usize,
+    /// An image (PNG, JPEG, WebP, GIF) for the prompt; repeat in order. With --chat the images
+    /// come before the text in the user message and their placeholders are expanded as the
+    /// server does; with --input-ids the ids must hold each image's placeholder run already
+    /// (as for `score --image`). Processed with the model's `preprocessor_config.json`.
+    #[arg(long = "image", value_name = "FILE", conflicts_with = "prompt")]
+    pub images: Vec<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -243,7 +249,13 @@ pub fn run_generate(args: &GenerateArgs) -> Result<(), CliError> {
                 CliError::Usage(format!("model `{}` has no chat template; use --prompt instead of --chat", bundle.name))
             })?;
             let tmpl = ChatTemplate::new(src, t.bos_token.as_deref(), t.eos_token.as_deref())?;
-            let messages = serde_json::json!([{"role": "user", "content": c}]);
+            let messages = if args.images.is_empty() {
+                serde_json::json!([{"role": "user", "content": c}])
+            } else {
+                let mut parts = vec![serde_json::json!({"type": "image"}); args.images.len()];
+                parts.push(serde_json::json!({"type": "text", "text": c}));
+                serde_json::json!([{"role": "user", "content": parts}])
+            };
             let text = tmpl.render(&ChatRender {
                 messages: &messages,
                 tools: None,
@@ -253,6 +265,12 @@ pub fn run_generate(args: &GenerateArgs) -> Result<(), CliError> {
             t.encode(&text, false)?
         }
         (None, None, None) => return Err(CliError::Usage("give one of --prompt, --chat or --input-ids".into())),
+    };
+    let images = load_images(&args.images, bundle.weights.origin())?;
+    let prompt = if args.chat.is_some() && args.input_ids.is_none() && !images.is_empty() {
+        expand_chat_images(&bundle, prompt, &images)?
+    } else {
+        prompt
     };
     let sampling = SamplingParams {
         temperature: args.temperature,
@@ -300,7 +318,7 @@ pub fn run_generate(args: &GenerateArgs) -> Result<(), CliError> {
         Some(d) => Some((d.as_mut(), k)),
         None => None,
     };
-    let result = runner.generate_drafted(&prompt, &opts, drafts, |s| {
+    let result = runner.generate_with_images(&prompt, &images, &opts, drafts, |s| {
         let res = if print_ids {
             let r = write!(out, "{}{}", if first { "" } else { "," }, s.token);
             first = false;
@@ -359,6 +377,22 @@ pub fn run_score(args: &ScoreArgs) -> Result<(), CliError> {
         args.output.display()
     );
     Ok(())
+}
+
+/// Expand the chat template's one image placeholder per image into each image's run, as the
+/// server does (`api::media`).
+fn expand_chat_images(
+    bundle: &ModelBundle,
+    ids: Vec<u32>,
+    images: &[crate::media::ProcessedImage],
+) -> Result<Vec<u32>, CliError> {
+    let Some((vc, mm)) = crate::model::glm5_next::vision::read_vision_config(bundle.weights.origin())? else {
+        return Err(CliError::Usage(format!("model `{}` has no vision tower, so it takes no --image", bundle.name)));
+    };
+    let counts: Vec<usize> = images.iter().map(|i| i.tokens(vc.spatial_merge_size)).collect();
+    crate::media::expand_placeholders(&ids, mm.image_token_id, &counts)
+        .map(|(ids, _)| ids)
+        .ok_or_else(|| CliError::Usage("the chat template does not write one image placeholder per image".into()))
 }
 
 /// Decode and process `paths` with the processor settings of the model in `model_dir`.

@@ -9,6 +9,7 @@ use clap::Args;
 use super::{CliError, ModelArgs};
 use crate::actors::{start_engine, EngineOptions, InferenceEngine};
 use crate::api::auth::{read_key_file, AuthPolicy};
+use crate::api::media::MediaOptions;
 use crate::api::{bind_all, ApiOptions};
 use crate::config::engine::{EngineConfig, DEFAULT_CONFIG_TOML};
 use crate::config::layers::{DeviceClass, EngineFile, ModelFamily, Provenance, SchedulerKnobs};
@@ -113,6 +114,23 @@ pub struct HttpArgs {
     /// Seconds a client has to send a request body.
     #[arg(long, env = "SHELFSERVE_BODY_READ_TIMEOUT", default_value_t = ApiOptions::DEFAULT_BODY_READ_TIMEOUT.as_secs_f64())]
     pub body_read_timeout: f64,
+    /// Images may come as `file://` URLs of files inside this directory (resolved through links
+    /// first); without it, only `data:` URLs and base64 sources are accepted.
+    #[arg(long, env = "SHELFSERVE_ALLOWED_LOCAL_MEDIA_PATH", value_name = "DIR")]
+    pub allowed_local_media_path: Option<PathBuf>,
+    /// Accept `http(s)://` image URLs. This build does not fetch them yet: with the flag they get
+    /// a 400 saying so, without it a 400 naming the flag.
+    #[arg(long, env = "SHELFSERVE_ALLOW_REMOTE_MEDIA")]
+    pub allow_remote_media: bool,
+    /// Images one request may carry (more: 400).
+    #[arg(long, env = "SHELFSERVE_MAX_IMAGES_PER_REQUEST", default_value_t = MediaOptions::DEFAULT_MAX_IMAGES)]
+    pub max_images_per_request: usize,
+    /// Decoded width × height one image may have (more: 400, checked before decoding the pixels).
+    #[arg(long, env = "SHELFSERVE_MAX_IMAGE_PIXELS", default_value_t = MediaOptions::DEFAULT_MAX_PIXELS)]
+    pub max_image_pixels: u64,
+    /// Encoded bytes one image may have (more: 400).
+    #[arg(long, env = "SHELFSERVE_MAX_IMAGE_BYTES", default_value_t = MediaOptions::DEFAULT_MAX_BYTES)]
+    pub max_image_bytes: usize,
 }
 
 impl HttpArgs {
@@ -127,6 +145,18 @@ impl HttpArgs {
         opts.header_read_timeout = secs("header-read-timeout", self.header_read_timeout)?;
         opts.body_read_timeout = secs("body-read-timeout", self.body_read_timeout)?;
         opts.allowed_origins = self.allowed_origins.iter().map(|o| o.trim().trim_end_matches('/').to_owned()).collect();
+        if let Some(dir) = &self.allowed_local_media_path {
+            if !dir.is_dir() {
+                return Err(CliError::Usage(format!("--allowed-local-media-path {}: not a directory", dir.display())));
+            }
+        }
+        opts.media = MediaOptions {
+            allowed_local_path: self.allowed_local_media_path.clone(),
+            allow_remote: self.allow_remote_media,
+            max_images: self.max_images_per_request,
+            max_pixels: self.max_image_pixels,
+            max_bytes: self.max_image_bytes,
+        };
         if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
             opts.tls = Some(crate::api::tls::server_config(cert, key).map_err(|e| CliError::Usage(e.to_string()))?);
         }

@@ -12,7 +12,7 @@ pub mod restore_cost;
 
 pub use blocks::{BlockPool, BlockTable};
 pub use ops::{apply_ops, view, PoolOp, PoolReply, PoolView, Restore, SeqGrant};
-pub use page::{MissReason, PageHash, PageHasher, PoolIdentity, PrefixHit};
+pub use page::{ImageKey, MissReason, PageHash, PageHasher, PoolIdentity, PrefixHit};
 pub use pool::snapshot::{SlotSnapshot, StateWrite};
 pub use pool::{Allocation, EvictedPage, KvPool, KvPoolConfig, PoolCounters};
 

@@ -4,14 +4,15 @@
 //! the scheduler plans the next step against. `apply_ops` is the one implementation, used by the
 //! `KvPoolActor` and by the synchronous `sched::Policy` alike.
 
-use super::page::{PageHash, PrefixHit};
+use super::page::{ImageKey, PageHash, PrefixHit};
 use super::pool::{KvPool, SeqId};
 use super::KvError;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PoolOp {
-    /// A new sequence and its known tokens (no blocks yet).
-    Register { seq: SeqId, tokens: Vec<u32> },
+    /// A new sequence and its known tokens (no blocks yet), with the images among them (their
+    /// placeholder spans and content hashes: part of the identity of the pages they touch).
+    Register { seq: SeqId, tokens: Vec<u32>, images: Vec<ImageKey> },
     /// Tokens were appended (sampled) and KV is written for the first `computed` tokens.
     Advance { seq: SeqId, new_tokens: Vec<u32>, computed: usize },
     /// Preempted: let go of the blocks, keep the tokens (finished pages stay cached).
@@ -76,7 +77,9 @@ pub fn apply_ops(pool: &mut KvPool, ops: Vec<PoolOp>) -> PoolReply {
     let mut registered = Vec::new();
     for op in ops {
         let result = match op {
-            PoolOp::Register { seq, tokens } => pool.register(seq, tokens).map(|()| registered.push(seq)),
+            PoolOp::Register { seq, tokens, images } => {
+                pool.register_with_images(seq, tokens, images).map(|()| registered.push(seq))
+            }
             PoolOp::Advance { seq, new_tokens, computed } => pool.advance(seq, &new_tokens, computed),
             PoolOp::Reset { seq } => pool.reset(seq),
             PoolOp::Release { seq } => {

@@ -27,6 +27,10 @@ pub struct PoolIdentity {
     pub rank: u32,
 }
 
+/// An image in a sequence's tokens, for page identities: its placeholder positions and its
+/// content hash.
+pub type ImageKey = (std::ops::Range<usize>, u64);
+
 /// Computes page identities for one pool identity.
 #[derive(Clone, Debug)]
 pub struct PageHasher {
@@ -86,31 +90,44 @@ impl PageHasher {
         PageHash(out)
     }
 
-    /// [`Self::chain`] for a prompt with images: `images` lists each image's span of
-    /// placeholder positions and its content hash (`media::content_hash`), in any order.
-    pub fn chain_with_media(
+    /// Identity of page `index` (tokens `index·page_tokens..`) of a sequence whose `tokens` hold
+    /// image placeholders at `images` (each image's span of positions and its content hash,
+    /// `media::content_hash`, in any order), given its parent's identity.
+    pub fn page_at(
         &self,
+        parent: Option<PageHash>,
         tokens: &[u32],
+        index: usize,
         page_tokens: usize,
-        images: &[(std::ops::Range<usize>, u64)],
-    ) -> Vec<PageHash> {
+        images: &[ImageKey],
+    ) -> PageHash {
+        let (lo, hi) = (index * page_tokens, (index + 1) * page_tokens);
+        let page = &tokens[lo..hi];
+        if images.is_empty() {
+            return self.page(parent, page);
+        }
+        let inside: Vec<(usize, usize, u64)> = images
+            .iter()
+            .filter(|(r, _)| r.start < hi && r.end > lo)
+            .map(|(r, c)| {
+                let (a, b) = (r.start.max(lo), r.end.min(hi));
+                // The offset of the page's part within the image too: a page boundary that cuts
+                // an image elsewhere holds different rows of it.
+                (a - lo, b - a, c ^ ((a - r.start) as u64).rotate_left(32))
+            })
+            .collect();
+        self.page_with_media(parent, page, &inside)
+    }
+
+    /// [`Self::chain`] for a prompt with images (see [`Self::page_at`]).
+    pub fn chain_with_media(&self, tokens: &[u32], page_tokens: usize, images: &[ImageKey]) -> Vec<PageHash> {
+        if page_tokens == 0 {
+            return Vec::new();
+        }
         let mut parent = None;
-        tokens
-            .chunks_exact(page_tokens)
-            .enumerate()
-            .map(|(i, page)| {
-                let (lo, hi) = (i * page_tokens, (i + 1) * page_tokens);
-                let inside: Vec<(usize, usize, u64)> = images
-                    .iter()
-                    .filter(|(r, _)| r.start < hi && r.end > lo)
-                    .map(|(r, c)| {
-                        let (a, b) = (r.start.max(lo), r.end.min(hi));
-                        // The offset of the page's part within the image too: a page boundary
-                        // that cuts an image elsewhere holds different rows of it.
-                        (a - lo, b - a, c ^ ((a - r.start) as u64).rotate_left(32))
-                    })
-                    .collect();
-                let h = self.page_with_media(parent, page, &inside);
+        (0..tokens.len() / page_tokens)
+            .map(|i| {
+                let h = self.page_at(parent, tokens, i, page_tokens, images);
                 parent = Some(h);
                 h
             })

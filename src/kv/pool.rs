@@ -29,7 +29,7 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
 use super::ledger::BlockLedger;
-use super::page::{MissReason, PageHash, PageHasher, PoolIdentity, PrefixHit};
+use super::page::{ImageKey, MissReason, PageHash, PageHasher, PoolIdentity, PrefixHit};
 use super::restore_cost::RestoreCost;
 use super::KvError;
 
@@ -132,6 +132,8 @@ struct SeqKv {
     alloc: Allocation,
     /// Identities of the sequence's whole computed pages, in order (published or not).
     page_hashes: Vec<PageHash>,
+    /// Images in its prompt: part of the identity of every page they touch and every page after.
+    images: Vec<ImageKey>,
     slot: Option<u32>,
     /// Snapshots delivered for pages not yet published, by page index (hybrid models).
     snapshots: BTreeMap<usize, Arc<[u8]>>,
@@ -326,17 +328,36 @@ impl KvPool {
 
     /// A new sequence with its known tokens and no blocks yet.
     pub fn register(&mut self, seq: SeqId, tokens: Vec<u32>) -> Result<(), KvError> {
+        self.register_with_images(seq, tokens, Vec::new())
+    }
+
+    /// [`Self::register`] for a prompt with images (their placeholder spans and content hashes),
+    /// which key the pages they touch: the same image and text hit, a different image never does.
+    pub fn register_with_images(&mut self, seq: SeqId, tokens: Vec<u32>, images: Vec<ImageKey>) -> Result<(), KvError> {
         if self.seqs.contains_key(&seq) {
             return Err(KvError::DuplicateSeq(seq));
         }
         let alloc = Allocation { blocks: Vec::new(), returns: self.returns_tx.clone() };
-        let kv = SeqKv { tokens, computed: 0, alloc, page_hashes: Vec::new(), slot: None, snapshots: BTreeMap::new() };
+        let kv = SeqKv {
+            tokens,
+            computed: 0,
+            alloc,
+            page_hashes: Vec::new(),
+            images,
+            slot: None,
+            snapshots: BTreeMap::new(),
+        };
         self.seqs.insert(seq, kv);
         Ok(())
     }
 
     /// Looks up the cached prefix of `tokens` without taking it.
     pub fn lookup(&self, tokens: &[u32]) -> (Vec<PageHash>, PrefixHit) {
+        self.lookup_with_images(tokens, &[])
+    }
+
+    /// [`Self::lookup`] for tokens with images at `images`.
+    pub fn lookup_with_images(&self, tokens: &[u32], images: &[ImageKey]) -> (Vec<PageHash>, PrefixHit) {
         let p = self.cfg.page_tokens;
         if p == 0 || tokens.len() <= 1 {
             return (Vec::new(), PrefixHit { pages: 0, hit_tokens: 0, miss: None });
@@ -345,8 +366,8 @@ impl KvPool {
         let mut hashes = Vec::new();
         let mut parent = None;
         let mut miss = None;
-        for page in tokens[..eligible].chunks_exact(p) {
-            let h = self.hasher.page(parent, page);
+        for i in 0..eligible / p {
+            let h = self.hasher.page_at(parent, tokens, i, p, images);
             if !self.pages.contains_key(&h) {
                 miss = Some(if self.corrupt.contains(&h) {
                     MissReason::SpilledCorrupt
@@ -376,7 +397,7 @@ impl KvPool {
         if !s.alloc.is_empty() || s.computed != 0 {
             return Err(KvError::AlreadyAdmitted(seq));
         }
-        let (hashes, hit) = self.lookup(&s.tokens);
+        let (hashes, hit) = self.lookup_with_images(&s.tokens, &s.images);
         let mut blocks = Vec::with_capacity(hashes.len() * self.page_blocks());
         for h in &hashes {
             self.touch_page(*h);
@@ -642,7 +663,7 @@ impl KvPool {
         while s.page_hashes.len() < whole {
             let i = s.page_hashes.len();
             let parent = s.page_hashes.last().copied();
-            let h = self.hasher.page(parent, &s.tokens[i * p..(i + 1) * p]);
+            let h = self.hasher.page_at(parent, &s.tokens, i, p, &s.images);
             s.page_hashes.push(h);
             let snapshot = s.snapshots.remove(&i);
             let blocks = &s.alloc.blocks[i * pb..(i + 1) * pb];

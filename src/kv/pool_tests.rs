@@ -534,7 +534,7 @@ fn restores_start_at_registration_and_the_admission_waits_for_them() {
         p.note_spilled(e.hash, e.parent);
     }
     drop(hold);
-    let reply = apply_ops(&mut p, vec![PoolOp::Register { seq: 3, tokens: a.clone() }]);
+    let reply = apply_ops(&mut p, vec![PoolOp::Register { seq: 3, tokens: a.clone(), images: Vec::new() }]);
     assert_eq!(reply.restores.len(), 4, "all four pages are being read while seq 3 waits");
     assert_eq!(reply.view.available, 12 - 8, "the view shows the blocks the reads hold");
     let admit = apply_ops(&mut p, vec![PoolOp::Admit { seq: 3, new_tokens: 33 }]);

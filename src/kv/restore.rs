@@ -87,8 +87,8 @@ impl KvPool {
         let mut out = Vec::new();
         let mut pending = false;
         let mut parent = None;
-        for (i, page) in s.tokens[..s.tokens.len() - 1].chunks_exact(p).enumerate() {
-            let h = self.hasher.page(parent, page);
+        for i in 0..(s.tokens.len() - 1) / p {
+            let h = self.hasher.page_at(parent, &s.tokens, i, p, &s.images);
             if self.restoring.contains_key(&h) {
                 pending = true;
             } else if !self.pages.contains_key(&h) {
@@ -112,7 +112,7 @@ impl KvPool {
         if p == 0 || s.tokens.len() <= 1 {
             return Vec::new();
         }
-        let chain = self.hasher.chain(&s.tokens[..s.tokens.len() - 1], p);
+        let chain = self.hasher.chain_with_media(&s.tokens[..s.tokens.len() - 1], p, &s.images);
         let pinned: Vec<PageHash> =
             chain.into_iter().filter(|h| self.pages.get(h).is_some_and(|pg| pg.lru_tick.is_some())).collect();
         for h in &pinned {

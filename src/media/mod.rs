@@ -45,3 +45,30 @@ pub fn content_hash(image: &ProcessedImage) -> u64 {
     let d = h.finalize();
     u64::from_le_bytes(d[..8].try_into().expect("a SHA-256 digest has 32 bytes"))
 }
+
+/// Repeat each single `placeholder` of `ids` (one per image, as chat templates write them)
+/// `counts[k]` times for the `k`-th image (its `ProcessedImage::tokens`), as transformers'
+/// processor expands them. Returns the expanded ids and each image's span in them; `None` when
+/// the ids hold a different number of placeholders than there are images.
+pub fn expand_placeholders(
+    ids: &[u32],
+    placeholder: u32,
+    counts: &[usize],
+) -> Option<(Vec<u32>, Vec<std::ops::Range<usize>>)> {
+    if ids.iter().filter(|&&t| t == placeholder).count() != counts.len() {
+        return None;
+    }
+    let mut out = Vec::with_capacity(ids.len() + counts.iter().sum::<usize>());
+    let mut spans = Vec::with_capacity(counts.len());
+    let mut next = counts.iter();
+    for &t in ids {
+        if t != placeholder {
+            out.push(t);
+            continue;
+        }
+        let n = *next.next()?;
+        spans.push(out.len()..out.len() + n);
+        out.extend(std::iter::repeat_n(t, n));
+    }
+    Some((out, spans))
+}

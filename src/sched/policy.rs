@@ -294,6 +294,13 @@ impl Planner {
     /// Queues a sequence at the back of its priority's waiting queue. Refuses sequences that could
     /// not fit in the whole pool even alone, so an admitted sequence can always finish.
     pub fn add(&mut self, seq: NewSeq) -> Result<(), PolicyError> {
+        self.add_with_images(seq, Vec::new())
+    }
+
+    /// [`Self::add`] for a prompt with images: their placeholder spans and content hashes go to
+    /// the pool with the sequence, where they key its pages. Their placeholder tokens are
+    /// prefill tokens like any other: the step's token budget pays for encoding them.
+    pub fn add_with_images(&mut self, seq: NewSeq, images: Vec<crate::kv::ImageKey>) -> Result<(), PolicyError> {
         if self.seqs.contains_key(&seq.id) {
             return Err(PolicyError::DuplicateId(seq.id));
         }
@@ -316,7 +323,7 @@ impl Planner {
         if let Some(p) = self.pacing.as_mut() {
             p.note_arrival(seq.priority, prompt_len);
         }
-        self.pending.push(PoolOp::Register { seq: seq.id, tokens: seq.prompt.clone() });
+        self.pending.push(PoolOp::Register { seq: seq.id, tokens: seq.prompt.clone(), images });
         self.seqs.insert(
             seq.id,
             Seq {

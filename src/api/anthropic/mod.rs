@@ -143,6 +143,7 @@ fn prepare(state: &LaneState, body: &[u8]) -> Result<Prepared, ApiError> {
     }
     let max_tokens = params::resolve_max_tokens(&plan, rendered.ids.len(), &state.lane, model, "messages")?;
     let mut requests = params::requests(&plan, rendered.ids.clone(), max_tokens, &state.lane);
+    requests.iter_mut().for_each(|r| r.images = rendered.images.clone());
     if let Some(call) = &rendered.call_grammar {
         // A forced call closed any reasoning block in the prompt: the grammar starts at once.
         structured::attach(state, &mut requests, call, ReasoningStart::Off)?;
@@ -235,13 +236,19 @@ fn convert_turn(i: usize, m: &Value, out: &mut Vec<Value>) -> Result<(), ApiErro
         }
     };
     let mut text = Vec::new();
+    // With images, the user turn's content is a list of text and image parts (in block order).
+    let mut parts = Vec::new();
     let mut reasoning = Vec::new();
     let mut calls = Vec::new();
     for (j, b) in blocks.iter().enumerate() {
         let param = format!("messages[{i}].content[{j}]");
         let str_field = |k: &str| str_field(b, &param, k);
         match b.get("type").and_then(Value::as_str) {
-            Some("text") => text.push(str_field("text")?.to_owned()),
+            Some("text") => {
+                text.push(str_field("text")?.to_owned());
+                parts.push(serde_json::json!({"type": "text", "text": text[text.len() - 1]}));
+            }
+            Some("image") if role == "user" => parts.push(b.clone()),
             Some("thinking") if role == "assistant" => reasoning.push(str_field("thinking")?.to_owned()),
             Some("redacted_thinking") => {}
             Some("tool_use") if role == "assistant" => {
@@ -278,6 +285,10 @@ fn convert_turn(i: usize, m: &Value, out: &mut Vec<Value>) -> Result<(), ApiErro
             }
             None => return Err(ApiError::invalid(format!("{param}.type"), format!("`{param}.type` is required"))),
         }
+    }
+    if role == "user" && parts.iter().any(super::media::is_image_part) {
+        out.push(serde_json::json!({"role": role, "content": parts}));
+        return Ok(());
     }
     if role == "user" && text.is_empty() {
         return Ok(());
@@ -423,7 +434,7 @@ mod tests {
         let e = convert_turn(0, &json!({"role": "system", "content": "x"}), &mut Vec::new()).unwrap_err();
         assert_eq!(e.body().param, Some("messages[0].role"));
         let e =
-            convert_turn(0, &json!({"role": "user", "content": [{"type": "image", "source": {}}]}), &mut Vec::new())
+            convert_turn(0, &json!({"role": "user", "content": [{"type": "document", "source": {}}]}), &mut Vec::new())
                 .unwrap_err();
         assert_eq!(e.body().param, Some("messages[0].content[0].type"));
         let e = convert_turn(0, &json!({"role": "user", "content": [{"type": "text"}]}), &mut Vec::new()).unwrap_err();
