@@ -77,6 +77,9 @@ struct Args {
     /// Voice arrivals per second (open loop).
     #[arg(long, default_value_t = 0.5)]
     voice_rate: f64,
+    /// The voice lane's time-to-first-token target in ms (default: the device's).
+    #[arg(long)]
+    voice_target_ttft_ms: Option<f64>,
     #[arg(long, default_value_t = 24)]
     voice_max_tokens: usize,
     #[arg(long, default_value_t = 8)]
@@ -221,6 +224,9 @@ fn start(args: &Args, pacing: bool) -> Result<Local, String> {
         .map_err(|e| e.to_string())?
         .resolve(&SchedulerKnobs::default(), None, family, class)?;
     cfg.scheduler.lane_pacing = pacing;
+    if let Some(ms) = args.voice_target_ttft_ms {
+        cfg.lanes.iter_mut().filter(|l| l.name == "voice").for_each(|l| l.target_ttft_ms = Some(ms));
+    }
     cfg.host = "127.0.0.1".into();
     cfg.lanes.iter_mut().for_each(|l| l.port = 0);
     let device =

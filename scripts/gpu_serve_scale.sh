@@ -121,7 +121,7 @@ voice)
   for agents in ${AGENTS:-8 32}; do
     echo "== mixed_load, $agents agents"
     "$HERE/mixed_load" --device cuda --model "$MODEL" --agents $agents --phase ${PHASE:-20s} --rounds 1 \
-      --agent-prompt-words 2150 --voice-rate ${VOICE_RATE:-2} --pacing ${PACING:-both} --json "$OUTDIR/mixed-$agents.json" 2> "$OUTDIR/mixed-$agents.log" \
+      --agent-prompt-words 2150 --voice-rate ${VOICE_RATE:-2} --pacing ${PACING:-both} ${MIXED_ARGS:-} --json "$OUTDIR/mixed-$agents.json" 2> "$OUTDIR/mixed-$agents.log" \
       || { echo "mixed_load failed"; tail -20 "$OUTDIR/mixed-$agents.log"; }
   done
   ;;

@@ -26,7 +26,7 @@ use crate::kv::restore_cost::RestoreCost;
 use crate::kv::{KvPool, KvPoolConfig, PoolIdentity, PoolReply};
 use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::admission::Admission;
-use crate::sched::{page_ends_within, NewSeq, Pacing, Planner, PolicyConfig, SeqId, StepCost, StepPlanOut, StepShape};
+use crate::sched::{page_ends_within, NewSeq, Pacing, Planner, PolicyConfig, PrefillRate, SeqId, StepCost, StepPlanOut, StepShape};
 use crate::spec::stats::AcceptanceStats;
 use crate::spec::HiddenChunk;
 use crate::structured::{GrammarHandle, PendingMasks};
@@ -176,6 +176,8 @@ pub struct SchedulerState {
     /// When the last step's result arrived, while the next step is being planned: the host time
     /// between two steps (the device idles through it) is recorded when that step is dispatched.
     step_done_at: Option<Instant>,
+    /// Measured seconds per prefill token (prices recomputation against restores).
+    prefill_rate: PrefillRate,
     next_step: u64,
     next_seq: SeqId,
     live: HashMap<SeqId, LiveSeq>,
@@ -474,10 +476,11 @@ impl SchedulerState {
                 }
             }
             policy.observe_step(&self.in_flight_shape, r.elapsed.as_secs_f64());
-            // The pool prices recomputing a spilled prefix with the same, refit model.
-            if self.in_flight_shape.prefill_tokens > 0 && self.spill_on {
-                if let (Some(pacing), Some(pool)) = (policy.pacing(), &self.pool) {
-                    let _ = pool.cast(KvPoolMsg::StepCost(pacing.model().cost()));
+            // The pool prices recomputing a spilled prefix at the measured prefill rate.
+            self.prefill_rate.observe(self.in_flight_shape.prefill_tokens, r.elapsed.as_secs_f64());
+            if self.in_flight_shape.prefill_tokens >= PrefillRate::MIN_TOKENS && self.spill_on {
+                if let (Some(cost), Some(pool)) = (self.prefill_rate.as_step_cost(), &self.pool) {
+                    let _ = pool.cast(KvPoolMsg::StepCost(cost));
                 }
             }
         }
@@ -650,6 +653,7 @@ impl Actor for SchedulerActor {
             in_flight: false,
             in_flight_shape: StepShape::default(),
             step_done_at: None,
+            prefill_rate: PrefillRate::default(),
             next_step: 0,
             next_seq: 0,
             live: HashMap::new(),

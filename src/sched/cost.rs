@@ -95,6 +95,42 @@ impl StepCost {
     }
 }
 
+/// Seconds per prefill token as the engine's own prefill-carrying steps measured them (a decayed
+/// ratio of step time to prefill tokens): what recomputing a spilled prefix costs, for the pool's
+/// restore-or-recompute choice. Deliberately not the step cost fit: lane pacing sizes chunks so
+/// that steps last about the same, which leaves a regression on chunk size little to fit, where a
+/// ratio of totals stays right.
+#[derive(Debug, Clone, Default)]
+pub struct PrefillRate {
+    secs: f64,
+    tokens: f64,
+}
+
+impl PrefillRate {
+    /// Steps with fewer prefill tokens cost mostly their decodes and fixed overhead.
+    pub const MIN_TOKENS: usize = 64;
+    /// Weight of history (about the last 20 prefill steps matter).
+    const DECAY: f64 = 0.95;
+
+    pub fn observe(&mut self, prefill_tokens: usize, secs: f64) {
+        if prefill_tokens < Self::MIN_TOKENS || !secs.is_finite() || secs <= 0.0 {
+            return;
+        }
+        self.secs = Self::DECAY * self.secs + secs;
+        self.tokens = Self::DECAY * self.tokens + prefill_tokens as f64;
+    }
+
+    /// Seconds per prefill token, once a step has been measured.
+    pub fn per_token(&self) -> Option<f64> {
+        (self.tokens > 0.0).then(|| self.secs / self.tokens)
+    }
+
+    /// As a step cost that prices prefill only (what the pool's restore pricing reads).
+    pub fn as_step_cost(&self) -> Option<StepCost> {
+        self.per_token().map(|r| StepCost { fixed: 0.0, per_prefill_token: r, per_decode_seq: 0.0, per_million_attended: 0.0 })
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct StepCostModel {
     prior: [f64; FEATURES],
@@ -355,6 +391,21 @@ mod tests {
         }
         let c = m.cost();
         assert!(c.per_prefill_token >= 0.0 && c.per_million_attended >= 0.0 && c.fixed > 0.0, "{c:?}");
+    }
+
+    #[test]
+    fn the_prefill_rate_is_a_ratio_of_totals_that_ignores_decode_steps() {
+        let mut r = PrefillRate::default();
+        assert_eq!(r.per_token(), None);
+        // Paced steps: every step lasts 40 ms whatever its chunk (800 or 400 tokens).
+        r.observe(800, 0.040);
+        r.observe(400, 0.040);
+        r.observe(8, 0.005); // a decode step with a short prompt: ignored
+        let rate = r.per_token().unwrap();
+        assert!((rate - 0.080 / 1200.0).abs() / rate < 0.03, "{rate}");
+        let c = r.as_step_cost().unwrap();
+        assert_eq!((c.fixed, c.per_decode_seq, c.per_million_attended), (0.0, 0.0, 0.0));
+        assert!((c.prefill_secs(0, 256) - 256.0 * rate).abs() < 1e-12);
     }
 
     #[test]

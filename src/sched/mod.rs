@@ -14,7 +14,7 @@ pub mod policy;
 pub mod pooled;
 pub mod types;
 
-pub use cost::{StepCost, StepCostModel, StepShape};
+pub use cost::{PrefillRate, StepCost, StepCostModel, StepShape};
 pub use pacing::{DeviceDefaults, LaneTarget, Pacing, StepCap, COST_DECAY};
 pub use policy::{NewSeq, PlannedSeq, Planner, PolicyConfig, PolicyError, SeqId, SeqView, StepPlanOut};
 pub use pooled::Policy;

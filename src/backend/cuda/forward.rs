@@ -432,7 +432,7 @@ impl CudaBackend {
         }
         self.gpu.bind()?;
         if self.page_mover.is_none() {
-            self.page_mover = Some(super::page_mover::PageMover::new(&self.gpu)?);
+            self.page_mover = Some(super::page_mover::PageMover::new(&self.gpu, blocks.len() * bb)?);
         }
         let ids = self.scratch.get(&self.gpu, "kv_block_ids", blocks.len() * 4)?;
         let f = self.gpu.func("llama", "copy_blocks")?;

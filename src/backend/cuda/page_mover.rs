@@ -17,10 +17,14 @@ use parking_lot::Mutex;
 use super::gpu::{dev_err, DevBuf, Gpu};
 use crate::backend::{BackendError, PageImageDone};
 
-/// Gathers in flight at once: enough to keep the copy engine busy while the completion thread
-/// copies earlier pages out, few enough that the pinned memory stays small (slots grow to the
-/// largest page read, e.g. 32 MiB for 256 tokens of an 8B llama).
-const SLOTS: usize = 8;
+/// Pinned memory for pages in flight: a whole prompt's evictions (24 pages of 32 MiB for 6k
+/// tokens of an 8B llama) fit without the executor waiting for a slot.
+const RING_BYTES: usize = 1 << 30;
+/// Slots whatever the page size: at least two, so copies overlap; at most 32.
+const MIN_SLOTS: usize = 2;
+const MAX_SLOTS: usize = 32;
+/// Piece of an image one core copies out of pinned memory at a time.
+const COPY_PIECE: usize = 4 << 20;
 
 struct Slot {
     /// Where the gather kernel writes the page; grown on demand.
@@ -52,12 +56,14 @@ pub struct PageMover {
 }
 
 impl PageMover {
-    pub fn new(gpu: &Gpu) -> Result<Self, BackendError> {
+    /// Slots for pages of about `page_bytes` (the ring's budget over the page size).
+    pub fn new(gpu: &Gpu, page_bytes: usize) -> Result<Self, BackendError> {
         let ctx = gpu.ctx.clone();
         let copy_stream = ctx.new_stream().map_err(|e| dev_err("creating the page copy stream", e))?;
         let (free_tx, free_rx) = flume::unbounded();
-        let mut slots = Vec::with_capacity(SLOTS);
-        for i in 0..SLOTS {
+        let count = (RING_BYTES / page_bytes.max(1)).clamp(MIN_SLOTS, MAX_SLOTS);
+        let mut slots = Vec::with_capacity(count);
+        for i in 0..count {
             let gathered = ctx.new_event(None).map_err(|e| dev_err("creating a page event", e))?;
             let copied = ctx.new_event(None).map_err(|e| dev_err("creating a page event", e))?;
             slots.push(Arc::new(Mutex::new(Slot { device: None, host: None, gathered, copied })));
@@ -155,14 +161,21 @@ impl PageMover {
     }
 }
 
-/// The slot's first `bytes` as an image, once its copy is done.
+/// The slot's first `bytes` as an image, once its copy is done. Copied by all cores: a fresh
+/// image's pages are first touched here, and one core faulting in 32 MiB is slower than the
+/// copy engine that filled the slot.
 fn copy_out(slot: &Slot, bytes: usize) -> Result<Vec<u8>, BackendError> {
+    use rayon::prelude::*;
     slot.copied.synchronize().map_err(|e| dev_err("waiting for a page copy", e))?;
     let host = slot.host.as_ref().ok_or_else(|| BackendError::Device("no pinned page memory".into()))?;
     let ptr = host.as_ptr().map_err(|e| dev_err("pinned page memory", e))?;
     // SAFETY: the copy into these `bytes` completed (`copied`), and the slot is not reused
     // before it is returned to the free list after this copy.
-    Ok(unsafe { std::slice::from_raw_parts(ptr, bytes) }.to_vec())
+    let src = unsafe { std::slice::from_raw_parts(ptr, bytes) };
+    // Zeroed by the allocator as fresh pages (not written), so the copy is the first touch.
+    let mut image = vec![0u8; bytes];
+    image.par_chunks_mut(COPY_PIECE).zip(src.par_chunks(COPY_PIECE)).for_each(|(d, s)| d.copy_from_slice(s));
+    Ok(image)
 }
 
 impl Drop for PageMover {
