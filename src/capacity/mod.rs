@@ -147,7 +147,7 @@ pub fn resident_weight_bytes(bundle: &ModelBundle, device: &ResolvedDevice) -> u
                     ResolvedKind::Cuda => elems * device.cuda_precision.bytes() as u64,
                 }
             })
-            .sum()
+            .sum::<u64>()
 }
 
 /// The memory the pool is sized against.

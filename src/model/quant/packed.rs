@@ -249,7 +249,7 @@ pub(super) fn decode_group(format: PackedFormat, codes: &[u8], g: usize, out: &m
     let start = g * group;
     let nibble = |i: usize| {
         let b = codes[i / 2];
-        if i % 2 == 0 {
+        if i.is_multiple_of(2) {
             b & 0x0F
         } else {
             b >> 4
