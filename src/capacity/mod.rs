@@ -119,25 +119,35 @@ pub fn kv_cost(bundle: &ModelBundle, device: &ResolvedDevice) -> Result<KvCost, 
 }
 
 /// Bytes the weights take once loaded on `device`, all ranks together: the CPU keeps GGML
-/// quantized blocks as stored and widens everything else to f32 (glm5_next: all f32); CUDA
-/// stores every tensor in its precision.
+/// quantized blocks and a quantized safetensors checkpoint's codes as stored and widens everything
+/// else to f32 (glm5_next: all f32); CUDA stores every tensor in its precision (and refuses
+/// quantized safetensors checkpoints).
 pub fn resident_weight_bytes(bundle: &ModelBundle, device: &ResolvedDevice) -> u64 {
     let glm = ModelFamily::of_model_type(&bundle.config.model_type) == ModelFamily::Glm5Next;
     let w = bundle.weights.as_ref();
-    w.tensor_names()
+    let names = w.tensor_names();
+    // Codes of a quantized safetensors checkpoint (packed ints, FP8) stay as stored on the CPU.
+    let packed: u64 = names
         .iter()
-        .filter_map(|n| w.tensor(n))
-        .map(|t| {
-            let elems: u64 = t.shape.iter().map(|&d| d as u64).product();
-            match device.kind {
-                ResolvedKind::Cpu if !glm && crate::backend::cpu::linear::stays_quantized(t.dtype) => {
-                    t.data.len() as u64
+        .filter(|n| w.tensor(n).is_none())
+        .filter_map(|n| w.raw_tensor(n))
+        .map(|t| t.data.len() as u64)
+        .sum();
+    packed
+        + names
+            .iter()
+            .filter_map(|n| w.tensor(n))
+            .map(|t| {
+                let elems: u64 = t.shape.iter().map(|&d| d as u64).product();
+                match device.kind {
+                    ResolvedKind::Cpu if !glm && crate::backend::cpu::linear::stays_quantized(t.dtype) => {
+                        t.data.len() as u64
+                    }
+                    ResolvedKind::Cpu => elems * 4,
+                    ResolvedKind::Cuda => elems * device.cuda_precision.bytes() as u64,
                 }
-                ResolvedKind::Cpu => elems * 4,
-                ResolvedKind::Cuda => elems * device.cuda_precision.bytes() as u64,
-            }
-        })
-        .sum()
+            })
+            .sum::<u64>()
 }
 
 /// The memory the pool is sized against.

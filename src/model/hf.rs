@@ -13,6 +13,7 @@ use safetensors::{Dtype as StDtype, SafeTensors};
 use serde_json::Value;
 use tokenizers::processors::template::TemplateProcessing;
 
+use super::quantized::{QuantScheme, RawTensor};
 use super::{DType, GenerationDefaults, ModelBundle, ModelError, TensorView, WeightSource};
 use crate::config::LlamaConfig;
 use crate::tokenizer::TokenizerBundle;
@@ -77,18 +78,28 @@ pub fn quantization_scheme(config: &Value) -> Option<String> {
     Some(parts.join(", "))
 }
 
-/// Open the directory's safetensors, refusing a checkpoint whose `config.json` declares a
-/// `quantization_config`: its tensors are packed codes and scales that no kernel here reads, and
-/// widening them to floats would serve a different model than the one asked for. The error
-/// names the scheme and a tensor: the first one whose stored type is not a float, else the
-/// first tensor.
+/// Open the directory's safetensors. A checkpoint whose `config.json` declares a
+/// `quantization_config` opens only when the scheme is one [`QuantScheme`] serves and every tensor
+/// is one that scheme stores; otherwise it is refused, naming the scheme and a tensor (the first
+/// whose stored type is not a float, else the first tensor): computing with another scheme's codes,
+/// or widening them to floats, would serve a different model than the one asked for.
 pub fn open_weights_checked(dir: &Path) -> Result<SafetensorsWeights, ModelError> {
     let config_path = dir.join(CONFIG_FILE);
     let config: Value = serde_json::from_str(&read_text(&config_path, "")?)
         .map_err(|e| ModelError::Config { file: config_path.clone(), msg: e.to_string() })?;
-    let Some(scheme) = quantization_scheme(&config) else {
+    let Some(description) = quantization_scheme(&config) else {
         return SafetensorsWeights::open_dir(dir);
     };
+    let why = match QuantScheme::from_config(&config) {
+        Ok(Some(scheme)) => {
+            let weights = SafetensorsWeights::open_dir_with(dir, Some((&scheme, &description)))?;
+            tracing::info!(dir = %dir.display(), format = %scheme.format().name(), "quantized checkpoint");
+            return Ok(weights);
+        }
+        Ok(None) => String::new(),
+        Err(why) => why,
+    };
+    let scheme = format!("{description} ({why})");
     match SafetensorsWeights::open_dir(dir) {
         Err(ModelError::UnsupportedDType { file, tensor, dtype }) => {
             Err(ModelError::UnsupportedQuantization { file, scheme, tensor: format!("`{tensor}` ({dtype})") })
@@ -139,7 +150,9 @@ struct Shard {
 
 struct Entry {
     shard: usize,
-    dtype: DType,
+    /// `None` for the non-float types only a quantization scheme stores (packed ints, FP8).
+    dtype: Option<DType>,
+    stored: StDtype,
     shape: Vec<usize>,
     /// Byte range in the shard's memory map (header included in the offset).
     start: usize,
@@ -151,19 +164,29 @@ pub struct SafetensorsWeights {
     origin: PathBuf,
     shards: Vec<Shard>,
     tensors: HashMap<String, Entry>,
+    quant: Option<QuantScheme>,
 }
+
+/// A declared quantization scheme and its description for messages.
+type Declared<'a> = Option<(&'a QuantScheme, &'a str)>;
 
 impl SafetensorsWeights {
     /// Find the weights of an HF directory: `model.safetensors.index.json` (sharded) if present,
     /// else `model.safetensors`.
     pub fn open_dir(dir: &Path) -> Result<Self, ModelError> {
+        Self::open_dir_with(dir, None)
+    }
+
+    /// [`open_dir`](Self::open_dir) for a checkpoint stored in `quant`'s scheme (checked tensor by
+    /// tensor).
+    pub fn open_dir_with(dir: &Path, quant: Declared<'_>) -> Result<Self, ModelError> {
         let index = dir.join(WEIGHTS_INDEX_FILE);
         if index.is_file() {
-            return Self::open_index(dir, &index);
+            return Self::open_index_with(dir, &index, quant);
         }
         let single = dir.join(SINGLE_WEIGHTS_FILE);
         if single.is_file() {
-            return Self::open_files(dir, &[single]);
+            return Self::open_files_with(dir, &[single], quant);
         }
         Err(ModelError::MissingFile { path: single, hint: missing_weights_hint(dir) })
     }
@@ -171,6 +194,10 @@ impl SafetensorsWeights {
     /// Open the shards named by a `model.safetensors.index.json` and check that every tensor it
     /// lists is where it says.
     pub fn open_index(dir: &Path, index: &Path) -> Result<Self, ModelError> {
+        Self::open_index_with(dir, index, None)
+    }
+
+    fn open_index_with(dir: &Path, index: &Path, quant: Declared<'_>) -> Result<Self, ModelError> {
         let bad = |msg: String| ModelError::Format { file: index.to_path_buf(), msg };
         let text = read_text(index, "")?;
         let json: Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
@@ -198,7 +225,7 @@ impl SafetensorsWeights {
             }
             paths.push(path);
         }
-        let weights = Self::open_files(dir, &paths)?;
+        let weights = Self::open_files_with(dir, &paths, quant)?;
         for (name, file) in weight_map {
             let holder = weights.tensors.get(name).map(|e| &weights.shards[e.shard].path);
             if holder != Some(&dir.join(file)) {
@@ -212,6 +239,10 @@ impl SafetensorsWeights {
 
     /// Memory-map and index the given safetensors files. `origin` is what messages call the set.
     pub fn open_files(origin: &Path, files: &[PathBuf]) -> Result<Self, ModelError> {
+        Self::open_files_with(origin, files, None)
+    }
+
+    fn open_files_with(origin: &Path, files: &[PathBuf], quant: Declared<'_>) -> Result<Self, ModelError> {
         let mut shards = Vec::with_capacity(files.len());
         let mut tensors: HashMap<String, Entry> = HashMap::new();
         for (shard, path) in files.iter().enumerate() {
@@ -221,21 +252,44 @@ impl SafetensorsWeights {
                 SafeTensors::read_metadata(&map).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
             // Offsets in the header are relative to the end of the 8-byte length and the header.
             let base = 8 + header_len;
-            for (name, info) in meta.tensors() {
+            // In name order, so that the tensor an error names does not depend on hashing.
+            let mut listed: Vec<_> = meta.tensors().into_iter().collect();
+            listed.sort_by(|a, b| a.0.cmp(&b.0));
+            for (name, info) in listed {
                 let dtype = match info.dtype {
-                    StDtype::F32 => DType::F32,
-                    StDtype::F16 => DType::F16,
-                    StDtype::BF16 => DType::BF16,
-                    other => {
+                    StDtype::F32 => Some(DType::F32),
+                    StDtype::F16 => Some(DType::F16),
+                    StDtype::BF16 => Some(DType::BF16),
+                    _ => None,
+                };
+                match quant {
+                    None if dtype.is_none() => {
                         return Err(ModelError::UnsupportedDType {
                             file: path.clone(),
                             tensor: name,
-                            dtype: format!("{other:?} (supported: F32, F16, BF16)"),
+                            dtype: format!("{:?} (supported: F32, F16, BF16)", info.dtype),
                         })
                     }
-                };
+                    Some((scheme, description)) => {
+                        if let Err(why) = scheme.check_tensor(&name, info.dtype) {
+                            return Err(ModelError::UnsupportedQuantization {
+                                file: path.clone(),
+                                scheme: format!("{description} ({why})"),
+                                tensor: format!("`{name}`"),
+                            });
+                        }
+                    }
+                    None => {}
+                }
                 let (start, end) = info.data_offsets;
-                let entry = Entry { shard, dtype, shape: info.shape.clone(), start: base + start, end: base + end };
+                let entry = Entry {
+                    shard,
+                    dtype,
+                    stored: info.dtype,
+                    shape: info.shape.clone(),
+                    start: base + start,
+                    end: base + end,
+                };
                 if let Some(prev) = tensors.get(&name) {
                     return Err(bad(format!(
                         "tensor `{name}` is also in {}",
@@ -247,7 +301,7 @@ impl SafetensorsWeights {
             tracing::debug!(file = %path.display(), tensors = meta.tensors().len(), "mapped safetensors file");
             shards.push(Shard { path: path.clone(), map });
         }
-        Ok(SafetensorsWeights { origin: origin.to_path_buf(), shards, tensors })
+        Ok(SafetensorsWeights { origin: origin.to_path_buf(), shards, tensors, quant: quant.map(|(q, _)| q.clone()) })
     }
 
     /// Number of tensors.
@@ -305,7 +359,17 @@ impl WeightSource for SafetensorsWeights {
         let e = self.tensors.get(name)?;
         // The range was validated against the file length by `read_metadata`.
         let data = self.shards[e.shard].map.get(e.start..e.end)?;
-        Some(TensorView { dtype: e.dtype, shape: &e.shape, data })
+        Some(TensorView { dtype: e.dtype?, shape: &e.shape, data })
+    }
+
+    fn raw_tensor(&self, name: &str) -> Option<RawTensor<'_>> {
+        let e = self.tensors.get(name)?;
+        let data = self.shards[e.shard].map.get(e.start..e.end)?;
+        Some(RawTensor { dtype: e.stored, shape: &e.shape, data })
+    }
+
+    fn quantization(&self) -> Option<&QuantScheme> {
+        self.quant.as_ref()
     }
 
     fn tensor_names(&self) -> Vec<String> {
@@ -565,28 +629,48 @@ mod tests {
         assert!(s.contains("model.safetensors") && s.contains("I32"), "{s}");
     }
 
-    /// A declared `quantization_config` is refused at load with its scheme and a tensor,
-    /// whether the packed tensors have a type the loader rejects anyway (FP8, packed int32) or
-    /// look like floats (where loading them would silently compute with codes as weights).
+    /// A declared `quantization_config` that is not served, or a served one with a tensor its
+    /// scheme does not store, is refused at load with the scheme and a tensor, whether the tensors
+    /// have a type the loader rejects anyway or look like floats (where loading them would
+    /// silently compute with codes as weights).
     #[test]
-    fn quantized_checkpoints_are_refused_naming_scheme_and_tensor() {
+    fn unserved_quantization_is_refused_naming_scheme_and_tensor() {
+        let int4 = |extra: &str| {
+            format!(
+                r#"{{"quant_method":"compressed-tensors","format":"pack-quantized","quantization_status":"compressed",
+                "config_groups":{{"group_0":{{"targets":["Linear"],"weights":{{"num_bits":4,"type":"int",
+                "strategy":"group","group_size":128,"symmetric":true,"dynamic":false}}{extra}}}}}}}"#
+            )
+        };
         let cases = [
+            // Not served at all: GPTQ's own format, with float-looking tensors.
             (
-                r#"{"quant_method":"fp8","fmt":"e4m3","weight_block_size":[128,128]}"#,
-                ("weight_scale_inv", StDtype::F8_E4M3),
-                ["quant_method `fp8`", "weight_block_size [128,128]", "F8_E4M3"],
+                r#"{"quant_method":"gptq","bits":4,"group_size":128}"#.to_string(),
+                ("qweight", StDtype::I32),
+                vec!["quant_method `gptq`", "bits 4", "`a.qweight`"],
             ),
             (
-                r#"{"quant_method":"compressed-tensors","format":"pack-quantized","config_groups":{"group_0":
-                    {"weights":{"num_bits":4,"type":"int","strategy":"group","group_size":128,"symmetric":true}}}}"#,
+                r#"{"quant_method":"fp8","fmt":"e4m3","weight_block_size":[64,64]}"#.to_string(),
+                ("weight_scale_inv", StDtype::F32),
+                vec!["weight_block_size [64,64]", "[128, 128]", "`a.weight`"],
+            ),
+            (
+                r#"{"quant_method":"fp8","weight_block_size":[128,128],"activation_scheme":"static"}"#.to_string(),
+                ("weight_scale_inv", StDtype::F32),
+                vec!["activation_scheme `static`"],
+            ),
+            // Activation quantization (W4A8-style) is not served.
+            (
+                int4(r#","input_activations":{"num_bits":8,"type":"int","strategy":"token","dynamic":true}"#),
                 ("weight_packed", StDtype::I32),
-                ["compressed-tensors", "pack-quantized", "int 4-bit weights, strategy group, group 128"],
+                vec!["pack-quantized", "input_activations", "`a.weight_packed`"],
             ),
+            // A served scheme with a tensor it does not store: a zero point, an input scale.
+            (int4(""), ("weight_zero_point", StDtype::I32), vec!["`a.weight_zero_point`", "weight_zero_point"]),
             (
-                r#"{"quant_method":"compressed-tensors","format":"nvfp4-pack-quantized","config_groups":{"group_0":
-                    {"weights":{"num_bits":4,"type":"float","strategy":"tensor_group","group_size":16}}}}"#,
-                ("weight_global_scale", StDtype::F32),
-                ["nvfp4-pack-quantized", "float 4-bit weights, strategy tensor_group, group 16", "`a.weight`"],
+                r#"{"quant_method":"fp8","weight_block_size":[128,128],"activation_scheme":"dynamic"}"#.to_string(),
+                ("input_scale", StDtype::F32),
+                vec!["`a.input_scale`", "activation"],
             ),
         ];
         for (qc, (suffix, dtype), wants) in cases {
@@ -607,6 +691,22 @@ mod tests {
         let dir = model_dir();
         write_st(&dir.path().join(SINGLE_WEIGHTS_FILE), &[("a.weight", StDtype::F32, vec![2])]);
         assert!(open_weights_checked(dir.path()).is_ok());
+        // A served scheme opens, packed tensors visible only as raw tensors.
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(
+            dir.path().join(CONFIG_FILE),
+            CONFIG.replacen('{', &format!("{{\"quantization_config\":{},", int4("")), 1),
+        )
+        .unwrap();
+        write_st(
+            &dir.path().join(SINGLE_WEIGHTS_FILE),
+            &[("a.weight_packed", StDtype::I32, vec![2, 16]), ("a.weight_scale", StDtype::BF16, vec![2, 1])],
+        );
+        let w = open_weights_checked(dir.path()).unwrap();
+        assert!(w.quantization().is_some());
+        assert!(w.tensor("a.weight_packed").is_none());
+        assert_eq!(w.raw_tensor("a.weight_packed").unwrap().shape, &[2, 16]);
+        assert_eq!(w.tensor_names(), vec!["a.weight_packed", "a.weight_scale"]);
     }
 
     #[test]

@@ -9,6 +9,7 @@ pub mod glm5_next;
 pub mod hf;
 pub mod llama;
 pub mod quant;
+pub mod quantized;
 pub mod synthetic;
 pub mod tensor;
 
@@ -32,11 +33,18 @@ pub enum ModelError {
     UnsupportedDType { file: PathBuf, tensor: String, dtype: String },
     #[error(
         "{}: tensor {tensor} is stored with quantization scheme {scheme}, which this build cannot compute with \
-         (quantized formats supported: GGUF Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K); refusing rather than \
-         converting it to another precision",
+         (quantized formats supported: GGUF Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; safetensors FP8 with \
+         128x128 block scales, compressed-tensors int4 pack-quantized and NVFP4, weight-only); refusing \
+         rather than converting it to another precision",
         file.display()
     )]
     UnsupportedQuantization { file: PathBuf, scheme: String, tensor: String },
+    #[error(
+        "{}: tensor {tensor} is stored as {format}, which the {device} backend does not compute with yet \
+         (it would have to convert the weights to another precision); run this checkpoint with --device cpu",
+        file.display()
+    )]
+    QuantizedOnDevice { file: PathBuf, device: String, format: String, tensor: String },
     #[error("{}: unsupported architecture `{arch}` (supported: llama, mistral, qwen2, qwen3)", file.display())]
     UnsupportedArchitecture { file: PathBuf, arch: String },
     #[error("{}: invalid file: {msg}", file.display())]
@@ -70,6 +78,18 @@ pub trait WeightSource: Send + Sync {
     }
     fn tensor(&self, name: &str) -> Option<TensorView<'_>>;
     fn tensor_names(&self) -> Vec<String>;
+
+    /// The quantization scheme this source's projections are stored in (`None`: plain tensors;
+    /// see [`quantized`]). Backends that cannot compute in it must refuse the source.
+    fn quantization(&self) -> Option<&quantized::QuantScheme> {
+        None
+    }
+
+    /// Any tensor as stored, including those [`tensor`](Self::tensor) does not return (packed
+    /// integers and FP8 codes of a quantized checkpoint).
+    fn raw_tensor(&self, _name: &str) -> Option<quantized::RawTensor<'_>> {
+        None
+    }
 
     /// Look up a tensor and check its shape, with an error that names file, tensor and shapes.
     fn expect(&self, name: &str, shape: &[usize]) -> Result<TensorView<'_>, ModelError> {
@@ -113,7 +133,9 @@ impl ModelBundle {
     /// Bytes of every tensor as stored (quantized where the file is): what a decode step reads,
     /// for the capacity card and for pricing a draft model against its target.
     pub fn stored_weight_bytes(&self) -> u64 {
-        self.weights.tensor_names().iter().filter_map(|n| self.weights.tensor(n)).map(|t| t.data.len() as u64).sum()
+        let w = &self.weights;
+        let bytes = |n: &String| w.tensor(n).map(|t| t.data.len()).or_else(|| w.raw_tensor(n).map(|t| t.data.len()));
+        w.tensor_names().iter().filter_map(bytes).map(|b| b as u64).sum()
     }
 
     /// Ids that end generation: the tokenizer's end-of-generation set, else the config's.

@@ -1,5 +1,6 @@
 //! Dense projections on the CPU: weights kept in their stored block format (quantized GGML
-//! blocks stay quantized; 16-bit floats are widened to f32 at load) and multiplied with rayon.
+//! blocks and the group-scaled formats of quantized safetensors checkpoints — FP8 blocks, int4,
+//! NVFP4 — stay quantized; 16-bit floats are widened to f32 at load) and multiplied with rayon.
 //! Every output element is the same `dot_*` operation sequence over one weight row and one
 //! activation row whether it is computed alone or in a tile with other rows, so the result for a
 //! row never depends on the other rows in the batch (exactness rule 3).
@@ -9,6 +10,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use crate::backend::BackendError;
+use crate::model::quant::packed::{dot_packed_block, PackedRows};
 use crate::model::quant::{dot_f32_rows, dot_q_block, quantize_row_q8, BlockQ8, DOT_TILE, QK};
 use crate::model::{DType, ModelError, TensorView, WeightSource};
 
@@ -16,7 +18,27 @@ use crate::model::{DType, ModelError, TensorView, WeightSource};
 #[derive(Clone)]
 pub enum WeightRows {
     F32(Vec<f32>),
-    Quant { dtype: DType, data: Vec<u8> },
+    Quant {
+        dtype: DType,
+        data: Vec<u8>,
+    },
+    /// A quantized safetensors checkpoint's codes and scales, multiplied with f32 activations.
+    Packed(PackedRows),
+    /// Projections with one input stacked by rows whose formats differ (a quantized projection
+    /// beside a plain one), each computed in its own format.
+    Parts(Vec<CpuLinear>),
+}
+
+impl WeightRows {
+    /// Bytes held in memory.
+    pub fn bytes(&self) -> usize {
+        match self {
+            WeightRows::F32(v) => v.len() * 4,
+            WeightRows::Quant { data, .. } => data.len(),
+            WeightRows::Packed(p) => p.bytes(),
+            WeightRows::Parts(parts) => parts.iter().map(|p| p.weight.bytes()).sum(),
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -50,6 +72,10 @@ pub fn load_vector(w: &dyn WeightSource, name: &str, len: usize) -> Result<Vec<f
 impl CpuLinear {
     /// Load `name.weight` (`[out, inp]`) and, when `bias`, `name.bias`.
     pub fn load(w: &dyn WeightSource, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self, ModelError> {
+        let load_bias = || if bias { load_vector(w, &format!("{name}.bias"), out).map(Some) } else { Ok(None) };
+        if let Some(p) = crate::model::quantized::load_linear(w, name, out, inp)? {
+            return Ok(CpuLinear { rows: out, cols: inp, weight: WeightRows::Packed(p), bias: load_bias()? });
+        }
         let view = w.expect(&format!("{name}.weight"), &[out, inp])?;
         let block = view.dtype.block_elems();
         if view.dtype.is_quantized() && !inp.is_multiple_of(block) {
@@ -61,8 +87,7 @@ impl CpuLinear {
                 ),
             });
         }
-        let bias = if bias { Some(load_vector(w, &format!("{name}.bias"), out)?) } else { None };
-        Ok(CpuLinear { rows: out, cols: inp, weight: to_rows(&view), bias })
+        Ok(CpuLinear { rows: out, cols: inp, weight: to_rows(&view), bias: load_bias()? })
     }
 
     /// Stack several projections with the same input into one (`[Σout, inp]`) so one parallel
@@ -72,6 +97,7 @@ impl CpuLinear {
             parts.windows(2).all(|p| match (&p[0].weight, &p[1].weight) {
                 (WeightRows::F32(_), WeightRows::F32(_)) => true,
                 (WeightRows::Quant { dtype: a, .. }, WeightRows::Quant { dtype: b, .. }) => a == b,
+                (WeightRows::Packed(a), WeightRows::Packed(b)) => a.format == b.format,
                 _ => false,
             }) && parts.windows(2).all(|p| p[0].cols == p[1].cols && p[0].bias.is_some() == p[1].bias.is_some());
         if !same_format || parts.is_empty() {
@@ -81,11 +107,22 @@ impl CpuLinear {
         let rows = parts.iter().map(|p| p.rows).sum();
         let bias =
             parts[0].bias.is_some().then(|| parts.iter().flat_map(|p| p.bias.clone().unwrap_or_default()).collect());
+        if matches!(parts[0].weight, WeightRows::Packed(_)) {
+            let packed = parts
+                .into_iter()
+                .map(|p| match p.weight {
+                    WeightRows::Packed(p) => p,
+                    _ => unreachable!("checked: every part is packed"),
+                })
+                .collect();
+            let weight = WeightRows::Packed(PackedRows::concat(packed).unwrap_or_else(|_| unreachable!("same format")));
+            return Ok(CpuLinear { rows, cols, weight, bias });
+        }
         // Move each part's rows into the stack instead of cloning them: no transient second copy
         // of the weights at load.
         let dtype = match &parts[0].weight {
-            WeightRows::F32(_) => None,
             WeightRows::Quant { dtype, .. } => Some(*dtype),
+            _ => None,
         };
         let mut f32_rows = Vec::new();
         let mut bytes = Vec::new();
@@ -93,6 +130,7 @@ impl CpuLinear {
             match p.weight {
                 WeightRows::F32(v) => f32_rows.extend(v),
                 WeightRows::Quant { data, .. } => bytes.extend(data),
+                WeightRows::Packed(_) | WeightRows::Parts(_) => unreachable!("checked: plain or GGML rows"),
             }
         }
         let weight = match dtype {
@@ -100,6 +138,19 @@ impl CpuLinear {
             Some(dtype) => WeightRows::Quant { dtype, data: bytes },
         };
         Ok(CpuLinear { rows, cols, weight, bias })
+    }
+
+    /// Stack projections with one input whatever their formats: one stacked matrix when
+    /// [`concat`](Self::concat) can make one, else the parts side by side ([`WeightRows::Parts`]).
+    pub fn stack_mixed(parts: Vec<CpuLinear>) -> Result<CpuLinear, Vec<CpuLinear>> {
+        match CpuLinear::concat(parts) {
+            Ok(l) => Ok(l),
+            Err(parts) if parts.is_empty() || parts.windows(2).any(|p| p[0].cols != p[1].cols) => Err(parts),
+            Err(parts) => {
+                let (rows, cols) = (parts.iter().map(|p| p.rows).sum(), parts[0].cols);
+                Ok(CpuLinear { rows, cols, weight: WeightRows::Parts(parts), bias: None })
+            }
+        }
     }
 
     /// Keep only output rows `range` (a column-parallel shard). Quantized rows are whole rows, so
@@ -113,6 +164,20 @@ impl CpuLinear {
             WeightRows::Quant { dtype, data } => {
                 let rb = dtype.storage_bytes(self.cols).unwrap_or(0);
                 WeightRows::Quant { dtype, data: data[range.start * rb..range.end * rb].to_vec() }
+            }
+            WeightRows::Packed(p) => WeightRows::Packed(p.take_rows(range.clone())),
+            WeightRows::Parts(parts) => {
+                let mut start = 0;
+                let mut kept = Vec::new();
+                for p in parts {
+                    let (a, b) = (range.start.max(start), range.end.min(start + p.rows));
+                    let offset = start;
+                    start += p.rows;
+                    if a < b {
+                        kept.push(p.take_rows(a - offset..b - offset));
+                    }
+                }
+                WeightRows::Parts(kept)
             }
         };
         let bias = self.bias.map(|b| b[range.clone()].to_vec());
@@ -149,6 +214,14 @@ impl CpuLinear {
                 }
                 WeightRows::F32(crate::parallel::plan::take_cols(&full, cols, range.clone()))
             }
+            WeightRows::Parts(parts) => {
+                WeightRows::Parts(parts.into_iter().map(|p| p.take_cols(range.clone(), keep_bias)).collect())
+            }
+            WeightRows::Packed(p) => match p.take_cols(range.clone()) {
+                Some(cut) => WeightRows::Packed(cut),
+                // As for GGML blocks: a group's shared scale cannot be split.
+                None => WeightRows::F32(crate::parallel::plan::take_cols(&p.dequantize(), cols, range.clone())),
+            },
         };
         CpuLinear { rows, cols: range.len(), weight, bias }
     }
@@ -160,6 +233,16 @@ impl CpuLinear {
             WeightRows::Quant { dtype, data } => {
                 let rb = dtype.storage_bytes(self.cols).unwrap_or(0);
                 crate::model::quant::dequantize_into(*dtype, &data[r * rb..(r + 1) * rb], out);
+            }
+            WeightRows::Packed(p) => p.dequantize_row(r, out),
+            WeightRows::Parts(parts) => {
+                let mut r = r;
+                for p in parts {
+                    if r < p.rows {
+                        return p.row_f32(r, out);
+                    }
+                    r -= p.rows;
+                }
             }
         }
     }
@@ -184,6 +267,18 @@ impl CpuLinear {
             )));
         }
         if m == 0 {
+            return Ok(());
+        }
+        if let WeightRows::Parts(parts) = &self.weight {
+            let mut col = 0;
+            for p in parts {
+                let mut part = vec![0f32; m * p.rows];
+                p.forward(x, m, &mut part, scratch, simd)?;
+                for (yr, pr) in y.chunks_exact_mut(self.rows).zip(part.chunks_exact(p.rows)) {
+                    yr[col..col + p.rows].copy_from_slice(pr);
+                }
+                col += p.rows;
+            }
             return Ok(());
         }
         // Work is split over weight rows so each weight row is read once for all m inputs;
@@ -231,6 +326,21 @@ impl CpuLinear {
                     }
                 });
             }
+            WeightRows::Packed(p) => {
+                let cols = self.cols;
+                // As for f32 rows: activation rows in L1-sized groups, each weight group decoded
+                // once per tile of rows.
+                let group = (16384 / (cols * 4)).max(1).div_ceil(DOT_TILE) * DOT_TILE;
+                yt.par_chunks_mut(chunk * m).enumerate().for_each(|(ci, out)| {
+                    let r0 = ci * chunk;
+                    let rows = r0..r0 + out.len() / m;
+                    for t0 in (0..m).step_by(group) {
+                        let t1 = (t0 + group).min(m);
+                        dot_packed_block(p, rows.clone(), &x[t0 * cols..t1 * cols], &mut out[t0..], m, simd);
+                    }
+                });
+            }
+            WeightRows::Parts(_) => unreachable!("computed part by part above"),
         }
         let yt = &*yt;
         let rows = self.rows;

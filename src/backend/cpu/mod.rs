@@ -271,10 +271,7 @@ fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32], simd: bool) {
 }
 
 fn weight_bytes(l: &CpuLinear) -> usize {
-    match &l.weight {
-        linear::WeightRows::F32(v) => v.len() * 4,
-        linear::WeightRows::Quant { data, .. } => data.len(),
-    }
+    l.weight.bytes()
 }
 
 fn proj_bytes(p: &Proj) -> usize {

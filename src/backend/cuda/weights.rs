@@ -76,6 +76,7 @@ impl DeviceWeights {
         prec: Precision,
         slices: &RankSlices,
     ) -> Result<Self, BackendError> {
+        crate::model::quantized::refuse_on_device(w, "cuda")?;
         let spec = LlamaSpec::new(c);
         let h = c.hidden_size;
         let cuts = LayerCuts::new(slices);

@@ -7,14 +7,16 @@
 //!
 //! The loader is generic over how a device stores a projection ([`LinearWeight`]): every backend
 //! reads the same names, shapes and stacking from here; vectors (norms, biases, conv taps) are
-//! widened to f32 on the host.
+//! widened to f32 on the host. Quantized checkpoints (`model::quantized`) store projections —
+//! routed and shared experts included — as per-expert codes and scales, which `L::load` reads;
+//! `kv_b_proj`, consumed per head in absorbed form, is dequantized to f32.
 
 use std::cell::RefCell;
 use std::collections::BTreeSet;
 
 use super::config::{FfnKind, Glm5Config, MixerKind};
 use crate::model::tensor::to_f32;
-use crate::model::{ModelError, WeightSource};
+use crate::model::{quantized, ModelError, WeightSource};
 
 pub const TEXT_PREFIX: &str = "model.language_model.";
 
@@ -170,8 +172,12 @@ struct Loader<'a> {
 }
 
 impl Loader<'_> {
+    /// Whether the checkpoint stores `name` (for a `.weight`, possibly as a quantized projection).
     fn has(&self, name: &str) -> bool {
-        self.w.tensor(name).is_some()
+        let packed = name.strip_suffix(".weight").map(|base| format!("{base}.weight_packed"));
+        self.w.raw_tensor(name).is_some()
+            || self.w.tensor(name).is_some()
+            || packed.is_some_and(|p| self.w.raw_tensor(&p).is_some())
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
@@ -186,12 +192,28 @@ impl Loader<'_> {
         Ok(to_f32(&t))
     }
 
-    /// `name` is the full tensor name including `.weight`.
+    /// `name` is the full tensor name including `.weight`. A projection of a quantized
+    /// checkpoint is read with its codes and scales, which count as used.
     fn linear<L: LinearWeight>(&self, name: &str, out: usize, inp: usize) -> Result<L, ModelError> {
         let base = name.strip_suffix(".weight").unwrap_or(name);
         let l = L::load(self.w, base, out, inp)?;
-        self.used.borrow_mut().insert(format!("{base}.weight"));
+        self.mark_linear(base);
         Ok(l)
+    }
+
+    fn mark_linear(&self, base: &str) {
+        let mut used = self.used.borrow_mut();
+        used.extend(quantized::linear_tensor_names(base).into_iter().filter(|n| self.w.raw_tensor(n).is_some()));
+        used.insert(format!("{base}.weight"));
+    }
+
+    /// A projection the backends consume as f32 rows (MLA's `kv_b_proj`), dequantized with the
+    /// checkpoint tool's arithmetic when it is stored quantized.
+    fn matrix_of_linear(&self, name: &str, out: usize, inp: usize) -> Result<Vec<f32>, ModelError> {
+        let base = name.strip_suffix(".weight").unwrap_or(name);
+        let m = quantized::load_matrix_f32(self.w, base, out, inp)?;
+        self.mark_linear(base);
+        Ok(m)
     }
 
     fn linear_from<L: LinearWeight>(&self, data: Vec<f32>, out: usize, inp: usize) -> L {
@@ -313,7 +335,7 @@ fn mla<L: LinearWeight>(
         q_b: ld.linear(&format!("{a}q_b_proj.weight"), h * c.qk_nope_head_dim, c.q_lora_rank)?,
         kv_a: ld.linear(&format!("{a}kv_a_proj_with_mqa.weight"), c.kv_lora_rank, d)?,
         kv_a_norm: ld.vector(&format!("{a}kv_a_layernorm.weight"), c.kv_lora_rank)?,
-        kv_b: ld.matrix(&format!("{a}kv_b_proj.weight"), &[kvb_rows, c.kv_lora_rank])?,
+        kv_b: ld.matrix_of_linear(&format!("{a}kv_b_proj.weight"), kvb_rows, c.kv_lora_rank)?,
         o_proj: ld.linear(&format!("{a}o_proj.weight"), d, h * c.v_head_dim)?,
         indexer,
     })

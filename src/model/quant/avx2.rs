@@ -21,6 +21,15 @@ pub(super) unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// `acc + d · v` with one rounding: how every quantized kernel's epilogue folds a block's (or
+/// group's) scale into its 8 lanes — `avx2`, `avx2_k` and `avx2_packed` alike, matching the
+/// scalar `d.mul_add(lane, acc)`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn fma_scaled(acc: __m256, d: f32, v: __m256) -> __m256 {
+    _mm256_fmadd_ps(_mm256_set1_ps(d), v, acc)
+}
+
 /// Σ over 32 byte pairs of unsigned `a` × signed `b`, as 8 i32 lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -283,7 +292,7 @@ unsafe fn tile<const FMT: u8, const R: usize, const N: usize>(
             for i in 0..R {
                 let (dw, mw, qw) = wb[i];
                 let sum = if FMT == Q4_1 { madd_us(qw, qx) } else { madd_ss(qw, qx) };
-                acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), _mm256_cvtepi32_ps(sum), acc[i][j]);
+                acc[i][j] = fma_scaled(acc[i][j], dw * xb.d, _mm256_cvtepi32_ps(sum));
                 if FMT == Q4_1 {
                     // GGML's compiled kernel fuses this multiply-add (`summs += m * s` under FMA
                     // contraction); an unfused one rounds differently.

@@ -4,7 +4,7 @@
 //! once and each 32-weight sub-block is unpacked once for a tile of `N` activation rows, each
 //! (weight row, activation row) pair keeping its own accumulators.
 
-use super::avx2::{f16_at, hsum, qs};
+use super::avx2::{f16_at, fma_scaled, hsum, qs};
 use super::kquant::{scale_min_k4, SUB};
 use super::BlockQ8;
 use std::arch::x86_64::*;
@@ -113,8 +113,7 @@ unsafe fn tile<const FMT: u8, const R: usize, const N: usize>(
                         _mm256_maddubs_epi16(ws[i], qx)
                     };
                     let lanes = _mm256_madd_epi16(products, metas[i].scales[s]);
-                    acc[i][j] =
-                        _mm256_fmadd_ps(_mm256_set1_ps(metas[i].d * xb.d), _mm256_cvtepi32_ps(lanes), acc[i][j]);
+                    acc[i][j] = fma_scaled(acc[i][j], metas[i].d * xb.d, _mm256_cvtepi32_ps(lanes));
                     if FMT != Q6_K {
                         mins[i][j] = metas[i].mins[s].mul_add(xb.sum, mins[i][j]);
                     }

@@ -15,7 +15,9 @@
 //! Files: this one (formats, dispatch), `avx2` (AVX2 + FMA + F16C kernels, including the tiled
 //! weight-rows × activation-rows dot of [`dot_q_block`]), `scalar` (the portable twins),
 //! `kquant` (K-quant super-block layouts, dequantization, portable dots) and `avx2_k` (their
-//! AVX2 twins).
+//! AVX2 twins), `packed` (the group-scaled formats of quantized safetensors checkpoints — FP8
+//! blocks, int4, NVFP4 — with f32 activations) and `avx2_packed` (their AVX2 twins). Every AVX2
+//! epilogue folds a block's scale in with `avx2::fma_scaled` and reduces with `avx2::hsum`.
 //! It must not know about models, backends or threads: callers split the work.
 
 use super::DType;
@@ -418,7 +420,10 @@ pub fn simd_available() -> bool {
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx2_k;
+#[cfg(target_arch = "x86_64")]
+mod avx2_packed;
 pub mod kquant;
+pub mod packed;
 mod scalar;
 #[cfg(test)]
 mod tests;

@@ -74,10 +74,7 @@ pub struct DFlashWeights {
 
 /// Stored bytes a forward reads (for pricing proposals against the target).
 fn linear_bytes(l: &CpuLinear) -> usize {
-    match &l.weight {
-        crate::backend::cpu::linear::WeightRows::F32(v) => v.len() * 4,
-        crate::backend::cpu::linear::WeightRows::Quant { data, .. } => data.len(),
-    }
+    l.weight.bytes()
 }
 
 impl DFlashWeights {

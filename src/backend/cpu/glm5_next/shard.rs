@@ -64,9 +64,9 @@ impl RankGroup {
 
 fn rows(l: &CpuLinear, ranges: &[Range<usize>]) -> CpuLinear {
     let parts: Vec<CpuLinear> = ranges.iter().map(|r| l.clone().take_rows(r.clone())).collect();
-    match CpuLinear::concat(parts) {
+    match CpuLinear::stack_mixed(parts) {
         Ok(l) => l,
-        // Slices of one tensor share its format, so they always stack.
+        // Slices of one projection have its columns, so they always stack.
         Err(mut parts) => parts.remove(0),
     }
 }

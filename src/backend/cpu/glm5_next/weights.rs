@@ -25,8 +25,10 @@ impl LinearWeight for CpuLinear {
         CpuLinear { rows: out, cols: inp, weight: WeightRows::F32(data), bias: None }
     }
 
+    /// Stacked in one format where possible, else part by part (a quantized projection beside
+    /// a plain parameter, as the indexer's `wk` beside `index_kpool_compress_gate`).
     fn stack(parts: Vec<Self>) -> Result<Self, Vec<Self>> {
-        CpuLinear::concat(parts)
+        CpuLinear::stack_mixed(parts)
     }
 
     /// As f32 (the CPU computes in f32, whatever the rows are stored as).

@@ -22,6 +22,7 @@ pub struct HostLinear {
 
 impl LinearWeight for HostLinear {
     fn load(w: &dyn WeightSource, base: &str, out: usize, inp: usize) -> Result<Self, ModelError> {
+        crate::model::quantized::refuse_on_device(w, "cuda")?;
         let t = w.expect(&format!("{base}.weight"), &[out, inp])?;
         Ok(HostLinear { rows: out, cols: inp, data: to_f32(&t) })
     }
@@ -163,6 +164,7 @@ pub fn load(
     w: &dyn WeightSource,
     prec: Precision,
 ) -> Result<Glm5DeviceWeights, BackendError> {
+    crate::model::quantized::refuse_on_device(w, "cuda")?;
     let host: layout::Glm5Weights<HostLinear> = layout::load(c, w)?;
     let f32p = Precision::F32;
     let mut bytes = 0usize;
