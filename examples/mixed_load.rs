@@ -355,7 +355,9 @@ fn main() -> ExitCode {
     let args = Args::parse();
     // The engine's logs on stderr, filtered as the server's are (`SHELFSERVE_LOG`, default warn).
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SHELFSERVE_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SHELFSERVE_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let order: Vec<bool> = match args.pacing.as_str() {

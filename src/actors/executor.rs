@@ -536,7 +536,9 @@ fn read_pages(backend: &mut dyn Backend, pages: Vec<EvictedPage>, spill: &ActorR
                     }
                     let _ = spill.cast(SpillMsg::Store { hash, parent, image });
                 }
-                Err(e) => tracing::warn!(page = %hash.to_hex(), error = %e, "could not read an evicted page to spill it"),
+                Err(e) => {
+                    tracing::warn!(page = %hash.to_hex(), error = %e, "could not read an evicted page to spill it")
+                }
             }),
         );
     }

@@ -26,7 +26,9 @@ use crate::kv::restore_cost::RestoreCost;
 use crate::kv::{KvPool, KvPoolConfig, PoolIdentity, PoolReply};
 use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::admission::Admission;
-use crate::sched::{page_ends_within, NewSeq, Pacing, Planner, PolicyConfig, PrefillRate, SeqId, StepCost, StepPlanOut, StepShape};
+use crate::sched::{
+    page_ends_within, NewSeq, Pacing, Planner, PolicyConfig, PrefillRate, SeqId, StepCost, StepPlanOut, StepShape,
+};
 use crate::spec::stats::AcceptanceStats;
 use crate::spec::HiddenChunk;
 use crate::structured::{GrammarHandle, PendingMasks};

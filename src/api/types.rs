@@ -131,8 +131,10 @@ pub enum ChatFinishReason {
 }
 
 impl ChatFinishReason {
-    /// A reply with calls reports `tool_calls` even when cut by max tokens after them (the calls
-    /// themselves are complete: an unfinished one is text), as vLLM does.
+    /// A reply with calls reports `tool_calls` even when cut by max tokens after them, as vLLM
+    /// does. `made_calls` counts only calls that ended whole: one cut off or malformed after its
+    /// header was streamed is closed as valid JSON and its raw text follows as content
+    /// (`api::tools::parse`), so it does not make the reply a tool-call reply.
     pub fn new(reason: FinishReason, made_calls: bool) -> Self {
         match reason {
             _ if made_calls => Self::ToolCalls,

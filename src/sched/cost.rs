@@ -127,7 +127,12 @@ impl PrefillRate {
 
     /// As a step cost that prices prefill only (what the pool's restore pricing reads).
     pub fn as_step_cost(&self) -> Option<StepCost> {
-        self.per_token().map(|r| StepCost { fixed: 0.0, per_prefill_token: r, per_decode_seq: 0.0, per_million_attended: 0.0 })
+        self.per_token().map(|r| StepCost {
+            fixed: 0.0,
+            per_prefill_token: r,
+            per_decode_seq: 0.0,
+            per_million_attended: 0.0,
+        })
     }
 }
 
@@ -209,6 +214,10 @@ impl StepCostModel {
         } else {
             self.tokens_at_rate(secs, start, self.prefill_rate(fitted)).max(self.largest_prefill)
         };
+        // Nothing prices prefill: no chunk size is too large.
+        if n == usize::MAX {
+            return n;
+        }
         // Rounding in the closed form must never let the chunk overshoot its budget.
         while n > 0 && self.chunk_cost(start, n) > secs {
             n -= 1;

@@ -424,7 +424,11 @@ impl CudaBackend {
 
     /// `read_kv_blocks` without waiting: the gather runs in stream order, the copy to the host
     /// beside later steps, and `done` gets the image on the page mover's thread.
-    pub fn read_kv_blocks_then(&mut self, blocks: &[u32], done: crate::backend::PageImageDone) -> Result<(), BackendError> {
+    pub fn read_kv_blocks_then(
+        &mut self,
+        blocks: &[u32],
+        done: crate::backend::PageImageDone,
+    ) -> Result<(), BackendError> {
         let bb = self.kv_block_bytes();
         if let Err(e) = crate::backend::validate_kv_image(blocks, blocks.len() * bb, bb, self.geom) {
             done(Err(e));

@@ -258,7 +258,13 @@ mod tests {
     /// A stream sent at `sent` whose first chunk comes after `ttft` and then one chunk (one token)
     /// every `every` seconds, `tokens` in all.
     fn stream(sent: f64, ttft: f64, every: f64, tokens: usize) -> RequestRecord {
-        RequestRecord { sent_at: sent, output_tokens: tokens, ttft: Some(ttft), itl: vec![every; tokens - 1], ..Default::default() }
+        RequestRecord {
+            sent_at: sent,
+            output_tokens: tokens,
+            ttft: Some(ttft),
+            itl: vec![every; tokens - 1],
+            ..Default::default()
+        }
     }
 
     #[test]
