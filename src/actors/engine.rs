@@ -300,7 +300,8 @@ pub async fn start_engine(
             drafter: drafter.clone(),
             pool_identity,
             spill,
-            spill_host_bytes: crate::spill::host::budget(s.spill_host_bytes, crate::capacity::host_available()),
+            // The card's figure: the configured bytes capped by the host's available memory.
+            spill_host_bytes: card.spill_host_bytes,
             world: makers.len(),
             pacing: lane_pacing(&config, device.kind),
         },

@@ -440,17 +440,13 @@ impl CudaBackend {
         }
         let ids = self.scratch.get(&self.gpu, "kv_block_ids", blocks.len() * 4)?;
         let f = self.gpu.func("llama", "copy_blocks")?;
-        let (cache, bb64) = (self.kv.ptr(), bb as i64);
+        let cache = self.kv.ptr();
         let mover = self.page_mover.as_ref().expect("made above");
         mover.read(
             &self.gpu,
             blocks.len() * bb,
             |gpu, dst| {
-                // The ids go in stream order (the driver stages pageable memory at once), so the
-                // next gather may reuse the buffer.
-                gpu.copy_htod_in_order(ids, blocks)?;
-                let grid = (grid_for(bb, 256).min(1024), blocks.len() as u32);
-                launch!(gpu, f, cfg(grid, 256, 0), &cache, &dst, &ids, &bb64, &0i32)
+                launch_copy_blocks(gpu, &f, BlockCopy { cache, staging: dst, ids, block_bytes: bb }, blocks, false)
             },
             done,
         )
@@ -473,16 +469,39 @@ impl CudaBackend {
         }
         let staging = self.scratch.get(&self.gpu, "kv_staging", blocks.len() * bb)?;
         let ids = self.scratch.get(&self.gpu, "kv_block_ids", blocks.len() * 4)?;
-        self.gpu.copy_htod(ids, blocks)?;
         if let Some(img) = image {
             self.gpu.copy_htod(staging, img)?;
         }
         let f = self.gpu.func("llama", "copy_blocks")?;
-        let (cache, bb64, dir) = (self.kv.ptr(), bb as i64, i32::from(image.is_some()));
-        let grid = (grid_for(bb, 256).min(1024), blocks.len() as u32);
-        launch!(self.gpu, f, cfg(grid, 256, 0), &cache, &staging, &ids, &bb64, &dir)?;
+        let copy = BlockCopy { cache: self.kv.ptr(), staging, ids, block_bytes: bb };
+        launch_copy_blocks(&self.gpu, &f, copy, blocks, image.is_some())?;
         Ok(staging)
     }
+}
+
+/// Device addresses of one block copy: the KV store, the packed image and the id buffer.
+#[derive(Clone, Copy)]
+struct BlockCopy {
+    cache: u64,
+    staging: u64,
+    ids: u64,
+    block_bytes: usize,
+}
+
+/// Uploads `blocks` into the id buffer (in stream order: the driver stages pageable memory at
+/// once, so the next copy may reuse the buffer) and launches `copy_blocks`: the blocks gathered
+/// from the store into the staging image, or with `scatter` the image written into them.
+fn launch_copy_blocks(
+    gpu: &Gpu,
+    f: &cudarc::driver::CudaFunction,
+    c: BlockCopy,
+    blocks: &[u32],
+    scatter: bool,
+) -> Result<(), BackendError> {
+    gpu.copy_htod_in_order(c.ids, blocks)?;
+    let (bb64, dir) = (c.block_bytes as i64, i32::from(scatter));
+    let grid = (grid_for(c.block_bytes, 256).min(1024), blocks.len() as u32);
+    launch!(gpu, f.clone(), cfg(grid, 256, 0), &c.cache, &c.staging, &c.ids, &bb64, &dir)
 }
 
 /// Copy bandwidth (bytes read + written per second) and bf16 GEMM rate (FLOP/s), medians.
