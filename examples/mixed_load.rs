@@ -80,6 +80,9 @@ struct Args {
     /// The voice lane's time-to-first-token target in ms (default: the device's).
     #[arg(long)]
     voice_target_ttft_ms: Option<f64>,
+    /// The voice lane's inter-token target in ms (default: the device's).
+    #[arg(long)]
+    voice_target_itl_ms: Option<f64>,
     #[arg(long, default_value_t = 24)]
     voice_max_tokens: usize,
     #[arg(long, default_value_t = 8)]
@@ -227,6 +230,9 @@ fn start(args: &Args, pacing: bool) -> Result<Local, String> {
     if let Some(ms) = args.voice_target_ttft_ms {
         cfg.lanes.iter_mut().filter(|l| l.name == "voice").for_each(|l| l.target_ttft_ms = Some(ms));
     }
+    if let Some(ms) = args.voice_target_itl_ms {
+        cfg.lanes.iter_mut().filter(|l| l.name == "voice").for_each(|l| l.target_itl_ms = Some(ms));
+    }
     cfg.host = "127.0.0.1".into();
     cfg.lanes.iter_mut().for_each(|l| l.port = 0);
     let device =
@@ -272,6 +278,8 @@ struct Row {
     pacing: bool,
     wall: Duration,
     idle: Vec<Duration>,
+    /// Inter-token gaps of the idle voice turns.
+    idle_gaps: Vec<Duration>,
     voice: LaneLog,
     agent: LaneLog,
 }
@@ -283,10 +291,11 @@ fn run_phase(args: &Args, pacing: bool, round: usize) -> Result<Row, String> {
     };
     // Warm-up, then idle voice TTFT.
     local.voice.stream_to_clean_end(CHAT, &voice_turn(0));
-    let mut idle = Vec::new();
+    let (mut idle, mut idle_gaps) = (Vec::new(), Vec::new());
     for i in 0..args.idle_samples {
         let r = local.voice.stream_to_clean_end(CHAT, &voice_turn(i));
         idle.push(r.first_token.ok_or("an idle voice turn produced no token")?);
+        idle_gaps.extend(r.gaps());
     }
 
     let voice = Arc::new(Mutex::new(LaneLog::default()));
@@ -337,11 +346,11 @@ fn run_phase(args: &Args, pacing: bool, round: usize) -> Result<Row, String> {
     let wall = start.elapsed();
     local.stop();
     let take = |l: Arc<Mutex<LaneLog>>| std::mem::take(&mut *l.lock().expect("log"));
-    Ok(Row { pacing, wall, idle, voice: take(voice), agent: take(agent) })
+    Ok(Row { pacing, wall, idle, idle_gaps, voice: take(voice), agent: take(agent) })
 }
 
 fn ms(d: Option<Duration>) -> String {
-    d.map_or("-".into(), |d| format!("{:.0}", d.as_secs_f64() * 1e3))
+    d.map_or("-".into(), |d| format!("{:.1}", d.as_secs_f64() * 1e3))
 }
 
 fn ratio(a: Option<Duration>, b: Option<Duration>) -> String {
@@ -387,19 +396,20 @@ fn main() -> ExitCode {
         args.phase.as_secs()
     );
     println!(
-        "| pacing | voice idle TTFT p50 | voice TTFT p50 | p90 | p99 | max | p50/idle | p99/idle | voice ITL p50 | p99 \
+        "| pacing | voice idle TTFT p50 | voice TTFT p50 | p90 | p99 | max | p50/idle | p99/idle | voice ITL p50 | p99 | idle ITL p50 | ITL p99/idle p50 \
          | voice done | agent TTFT p50 | agent ITL p50 | agent turns | mean agent prompt | agent tok/s (computed prompt + out) |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut json_rows = Vec::new();
     let mut failed = 0;
     for r in &rows {
         let idle = percentile(&r.idle, 50.0);
+        let idle_itl = percentile(&r.idle_gaps, 50.0);
         let v = |p| percentile(&r.voice.ttft, p);
         let agent_tps = (r.agent.computed_prompt + r.agent.completion) as f64 / r.wall.as_secs_f64();
         let mean_prompt = r.agent.prompt_tokens as f64 / r.agent.completed.max(1) as f64;
         println!(
-            "| {} | {} ms | {} ms | {} ms | {} ms | {} ms | {} | {} | {} ms | {} ms | {} | {} ms | {} ms | {} | {:.0} | {:.1} |",
+            "| {} | {} ms | {} ms | {} ms | {} ms | {} ms | {} | {} | {} ms | {} ms | {} ms | {} | {} | {} ms | {} ms | {} | {:.0} | {:.1} |",
             if r.pacing { "on" } else { "off" },
             ms(idle),
             ms(v(50.0)),
@@ -410,6 +420,8 @@ fn main() -> ExitCode {
             ratio(v(99.0), idle),
             ms(percentile(&r.voice.gaps, 50.0)),
             ms(percentile(&r.voice.gaps, 99.0)),
+            ms(idle_itl),
+            ratio(percentile(&r.voice.gaps, 99.0), idle_itl),
             r.voice.completed,
             ms(percentile(&r.agent.ttft, 50.0)),
             ms(percentile(&r.agent.gaps, 50.0)),
@@ -427,6 +439,7 @@ fn main() -> ExitCode {
             "voice_idle_ttft_p50_s": secs(idle),
             "voice_ttft_s": {"p50": secs(v(50.0)), "p90": secs(v(90.0)), "p99": secs(v(99.0)), "max": secs(v(100.0))},
             "voice_itl_s": {"p50": secs(percentile(&r.voice.gaps, 50.0)), "p99": secs(percentile(&r.voice.gaps, 99.0))},
+            "voice_idle_itl_p50_s": secs(idle_itl),
             "voice_completed": r.voice.completed, "voice_failed": r.voice.failed.len(),
             "agent_ttft_p50_s": secs(percentile(&r.agent.ttft, 50.0)),
             "agent_itl_p50_s": secs(percentile(&r.agent.gaps, 50.0)),

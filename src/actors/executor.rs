@@ -614,7 +614,9 @@ impl Actor for ExecutorActor {
                         }
                     }
                     Job::Read(pages, spill, sync) => {
+                        let (started, count) = (Instant::now(), pages.len());
                         read_pages(backend.as_mut(), pages, &spill);
+                        tracing::debug!(pages = count, micros = started.elapsed().as_micros() as u64, "evicted pages queued");
                         if let Some(reply) = sync {
                             // Every image is at the spill tier before it is asked to sync.
                             if let Err(e) = backend.finish_kv_reads() {
@@ -624,10 +626,12 @@ impl Actor for ExecutorActor {
                         }
                     }
                     Job::Write(hash, blocks, image) => {
+                        let started = Instant::now();
                         if let Err(e) = backend.write_kv_blocks(&blocks, &image) {
                             // The spill tier checked the image's size; this is a device failure.
                             tracing::error!(page = %hash.to_hex(), error = %e, "restoring a spilled page failed");
                         }
+                        tracing::debug!(page = %hash.to_hex(), micros = started.elapsed().as_micros() as u64, "restored page queued");
                     }
                     Job::WriteState(slot, image) => {
                         // The glm5 backend checks that a continued slot holds the state of the step's

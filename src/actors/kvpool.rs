@@ -161,6 +161,7 @@ impl Actor for KvPoolActor {
             KvPoolMsg::Commit { ops, for_step } => {
                 let mut reply = apply_ops(&mut st.pool, ops);
                 let evicted = st.pool.take_evicted();
+                let evicted_count = evicted.len();
                 // Prefix hits of a hybrid model resume from the last hit page's snapshot: queued at
                 // the executor before the scheduler hears back, hence before their first step.
                 for w in st.pool.take_state_writes() {
@@ -175,6 +176,9 @@ impl Actor for KvPoolActor {
                             spill: spill.clone(),
                             sync: None,
                         })?;
+                    }
+                    if !reply.restores.is_empty() {
+                        tracing::debug!(pages = reply.restores.len(), evicted = evicted_count, "restores started");
                     }
                     for r in std::mem::take(&mut reply.restores) {
                         if spill.cast(SpillMsg::Load { hash: r.hash, blocks: r.blocks }).is_err() {
@@ -222,6 +226,7 @@ impl Actor for KvPoolActor {
                 }
             },
             KvPoolMsg::Restored { hash, ok, snapshot } => {
+                tracing::debug!(page = %hash.to_hex(), ok, "restore ended");
                 st.pool.finish_restore(hash, ok, snapshot);
                 st.publish_metrics();
                 st.scheduler.cast(SchedulerMsg::PoolViewChanged(view(&st.pool)))?;

@@ -416,7 +416,7 @@ impl CudaBackend {
         let bb = self.kv_block_bytes();
         crate::backend::validate_kv_image(blocks, blocks.len() * bb, bb, self.geom)?;
         self.gpu.bind()?;
-        let staging = self.copy_blocks(blocks, None)?;
+        let staging = self.copy_blocks(blocks)?;
         let mut image = vec![0u8; blocks.len() * bb];
         self.gpu.copy_dtoh(&mut image, staging)?;
         Ok(image)
@@ -434,47 +434,58 @@ impl CudaBackend {
             done(Err(e));
             return Ok(());
         }
-        self.gpu.bind()?;
-        if self.page_mover.is_none() {
-            self.page_mover = Some(super::page_mover::PageMover::new(&self.gpu, blocks.len() * bb)?);
-        }
-        let ids = self.scratch.get(&self.gpu, "kv_block_ids", blocks.len() * 4)?;
-        let f = self.gpu.func("llama", "copy_blocks")?;
-        let cache = self.kv.ptr();
-        let mover = self.page_mover.as_ref().expect("made above");
+        let (f, copy) = self.page_mover_copy(blocks.len(), blocks.len() * bb)?;
+        let mover = self.page_mover.as_ref().expect("made by page_mover_copy");
         mover.read(
             &self.gpu,
             blocks.len() * bb,
-            |gpu, dst| {
-                launch_copy_blocks(gpu, &f, BlockCopy { cache, staging: dst, ids, block_bytes: bb }, blocks, false)
-            },
+            |gpu, dst| launch_copy_blocks(gpu, &f, BlockCopy { staging: dst, ..copy }, blocks, false),
             done,
         )
     }
 
-    /// Write an image from `read_kv_blocks` into `blocks`.
+    /// Write an image from `read_kv_blocks` into `blocks`, through the page mover's pinned slots:
+    /// ordered before every later step on the main stream, without waiting for the device here.
     pub fn write_kv_blocks(&mut self, blocks: &[u32], image: &[u8]) -> Result<(), BackendError> {
         let bb = self.kv_block_bytes();
         crate::backend::validate_kv_image(blocks, image.len(), bb, self.geom)?;
-        self.gpu.bind()?;
-        self.copy_blocks(blocks, Some(image))?;
-        self.gpu.sync()
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        let (f, copy) = self.page_mover_copy(blocks.len(), image.len())?;
+        let mover = self.page_mover.as_ref().expect("made by page_mover_copy");
+        mover.write(&self.gpu, image, |gpu, src| {
+            launch_copy_blocks(gpu, &f, BlockCopy { staging: src, ..copy }, blocks, true)
+        })
     }
 
-    /// Gather `blocks` into the staging buffer, or (with `image`) scatter the image into them.
-    fn copy_blocks(&mut self, blocks: &[u32], image: Option<&[u8]>) -> Result<u64, BackendError> {
+    /// The page mover (made for pages of `page_bytes` on first use), the block copy kernel and
+    /// its addresses but the staging one (the mover's slot).
+    fn page_mover_copy(
+        &mut self,
+        blocks: usize,
+        page_bytes: usize,
+    ) -> Result<(cudarc::driver::CudaFunction, BlockCopy), BackendError> {
+        self.gpu.bind()?;
+        if self.page_mover.is_none() {
+            self.page_mover = Some(super::page_mover::PageMover::new(&self.gpu, page_bytes)?);
+        }
+        let ids = self.scratch.get(&self.gpu, "kv_block_ids", blocks * 4)?;
+        let f = self.gpu.func("llama", "copy_blocks")?;
+        Ok((f, BlockCopy { cache: self.kv.ptr(), staging: 0, ids, block_bytes: self.kv_block_bytes() }))
+    }
+
+    /// Gather `blocks` into the staging buffer.
+    fn copy_blocks(&mut self, blocks: &[u32]) -> Result<u64, BackendError> {
         let bb = self.kv_block_bytes();
         if blocks.is_empty() {
             return Ok(0);
         }
         let staging = self.scratch.get(&self.gpu, "kv_staging", blocks.len() * bb)?;
         let ids = self.scratch.get(&self.gpu, "kv_block_ids", blocks.len() * 4)?;
-        if let Some(img) = image {
-            self.gpu.copy_htod(staging, img)?;
-        }
         let f = self.gpu.func("llama", "copy_blocks")?;
         let copy = BlockCopy { cache: self.kv.ptr(), staging, ids, block_bytes: bb };
-        launch_copy_blocks(&self.gpu, &f, copy, blocks, image.is_some())?;
+        launch_copy_blocks(&self.gpu, &f, copy, blocks, false)?;
         Ok(staging)
     }
 }
