@@ -86,12 +86,16 @@ fn decode_tokens(
     }
 }
 
-struct Report {
+pub(super) struct Report {
     json: Option<std::fs::File>,
 }
 
 impl Report {
-    fn emit(&mut self, v: serde_json::Value) -> Result<(), CliError> {
+    pub(super) fn new(path: Option<&PathBuf>) -> Result<Self, CliError> {
+        Ok(Report { json: path.map(std::fs::File::create).transpose()? })
+    }
+
+    pub(super) fn emit(&mut self, v: serde_json::Value) -> Result<(), CliError> {
         if let Some(f) = &mut self.json {
             writeln!(f, "{v}")?;
         }
@@ -118,6 +122,13 @@ fn median_secs(reps: usize, mut f: impl FnMut() -> Result<(), BackendError>) -> 
 
 pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
     let text = std::fs::read_to_string(&args.config)?;
+    let model_type = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| v.get("model_type").and_then(|m| m.as_str().map(str::to_string)));
+    if model_type.as_deref() == Some("glm5_next") {
+        let cfg = crate::model::glm5_next::Glm5Config::from_hf_json(&text, &args.config)?;
+        return super::bench_glm5::run_glm5_bench(args, cfg);
+    }
     let cfg = LlamaConfig::from_hf_json(&text, &args.config)?;
     let spec = LlamaSpec::new(&cfg);
     let world = args.tensor_parallel_size.max(1);
@@ -151,7 +162,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
     b.fill_kv_random(99).map_err(device)?;
     let gpu_name = b.lead().gpu_name().to_string();
     eprintln!("bench: weights generated on {world} x {gpu_name} in {:.1}s", started.elapsed().as_secs_f64());
-    let mut report = Report { json: args.json.as_ref().map(std::fs::File::create).transpose()? };
+    let mut report = Report::new(args.json.as_ref())?;
     let name = args.config.file_stem().map_or("model".into(), |s| s.to_string_lossy().to_string());
     let name = if world > 1 { format!("{name}/tp{world}") } else { name };
 

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use clap::{Args, Parser, Subcommand};
 
 pub mod bench;
+mod bench_glm5;
 pub mod bench_serve;
 pub mod serve;
 

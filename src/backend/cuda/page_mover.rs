@@ -115,7 +115,14 @@ impl PageMover {
                 for job in job_rx {
                     match job {
                         Job::Page { slot, bytes, done } => {
+                            let started = std::time::Instant::now();
                             let image = copy_out(&worker_slots[slot].lock(), bytes);
+                            tracing::debug!(
+                                slot,
+                                bytes,
+                                micros = started.elapsed().as_micros() as u64,
+                                "evicted page copied out"
+                            );
                             let _ = worker_free.send(slot);
                             done(image);
                         }
@@ -133,7 +140,12 @@ impl PageMover {
             staging_pool,
             upload_slots,
             next_upload: std::sync::atomic::AtomicUsize::new(0),
-            slots, free_rx, free_tx, jobs: Some(jobs), thread: Some(thread) })
+            slots,
+            free_rx,
+            free_tx,
+            jobs: Some(jobs),
+            thread: Some(thread),
+        })
     }
 
     /// Starts moving `bytes` that `gather` writes into a device buffer out to the host; `done`
@@ -147,8 +159,17 @@ impl PageMover {
         done: PageImageDone,
     ) -> Result<(), BackendError> {
         let gone = || BackendError::Device("the page copy thread is gone".into());
+        let started = std::time::Instant::now();
         let index = self.free_rx.recv().map_err(|_| gone())?;
-        if let Err(e) = self.start(gpu, index, bytes, gather) {
+        let waited = started.elapsed();
+        let result = self.start(gpu, index, bytes, gather);
+        tracing::debug!(
+            slot = index,
+            wait_us = waited.as_micros() as u64,
+            start_us = (started.elapsed() - waited).as_micros() as u64,
+            "eviction slot started"
+        );
+        if let Err(e) = result {
             // Nothing of this slot is in flight: it is free again at once.
             let _ = self.free_tx.send(index);
             return Err(e);
@@ -213,11 +234,14 @@ impl PageMover {
         use std::sync::atomic::Ordering;
         let bytes = image.len();
         let index = self.next_upload.fetch_add(1, Ordering::Relaxed) % self.upload_slots.len();
+        let started = std::time::Instant::now();
         let mut slot = self.upload_slots[index].lock();
         // `copied` marks the slot's last scatter (which ran after its upload): both buffers are free
         // after it. Never recorded yet: returns at once.
         slot.copied.synchronize().map_err(|e| dev_err("waiting for a restore slot", e))?;
+        let waited = started.elapsed();
         self.ensure_buffers(gpu, &mut slot, bytes)?;
+        let allocated = started.elapsed();
         let dst = slot.device.as_ref().map(DevBuf::ptr).unwrap_or_default();
         let host = slot.host.as_mut().ok_or_else(|| BackendError::Device("no pinned page memory".into()))?;
         let ptr = host.as_mut_ptr().map_err(|e| dev_err("pinned page memory", e))?;
@@ -227,6 +251,14 @@ impl PageMover {
         self.staging_pool.install(|| {
             staged.par_chunks_mut(COPY_PIECE).zip(image.par_chunks(COPY_PIECE)).for_each(|(d, s)| d.copy_from_slice(s))
         });
+        tracing::debug!(
+            slot = index,
+            bytes,
+            wait_us = waited.as_micros() as u64,
+            alloc_us = (allocated - waited).as_micros() as u64,
+            stage_us = (started.elapsed() - allocated).as_micros() as u64,
+            "restore slot staged"
+        );
         // SAFETY: `dst` holds at least `bytes` and nothing else reads or writes it before the
         // scatter below (ordered after this copy by `gathered`) has run.
         unsafe {

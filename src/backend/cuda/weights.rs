@@ -166,7 +166,7 @@ impl DeviceWeights {
     ) -> Result<Self, BackendError> {
         let spec = LlamaSpec::new(c);
         let h = c.hidden_size;
-        let mut f = Filler { counter: seed.wrapping_mul(1_000_003) };
+        let mut f = Filler::new(seed);
         let lin = |gpu: &mut Gpu,
                    f: &mut Filler,
                    parts: &[(&LinearSpec, Cut)]|
@@ -295,12 +295,24 @@ fn bias_cuts(parts: &[(&LinearSpec, Cut)], slices: &RankSlices) -> Option<Vec<Cu
 }
 
 /// Seeded device fills, each tensor with its own stream of the counter-based generator.
-struct Filler {
+pub(crate) struct Filler {
     counter: u64,
 }
 
 impl Filler {
-    fn fill(&mut self, gpu: &mut Gpu, n: usize, p: Precision, center: f32, scale: f32) -> Result<DevBuf, BackendError> {
+    pub(crate) fn new(seed: u64) -> Self {
+        Filler { counter: seed.wrapping_mul(1_000_003) }
+    }
+
+    /// `n` values `center ± scale` (uniform) in precision `p`, in a new buffer.
+    pub(crate) fn fill(
+        &mut self,
+        gpu: &mut Gpu,
+        n: usize,
+        p: Precision,
+        center: f32,
+        scale: f32,
+    ) -> Result<DevBuf, BackendError> {
         self.counter = self.counter.wrapping_add(1);
         let b = gpu.alloc(n * p.bytes())?;
         let f = gpu.func("llama", &format!("fill_uniform_{}", p.suffix()))?;

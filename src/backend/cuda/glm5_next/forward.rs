@@ -138,6 +138,7 @@ impl Glm5CudaBackend {
         let inputs = self.prepare(batch, &seqs)?;
         let c = self.cfg.clone();
         let (m, d, n) = (c.hc_mult, c.hidden_size, inputs.n_rows);
+        let mut lap = std::time::Instant::now();
         let ids: Vec<i32> = batch.iter().flat_map(|s| s.tokens.iter().map(|&t| t as i32)).collect();
         let ids = self.scratch.put(&self.gpu, "ids", &ids)?;
         let mut x = self.scratch.get(&self.gpu, "x", 4 * n * m * d)?;
@@ -146,6 +147,10 @@ impl Glm5CudaBackend {
         let f = self.gpu.func("glm5", &format!("glm5_embed_{}", self.prec.suffix()))?;
         let table = self.weights.embed.buf.ptr();
         launch!(self.gpu, f, cfg((n as u32, 1), BLOCK, 0), &ids, &table, &x, &mi, &di)?;
+        let dt = self.profile_lap(&mut lap)?;
+        if let Some(p) = self.profile.as_mut() {
+            p.rest_secs += dt;
+        }
         let layers = std::mem::take(&mut self.weights.layers);
         let out = (|| -> Result<(), BackendError> {
             let mut have_selection = false;
@@ -170,13 +175,21 @@ impl Glm5CudaBackend {
                 };
                 self.expand(x, y, hcw, x_alt, m, d, n)?;
                 std::mem::swap(&mut x, &mut x_alt);
+                let dt = self.profile_lap(&mut lap)?;
+                if let Some(p) = self.profile.as_mut() {
+                    p.mixer_secs[l] += dt;
+                }
                 let (u, hcw) = self.hc_site(&c, &layer.ffn_hc, layer.post_norm.ptr(), x, n)?;
                 let z = match &layer.ffn {
                     Ffn::Dense(w) => self.mlp(&c, w, u, n, "ffn_out")?,
-                    Ffn::Moe(w) => self.moe(&c, w, u, n)?,
+                    Ffn::Moe(w) => self.moe(&c, w, u, n, l)?,
                 };
                 self.expand(x, z, hcw, x_alt, m, d, n)?;
                 std::mem::swap(&mut x, &mut x_alt);
+                let dt = self.profile_lap(&mut lap)?;
+                if let Some(p) = self.profile.as_mut() {
+                    p.ffn_secs[l] += dt;
+                }
             }
             Ok(())
         })();
@@ -184,7 +197,32 @@ impl Glm5CudaBackend {
         out?;
         let (rows, offsets) = logits_rows(batch, &seqs);
         let data = self.logits(&c, x, &rows)?;
+        let dt = self.profile_lap(&mut lap)?;
+        if let Some(p) = self.profile.as_mut() {
+            p.rest_secs += dt;
+            p.steps += 1;
+        }
         Ok(StepLogits { vocab: c.vocab_size, data, offsets })
+    }
+
+    /// While profiling: wait for the queued work and return the seconds since `lap` (then reset
+    /// it); otherwise 0 without waiting.
+    fn profile_lap(&mut self, lap: &mut std::time::Instant) -> Result<f64, BackendError> {
+        if self.profile.is_none() {
+            return Ok(0.0);
+        }
+        self.gpu.sync()?;
+        let dt = lap.elapsed().as_secs_f64();
+        *lap = std::time::Instant::now();
+        Ok(dt)
+    }
+
+    /// While profiling, add the number of distinct experts in `routes` to layer `l`'s count.
+    fn profile_experts(&mut self, l: usize, routes: &[i32]) {
+        if let Some(p) = self.profile.as_mut() {
+            let distinct: std::collections::BTreeSet<i32> = routes.iter().copied().collect();
+            p.distinct_experts[l] += distinct.len();
+        }
     }
 
     /// Upload the step's per-sequence and per-row tables, reset slots starting at position 0,
@@ -547,7 +585,7 @@ impl Glm5CudaBackend {
         Ok(y)
     }
 
-    fn moe(&mut self, c: &Glm5Config, w: &Moe, u: u64, n: usize) -> Result<u64, BackendError> {
+    fn moe(&mut self, c: &Glm5Config, w: &Moe, u: u64, n: usize, l: usize) -> Result<u64, BackendError> {
         let (d, e, k, inter) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, w.inter);
         let logits = self.scratch.get(&self.gpu, "moe_logits", 4 * n * e)?;
         self.linear(u, n, &w.router, logits)?;
@@ -581,6 +619,11 @@ impl Glm5CudaBackend {
         let slot_out = self.scratch.get(&self.gpu, "moe_slot_out", 4 * pairs * d)?;
         let (gu_stride, down_stride) = (2 * inter * d, d * inter);
         if n <= GEMV_MAX_ROWS {
+            if self.profile.is_some() {
+                let mut routes = vec![0i32; n * k];
+                self.gpu.copy_dtoh(&mut routes, experts)?;
+                self.profile_experts(l, &routes);
+            }
             let gu = self.scratch.get(&self.gpu, "moe_gu", 4 * pairs * 2 * inter)?;
             let gemv = self.gpu.func("glm5", &format!("moe_gemv_{}", self.prec.suffix()))?;
             let (wgu, wd) = (w.experts_gate_up.ptr(), w.experts_down.ptr());
@@ -627,7 +670,7 @@ impl Glm5CudaBackend {
                 &ii
             )?;
         } else {
-            self.moe_grouped(c, w, u, n, experts, slot_out)?;
+            self.moe_grouped(c, w, u, n, experts, slot_out, l)?;
         }
         let y = self.mlp(c, &w.shared, u, n, "ffn_out")?;
         let f = self.gpu.func("glm5", "moe_combine")?;
@@ -645,10 +688,12 @@ impl Glm5CudaBackend {
         n: usize,
         experts: u64,
         slot_out: u64,
+        l: usize,
     ) -> Result<(), BackendError> {
         let (d, k, inter) = (c.hidden_size, c.num_experts_per_tok, w.inter);
         let mut routes = vec![0i32; n * k];
         self.gpu.copy_dtoh(&mut routes, experts)?;
+        self.profile_experts(l, &routes);
         let mut by_expert: Vec<Vec<i32>> = vec![Vec::new(); c.n_routed_experts];
         for (p, &ex) in routes.iter().enumerate() {
             let ex = usize::try_from(ex).ok().filter(|&x| x < c.n_routed_experts).ok_or_else(|| {

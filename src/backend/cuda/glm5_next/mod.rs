@@ -13,6 +13,7 @@
 //! the accepted one back on the device.
 
 mod forward;
+mod synthetic;
 pub mod weights;
 
 use std::sync::Arc;
@@ -47,6 +48,22 @@ pub struct Glm5CudaBackend {
     slot_pos: Vec<Option<usize>>,
     checkpoints: Vec<Option<DeviceCheckpoints>>,
     scratch: forward::Scratch,
+    /// Per-layer timings and expert counts of the steps run while profiling (`bench`).
+    profile: Option<StepProfile>,
+}
+
+/// What profiled steps measured, summed over the steps since `start_profile`: each layer's
+/// mixer and FFN time (each with its mHC site and expand), the rest (embedding, final norm,
+/// LM head and the logits' copy to the host), and per MoE layer the distinct experts routed to.
+/// Profiled steps synchronise after every part, so their total exceeds an unprofiled step's.
+#[derive(Clone, Debug, Default)]
+pub struct StepProfile {
+    pub steps: usize,
+    pub mixer_secs: Vec<f64>,
+    pub ffn_secs: Vec<f64>,
+    pub rest_secs: f64,
+    /// Per layer (0 for dense FFN layers), summed over steps.
+    pub distinct_experts: Vec<usize>,
 }
 
 impl Glm5CudaBackend {
@@ -69,6 +86,36 @@ impl Glm5CudaBackend {
         let mut gpu = Gpu::open(ordinal)?;
         gpu.load_glm5()?;
         let weights = weights::load(&gpu, &cfg, w, prec)?;
+        Self::assemble(cfg, gpu, weights, kv, prec)
+    }
+
+    /// Seeded random weights of `cfg`'s shapes, generated on device `ordinal` (for `bench`: a
+    /// full-width layer does not fit the host in f32, which the loader passes through).
+    pub fn synthetic(
+        cfg: Glm5Config,
+        seed: u64,
+        ordinal: usize,
+        kv: KvGeometry,
+        prec: Precision,
+    ) -> Result<Self, BackendError> {
+        let bad = |msg: String| BackendError::InvalidStep(format!("glm5_next bench config: {msg}"));
+        if kv.block_size == 0 || kv.num_blocks == 0 || kv.state_slots == 0 {
+            return Err(bad("the KV store needs blocks and recurrent-state slots".into()));
+        }
+        forward::check_shapes(&cfg).map_err(bad)?;
+        let mut gpu = Gpu::open(ordinal)?;
+        gpu.load_glm5()?;
+        let weights = synthetic::synthetic(&mut gpu, &cfg, prec, seed)?;
+        Self::assemble(cfg, gpu, weights, kv, prec)
+    }
+
+    fn assemble(
+        cfg: Glm5Config,
+        gpu: Gpu,
+        weights: weights::Glm5DeviceWeights,
+        kv: KvGeometry,
+        prec: Precision,
+    ) -> Result<Self, BackendError> {
         let layout = CacheLayout::new(&cfg);
         let kv_buf = gpu.alloc(4 * kv.num_blocks * kv.block_size * layout.token_stride)?;
         gpu.zero(kv_buf.ptr(), kv_buf.bytes())?;
@@ -94,7 +141,50 @@ impl Glm5CudaBackend {
             slot_pos: vec![Some(0); kv.state_slots],
             checkpoints: (0..kv.state_slots).map(|_| None).collect(),
             scratch: forward::Scratch::default(),
+            profile: None,
         })
+    }
+
+    /// Fill every cache record with seeded values in ±1 and mark every state slot as written
+    /// (`bench` decodes at a context it did not prefill).
+    pub fn fill_cache_random(&mut self, seed: u64) -> Result<(), BackendError> {
+        self.gpu.bind()?;
+        let f = self.gpu.func("llama", "fill_uniform_f32")?;
+        let (p, n, center, scale) = (self.kv.ptr(), (self.kv.bytes() / 4) as i64, 0f32, 1f32);
+        crate::launch!(self.gpu, f, super::gpu::cfg((8192, 1), 256, 0), &p, &n, &seed, &center, &scale)?;
+        self.gpu.sync()?;
+        self.slot_pos.iter_mut().for_each(|p| *p = None);
+        self.checkpoints.iter_mut().for_each(|c| *c = None);
+        Ok(())
+    }
+
+    /// Device-to-device copy bandwidth and the bf16 GEMM rate of this device (bytes/s, FLOP/s).
+    pub fn measure_ceilings(&mut self, bytes: usize, n: usize, reps: usize) -> Result<(f64, f64), BackendError> {
+        super::forward::measure_ceilings(&mut self.gpu, bytes, n, reps)
+    }
+
+    pub fn gpu_name(&self) -> &str {
+        &self.gpu.name
+    }
+
+    /// Profile the next steps (`take_profile` ends it and returns what they measured).
+    pub fn start_profile(&mut self) {
+        let l = self.cfg.num_hidden_layers;
+        self.profile = Some(StepProfile {
+            mixer_secs: vec![0.0; l],
+            ffn_secs: vec![0.0; l],
+            distinct_experts: vec![0; l],
+            ..Default::default()
+        });
+    }
+
+    pub fn take_profile(&mut self) -> Option<StepProfile> {
+        self.profile.take()
+    }
+
+    /// Bytes of the routed experts' weights of one MoE layer, per expert.
+    pub fn expert_bytes(&self) -> usize {
+        3 * self.cfg.hidden_size * self.cfg.moe_intermediate_size * self.prec.bytes()
     }
 
     pub fn config(&self) -> &Glm5Config {
