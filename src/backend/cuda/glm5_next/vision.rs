@@ -73,7 +73,7 @@ pub struct DeviceTower {
 /// Shapes the kernels require; `Err` says which.
 fn check_shapes(c: &VisionConfig) -> Result<(), String> {
     let hd = c.head_dim();
-    if hd == 0 || hd > ATT_MAX_HD || hd % 2 != 0 {
+    if hd == 0 || hd > ATT_MAX_HD || !hd.is_multiple_of(2) {
         return Err(format!("vision head_dim {hd} is outside the attention kernel's even 2..={ATT_MAX_HD}"));
     }
     if attention_smem(hd) > 48 * 1024 {
