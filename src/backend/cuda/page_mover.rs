@@ -133,12 +133,7 @@ impl PageMover {
             staging_pool,
             upload_slots,
             next_upload: std::sync::atomic::AtomicUsize::new(0),
-            slots,
-            free_rx,
-            free_tx,
-            jobs: Some(jobs),
-            thread: Some(thread),
-        })
+            slots, free_rx, free_tx, jobs: Some(jobs), thread: Some(thread) })
     }
 
     /// Starts moving `bytes` that `gather` writes into a device buffer out to the host; `done`
