@@ -10,6 +10,8 @@
 #     DEST/gpu_tp.sh         # tensor-parallel checks (tests/gpu_tp.rs) and the TP=1 vs TP=2 bench
 #   scripts/gpu_build.sh glm5         DEST default .dev/glm5, one GPU, the test binary only:
 #     DEST/gpu_validate_glm5.sh   # glm5_next CUDA vs CPU/transformers (tests/gpu_validate_glm5.rs)
+#   scripts/gpu_build.sh vision       DEST default .dev/vision, one GPU, the test binary only:
+#     DEST/gpu_vision.sh          # the vision tower and image prompts on CUDA (tests/gpu_vision.rs)
 # PROFILE_ARGS="--profile test" builds the test binaries in the test profile (opt-level 3, no
 # release build of the dependencies needed where a test-profile build exists).
 set -euo pipefail
@@ -26,13 +28,19 @@ case "${1:-validate}" in
     scripts=(scripts/gpu_env.sh scripts/gpu_validate_glm5.sh)
     no_server=1
     ;;
+  vision)
+    test_name=gpu_vision
+    DEST=${DEST:-.dev/vision}
+    scripts=(scripts/gpu_env.sh scripts/gpu_vision.sh)
+    no_server=1
+    ;;
   tp)
     test_name=gpu_tp
     DEST=${DEST:-.dev/tp}
     scripts=(scripts/gpu_env.sh scripts/gpu_tp.sh)
     ;;
   *)
-    echo "usage: $0 [validate|tp|glm5]" >&2
+    echo "usage: $0 [validate|tp|glm5|vision]" >&2
     exit 2
     ;;
 esac

@@ -25,6 +25,9 @@ pub const MODULES: &[(&str, &str)] = &[
 pub const GEMV_SOURCE: &str = include_str!("../../../cuda/gemv.cu");
 /// `glm5_next`'s layer kernels: compiled only by backends of that model ([`Gpu::load_glm5`]).
 pub const GLM5_SOURCE: &str = include_str!("../../../cuda/glm5.cu");
+/// `glm5_next`'s vision tower kernels: compiled only by backends of a model with a tower (or
+/// one given image embeddings) ([`Gpu::load_vision`]).
+pub const VISION_SOURCE: &str = include_str!("../../../cuda/vision.cu");
 
 fn gemv_module(p: Precision) -> &'static str {
     match p {
@@ -291,6 +294,14 @@ impl Gpu {
     /// Compile `glm5_next`'s kernel module (`cuda/glm5.cu`).
     pub fn load_glm5(&mut self) -> Result<(), BackendError> {
         self.compile("glm5", GLM5_SOURCE)
+    }
+
+    /// Compile the vision tower's kernel module (`cuda/vision.cu`) once.
+    pub fn load_vision(&mut self) -> Result<(), BackendError> {
+        if self.modules.contains_key("vision") {
+            return Ok(());
+        }
+        self.compile("vision", VISION_SOURCE)
     }
 
     fn compile(&mut self, module: &'static str, src: &str) -> Result<(), BackendError> {
@@ -565,7 +576,9 @@ mod tests {
     #[ignore = "needs libnvrtc, not a GPU: LD_LIBRARY_PATH=<its dir> cargo test --lib -- --ignored every_kernel"]
     fn every_kernel_module_compiles_for_hopper_and_ampere() {
         for cc in [(9, 0), (8, 0)] {
-            for (module, src) in MODULES.iter().chain([&("gemv", GEMV_SOURCE), &("glm5", GLM5_SOURCE)]) {
+            for (module, src) in
+                MODULES.iter().chain([&("gemv", GEMV_SOURCE), &("glm5", GLM5_SOURCE), &("vision", VISION_SOURCE)])
+            {
                 let ptx = compile_module(module, src, cc, &[]).unwrap_or_else(|e| panic!("{e}"));
                 assert!(ptx.to_src().contains(".entry"), "{module}: no kernels in the PTX");
             }

@@ -124,6 +124,92 @@ pub fn read_vision_config(dir: &Path) -> Result<Option<(VisionConfig, Multimodal
     from_hf_json(&text, &path)
 }
 
+/// The vision config of the checkpoint in `dir` for a text model of width `text_hidden`, when
+/// its `config.json` has one: its output width must be the text model's hidden size (the image
+/// rows replace token embeddings). Both backends load their tower through this.
+pub fn config_for_text(dir: &Path, text_hidden: usize) -> Result<Option<(VisionConfig, MultimodalIds)>, ModelError> {
+    if !dir.join(hf::CONFIG_FILE).is_file() {
+        return Ok(None);
+    }
+    let Some((vc, ids)) = read_vision_config(dir)? else { return Ok(None) };
+    if vc.out_hidden_size != text_hidden {
+        return Err(bad(
+            &dir.join(hf::CONFIG_FILE),
+            format!(
+                "vision out_hidden_size {} must equal the text hidden_size {text_hidden} for image merging",
+                vc.out_hidden_size
+            ),
+        ));
+    }
+    Ok(Some((vc, ids)))
+}
+
+/// Per patch, the (row, column) of its patch in the image grid, in the processor's order (merge
+/// windows row-major, the `m × m` patches of a window together), repeated for every frame.
+pub fn patch_positions(grid: [usize; 3], m: usize) -> Vec<(usize, usize)> {
+    let [t, h, w] = grid;
+    let mut pos = Vec::with_capacity(t * h * w);
+    for _ in 0..t {
+        for bh in 0..h / m {
+            for bw in 0..w / m {
+                for i in 0..m {
+                    for j in 0..m {
+                        pos.push((bh * m + i, bw * m + j));
+                    }
+                }
+            }
+        }
+    }
+    pos
+}
+
+/// `cos` and `sin` tables `[N, head_dim]` of the axial RoPE at `pos`: the first half of the head
+/// rotates by the row (h) then the column (w) angles, the second half repeats the first
+/// (rotate-half form).
+pub fn rope_tables(c: &VisionConfig, pos: &[(usize, usize)]) -> (Vec<f32>, Vec<f32>) {
+    let hd = c.head_dim();
+    let spatial = hd / 2;
+    let inv: Vec<f32> = (0..spatial).step_by(2).map(|i| 1.0 / c.rope_theta.powf(i as f32 / spatial as f32)).collect();
+    let (mut cos, mut sin) = (vec![0f32; pos.len() * hd], vec![0f32; pos.len() * hd]);
+    for (n, &(ph, pw)) in pos.iter().enumerate() {
+        let angles = inv.iter().map(|&f| ph as f32 * f).chain(inv.iter().map(|&f| pw as f32 * f));
+        for (k, a) in angles.enumerate() {
+            for half in [0, spatial] {
+                cos[n * hd + half + k] = a.cos();
+                sin[n * hd + half + k] = a.sin();
+            }
+        }
+    }
+    (cos, sin)
+}
+
+/// Check that `grid` is whole merge windows and `values` holds its patches.
+pub fn check_image(c: &VisionConfig, values: usize, grid: [usize; 3]) -> Result<(), String> {
+    let m = c.spatial_merge_size;
+    let [t, h, w] = grid;
+    let n = t * h * w;
+    if n == 0 || h % m != 0 || w % m != 0 {
+        return Err(format!("image grid {t}x{h}x{w} is not whole {m}x{m} merge windows"));
+    }
+    if values != n * c.patch_dim() {
+        return Err(format!("image of grid {t}x{h}x{w} has {values} pixel values, expected {}", n * c.patch_dim()));
+    }
+    Ok(())
+}
+
+/// The attention segments of images encoded together (transformers' `cu_seqlens`): one per
+/// frame (`h·w` patches; frames and images never attend to each other), as boundaries
+/// `[0, n₀, n₀+n₁, …]` over the concatenated patches.
+pub fn frame_seqlens(grids: &[[usize; 3]]) -> Vec<usize> {
+    let mut cu = vec![0];
+    for &[t, h, w] in grids {
+        for _ in 0..t {
+            cu.push(cu.last().copied().unwrap_or(0) + h * w);
+        }
+    }
+    cu
+}
+
 /// A projection with an optional bias.
 pub struct Affine<L> {
     pub w: L,
@@ -264,4 +350,64 @@ pub fn expand_placeholders(ids: &[u32], mm: &MultimodalIds, counts: &[usize]) ->
     }
     out.extend_from_slice(&ids[at..]);
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> VisionConfig {
+        VisionConfig {
+            depth: 1,
+            hidden_size: 16,
+            num_heads: 2,
+            intermediate_size: 16,
+            patch_size: 14,
+            temporal_patch_size: 2,
+            in_channels: 3,
+            spatial_merge_size: 2,
+            out_hidden_size: 64,
+            projection_intermediate_size: 16,
+            rms_norm_eps: 1e-5,
+            attention_bias: true,
+            swiglu_limit: 10.0,
+            rope_theta: 10000.0,
+        }
+    }
+
+    #[test]
+    fn positions_follow_the_processor_patch_order() {
+        // A 4x4 grid in 2x2 windows: window (0,0) first, its patches row-major.
+        let p = patch_positions([1, 4, 4], 2);
+        assert_eq!(&p[..6], &[(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3)]);
+        assert_eq!(p.len(), 16);
+        assert_eq!(patch_positions([2, 2, 2], 2).len(), 8);
+    }
+
+    #[test]
+    fn seqlens_are_one_segment_per_frame() {
+        assert_eq!(frame_seqlens(&[[1, 4, 4], [2, 2, 6]]), [0, 16, 28, 40]);
+        assert_eq!(frame_seqlens(&[]), [0]);
+    }
+
+    #[test]
+    fn rope_rotates_rows_then_columns_in_both_halves() {
+        let c = tiny();
+        let (cos, sin) = rope_tables(&c, &[(0, 0), (1, 2)]);
+        let hd = c.head_dim();
+        assert!(cos[..hd].iter().all(|&v| v == 1.0) && sin[..hd].iter().all(|&v| v == 0.0));
+        // head_dim 8: spatial 4, two frequencies (1, 1/100); row angles then column angles.
+        let want = [1.0f32, 0.01, 2.0, 0.02];
+        for (k, a) in want.iter().enumerate() {
+            assert!((sin[hd + k] - a.sin()).abs() < 1e-6 && (sin[hd + 4 + k] - a.sin()).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn image_shape_checks_name_the_grid() {
+        let c = tiny();
+        assert!(check_image(&c, 16 * c.patch_dim(), [1, 4, 4]).is_ok());
+        assert!(check_image(&c, 3 * c.patch_dim(), [1, 1, 3]).unwrap_err().contains("1x1x3"));
+        assert!(check_image(&c, 10, [1, 2, 2]).unwrap_err().contains("pixel values"));
+    }
 }

@@ -49,7 +49,7 @@ use crate::backend::{
     check_tap_layers, validate_batch, validate_kv_image, Backend, BackendError, EmbeddedRows, HiddenTaps,
     ImageEmbedding, KvGeometry, SeqStep, StepLogits, TapRecorder,
 };
-use crate::model::glm5_next::vision::{read_vision_config, MultimodalIds};
+use crate::model::glm5_next::vision::{config_for_text, MultimodalIds};
 use crate::model::glm5_next::Glm5Config;
 use crate::model::quant::simd_available;
 use crate::model::{ModelError, WeightSource};
@@ -68,22 +68,9 @@ pub struct Glm5Backend {
 }
 
 /// The vision tower of the checkpoint in `w`'s directory, when its config has one and its
-/// tensors are there; its output width must be the text model's hidden size.
+/// tensors are there (its width checked against the text model's by the shared description).
 fn load_vision(cfg: &Glm5Config, w: &dyn WeightSource) -> Result<Option<(VisionTower, MultimodalIds)>, ModelError> {
-    let dir = w.origin();
-    if !dir.join("config.json").is_file() {
-        return Ok(None);
-    }
-    let Some((vc, ids)) = read_vision_config(dir)? else { return Ok(None) };
-    if vc.out_hidden_size != cfg.hidden_size {
-        return Err(ModelError::Config {
-            file: dir.join("config.json"),
-            msg: format!(
-                "vision out_hidden_size {} must equal the text hidden_size {} for image merging",
-                vc.out_hidden_size, cfg.hidden_size
-            ),
-        });
-    }
+    let Some((vc, ids)) = config_for_text(w.origin(), cfg.hidden_size)? else { return Ok(None) };
     Ok(VisionTower::load(vc, w)?.map(|t| (t, ids)))
 }
 

@@ -45,25 +45,6 @@ fn gelu(x: f32) -> f32 {
     (0.5 * x as f64 * (1.0 + libm::erf(x as f64 / std::f64::consts::SQRT_2))) as f32
 }
 
-/// Per patch, the (row, column) of its patch in the image grid, in the processor's order (merge
-/// windows row-major, the `m × m` patches of a window together), repeated for every frame.
-pub fn patch_positions(grid: [usize; 3], m: usize) -> Vec<(usize, usize)> {
-    let [t, h, w] = grid;
-    let mut pos = Vec::with_capacity(t * h * w);
-    for _ in 0..t {
-        for bh in 0..h / m {
-            for bw in 0..w / m {
-                for i in 0..m {
-                    for j in 0..m {
-                        pos.push((bh * m + i, bw * m + j));
-                    }
-                }
-            }
-        }
-    }
-    pos
-}
-
 impl VisionTower {
     /// The tower of `cfg` from `w`, `None` when the checkpoint has no vision tensors.
     pub fn load(cfg: VisionConfig, w: &dyn WeightSource) -> Result<Option<Self>, ModelError> {
@@ -84,48 +65,17 @@ impl VisionTower {
             + w.blocks.iter().map(|b| a(&b.qkv) + a(&b.proj) + a(&b.gate) + a(&b.up) + a(&b.down)).sum::<usize>()
     }
 
-    /// `cos` and `sin` tables `[N, head_dim]` of the axial RoPE: the first half of the head rotates
-    /// by the row (h) then the column (w) angles, the second half repeats the first.
-    fn rope(&self, pos: &[(usize, usize)]) -> (Vec<f32>, Vec<f32>) {
-        let hd = self.cfg.head_dim();
-        let spatial = hd / 2;
-        let inv: Vec<f32> =
-            (0..spatial).step_by(2).map(|i| 1.0 / self.cfg.rope_theta.powf(i as f32 / spatial as f32)).collect();
-        let (mut cos, mut sin) = (vec![0f32; pos.len() * hd], vec![0f32; pos.len() * hd]);
-        for (n, &(ph, pw)) in pos.iter().enumerate() {
-            let angles = inv.iter().map(|&f| ph as f32 * f).chain(inv.iter().map(|&f| pw as f32 * f));
-            for (k, a) in angles.enumerate() {
-                for half in [0, spatial] {
-                    cos[n * hd + half + k] = a.cos();
-                    sin[n * hd + half + k] = a.sin();
-                }
-            }
-        }
-        (cos, sin)
-    }
-
     /// Encode one image (`pixel_values` `[t·h·w, C·T·P·P]`, grid `(t, h, w)`) into its
     /// placeholder embeddings `[t·h·w / m², out_hidden]`.
     pub fn encode(&self, pixel_values: &[f32], grid: [usize; 3], simd: bool) -> Result<Vec<f32>, BackendError> {
         let c = &self.cfg;
         let m = c.spatial_merge_size;
-        let [t, h, w] = grid;
-        let n = t * h * w;
-        if n == 0 || h % m != 0 || w % m != 0 {
-            return Err(BackendError::InvalidStep(format!(
-                "image grid {t}x{h}x{w} is not whole {m}x{m} merge windows"
-            )));
-        }
-        if pixel_values.len() != n * c.patch_dim() {
-            return Err(BackendError::InvalidStep(format!(
-                "image of grid {t}x{h}x{w} has {} pixel values, expected {}",
-                pixel_values.len(),
-                n * c.patch_dim()
-            )));
-        }
+        layout::check_image(c, pixel_values.len(), grid).map_err(BackendError::InvalidStep)?;
+        let n = grid.iter().product::<usize>();
         let (d, heads, hd) = (c.hidden_size, c.num_heads, c.head_dim());
-        let (cos, sin) = self.rope(&patch_positions(grid, m));
-        let frame = h * w;
+        let (cos, sin) = layout::rope_tables(c, &layout::patch_positions(grid, m));
+        // Attention segments (one per frame), as the CUDA kernel reads them.
+        let cu = layout::frame_seqlens(&[grid]);
         let scale = (hd as f32).powf(-0.5);
         let eps = c.rms_norm_eps;
         let mut x = affine(&self.weights.patch_embed, pixel_values, n, simd)?;
@@ -154,9 +104,10 @@ impl VisionTower {
             let mut att = vec![0f32; n * d];
             att.par_chunks_mut(hd).enumerate().for_each(|(i, out)| {
                 let (row, head) = (i / heads, i % heads);
-                let f0 = row / frame * frame;
+                let seg = cu.partition_point(|&b| b <= row) - 1;
+                let (f0, f1) = (cu[seg], cu[seg + 1]);
                 let q = &qkv[row * 3 * d + head * hd..][..hd];
-                let scores: Vec<f32> = (f0..f0 + frame)
+                let scores: Vec<f32> = (f0..f1)
                     .map(|j| {
                         let k = &qkv[j * 3 * d + d + head * hd..][..hd];
                         q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale
@@ -165,7 +116,7 @@ impl VisionTower {
                 let max = scores.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
                 let e: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
                 let total: f32 = e.iter().sum();
-                for (j, p) in (f0..f0 + frame).zip(&e) {
+                for (j, p) in (f0..f1).zip(&e) {
                     let v = &qkv[j * 3 * d + 2 * d + head * hd..][..hd];
                     out.iter_mut().zip(v).for_each(|(o, vv)| *o += p / total * vv);
                 }
@@ -208,15 +159,6 @@ impl VisionTower {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn positions_follow_the_processor_patch_order() {
-        // A 4x4 grid in 2x2 windows: window (0,0) first, its patches row-major.
-        let p = patch_positions([1, 4, 4], 2);
-        assert_eq!(&p[..6], &[(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3)]);
-        assert_eq!(p.len(), 16);
-        assert_eq!(patch_positions([2, 2, 2], 2).len(), 8);
-    }
 
     #[test]
     fn gelu_is_the_exact_erf_form() {

@@ -13,7 +13,7 @@ use super::weights::{DevLinear, Ffn, HyperConnection, Kda, Mixer, Mla, Mlp, Moe}
 use super::{DeviceCheckpoints, Glm5CudaBackend};
 use crate::backend::cuda::gpu::{cfg, grid_for, Precision, GEMV_MAX_ROWS};
 use crate::backend::glm5_steps::{logits_rows, plan_rows, SeqRows};
-use crate::backend::{BackendError, SeqStep, StepLogits};
+use crate::backend::{BackendError, EmbeddedRows, SeqStep, StepLogits};
 use crate::launch;
 use crate::model::glm5_next::config::{IndexerKind, MixerKind};
 use crate::model::glm5_next::Glm5Config;
@@ -46,7 +46,7 @@ pub struct Scratch {
 impl Scratch {
     /// A buffer of at least `bytes` (contents undefined). Growing waits for queued work first,
     /// since the old buffer may still be read by it.
-    fn get(
+    pub(super) fn get(
         &mut self,
         gpu: &crate::backend::cuda::gpu::Gpu,
         name: &'static str,
@@ -62,7 +62,7 @@ impl Scratch {
     }
 
     /// Upload `data` into the named buffer, in stream order.
-    fn put<T: Copy>(
+    pub(super) fn put<T: Copy>(
         &mut self,
         gpu: &crate::backend::cuda::gpu::Gpu,
         name: &'static str,
@@ -132,8 +132,14 @@ impl Glm5CudaBackend {
         self.gpu.gemm(l.prec, rows, l.rows, l.cols, input, l.buf.ptr(), y, false)
     }
 
-    /// Run one step (the batch already validated).
-    pub(super) fn step(&mut self, batch: &[SeqStep<'_>], verify: &[bool]) -> Result<StepLogits, BackendError> {
+    /// Run one step (the batch already validated); the rows `embeds[i]` of sequence `i` (checked
+    /// by the caller) take the given embeddings instead of their token's.
+    pub(super) fn step(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        verify: &[bool],
+        embeds: &[Vec<EmbeddedRows<'_>>],
+    ) -> Result<StepLogits, BackendError> {
         let seqs = plan_rows(batch, verify, &self.slot_pos, self.cfg.vocab_size)?;
         let inputs = self.prepare(batch, &seqs)?;
         let c = self.cfg.clone();
@@ -147,6 +153,9 @@ impl Glm5CudaBackend {
         let f = self.gpu.func("glm5", &format!("glm5_embed_{}", self.prec.suffix()))?;
         let table = self.weights.embed.buf.ptr();
         launch!(self.gpu, f, cfg((n as u32, 1), BLOCK, 0), &ids, &table, &x, &mi, &di)?;
+        if embeds.iter().any(|e| !e.is_empty()) {
+            self.place_embedded(&seqs, embeds, x)?;
+        }
         let dt = self.profile_lap(&mut lap)?;
         if let Some(p) = self.profile.as_mut() {
             p.rest_secs += dt;

@@ -14,12 +14,16 @@
 
 mod forward;
 mod synthetic;
+pub mod vision;
 pub mod weights;
 
 use std::sync::Arc;
 
 use super::gpu::{DevBuf, Gpu, Precision};
-use crate::backend::{validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits};
+use crate::backend::{
+    validate_batch, validate_kv_image, Backend, BackendError, EmbeddedRows, ImageEmbedding, KvGeometry, SeqStep,
+    StepLogits,
+};
 use crate::model::glm5_next::cache_layout::CacheLayout;
 use crate::model::glm5_next::Glm5Config;
 use crate::model::{ModelError, WeightSource};
@@ -38,6 +42,8 @@ pub struct Glm5CudaBackend {
     gpu: Gpu,
     prec: Precision,
     weights: weights::Glm5DeviceWeights,
+    /// The vision tower, when the checkpoint has one (`vision.rs`).
+    vision: Option<vision::DeviceTower>,
     layout: CacheLayout,
     geom: KvGeometry,
     /// Paged per-token records, `num_blocks · block_size · token_stride` f32.
@@ -86,7 +92,8 @@ impl Glm5CudaBackend {
         let mut gpu = Gpu::open(ordinal)?;
         gpu.load_glm5()?;
         let weights = weights::load(&gpu, &cfg, w, prec)?;
-        Self::assemble(cfg, gpu, weights, kv, prec)
+        let tower = vision::load(&mut gpu, cfg.hidden_size, w, prec)?;
+        Self::assemble(cfg, gpu, weights, tower, kv, prec)
     }
 
     /// Seeded random weights of `cfg`'s shapes, generated on device `ordinal` (for `bench`: a
@@ -106,13 +113,14 @@ impl Glm5CudaBackend {
         let mut gpu = Gpu::open(ordinal)?;
         gpu.load_glm5()?;
         let weights = synthetic::synthetic(&mut gpu, &cfg, prec, seed)?;
-        Self::assemble(cfg, gpu, weights, kv, prec)
+        Self::assemble(cfg, gpu, weights, None, kv, prec)
     }
 
     fn assemble(
         cfg: Glm5Config,
         gpu: Gpu,
         weights: weights::Glm5DeviceWeights,
+        tower: Option<vision::DeviceTower>,
         kv: KvGeometry,
         prec: Precision,
     ) -> Result<Self, BackendError> {
@@ -126,6 +134,7 @@ impl Glm5CudaBackend {
             device = %format!("cuda:{} ({})", gpu.ordinal, gpu.name),
             precision = ?prec,
             weights_mib = weights.bytes / (1 << 20),
+            vision_mib = tower.as_ref().map_or(0, |t| t.bytes) / (1 << 20),
             kv_mib = (kv_buf.bytes() + state.bytes()) / (1 << 20),
             "glm5_next CUDA backend ready"
         );
@@ -134,6 +143,7 @@ impl Glm5CudaBackend {
             gpu,
             prec,
             weights,
+            vision: tower,
             layout,
             geom: kv,
             kv: kv_buf,
@@ -196,7 +206,7 @@ impl Glm5CudaBackend {
     }
 
     pub fn weight_bytes(&self) -> usize {
-        self.weights.bytes
+        self.weights.bytes + self.vision.as_ref().map_or(0, |t| t.bytes)
     }
 
     /// Bytes of the paged cache plus the recurrent-state slots.
@@ -247,7 +257,40 @@ impl Backend for Glm5CudaBackend {
     fn forward_verify(&mut self, batch: &[SeqStep<'_>], verify: &[bool]) -> Result<StepLogits, BackendError> {
         validate_batch(batch, self.geom)?;
         self.gpu.bind()?;
-        self.step(batch, verify)
+        self.step(batch, verify, &[])
+    }
+
+    fn image_token_id(&self) -> Option<u32> {
+        self.vision.as_ref().map(|t| t.ids.image_token_id)
+    }
+
+    fn encode_image(&mut self, pixel_values: &[f32], grid: [usize; 3]) -> Result<ImageEmbedding, BackendError> {
+        let mut out = self.encode_images(&[(pixel_values, grid)])?;
+        out.pop().ok_or_else(|| BackendError::Device("the vision tower returned no embedding".into()))
+    }
+
+    fn forward_embedded(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        verify: &[bool],
+        embeds: &[Vec<EmbeddedRows<'_>>],
+    ) -> Result<StepLogits, BackendError> {
+        if embeds.iter().all(Vec::is_empty) {
+            return self.forward_verify(batch, verify);
+        }
+        vision::check_embedded(batch, embeds, self.cfg.hidden_size)?;
+        // Rows that take an embedding are looked up as token 0 first (their ids, the image
+        // placeholder, may lie outside the text vocabulary), then overwritten on the device.
+        let mut tokens: Vec<Vec<u32>> = batch.iter().map(|s| s.tokens.to_vec()).collect();
+        for (t, runs) in tokens.iter_mut().zip(embeds) {
+            for run in runs {
+                t[run.first_row..run.first_row + run.data.len() / run.hidden].fill(0);
+            }
+        }
+        let steps: Vec<SeqStep<'_>> = batch.iter().zip(&tokens).map(|(s, t)| SeqStep { tokens: t, ..*s }).collect();
+        validate_batch(&steps, self.geom)?;
+        self.gpu.bind()?;
+        self.step(&steps, verify, embeds)
     }
 
     fn commit_verified(&mut self, slot: u32, kept: usize) -> Result<(), BackendError> {
