@@ -41,6 +41,10 @@ trained here for a few hundred Adam steps to predict the main model's own greedy
 (self-distillation, as MTP heads are trained), which gives the engine's acceptance test something
 to measure. The main model's weights are random (gen_glm5_tiny.py's scheme).
 
+`--kda` writes a second, untrained variant (tests/fixtures/glm5/tiny-mtp-kda/,
+golden-mtp-kda.safetensors) whose MTP block is KDA + dense MLP, so the drafter's recurrent-state
+handling (slot copy before a chained draft, put back after) is covered too; its layer stays random.
+
 golden-mtp.safetensors, for prompt i = 0, 1:
   ids_{i}         i64 [n]         the prompt followed by the main model's greedy continuation
   mtp_logits_{i}  f32 [n-1, V]    row j: the MTP's logits at position j (inputs h_j, t_{j+1})
@@ -70,6 +74,10 @@ KDA, DSA = "linear_attention", "deepseek_sparse_attention"
 MAIN = dict(FLAT_TEXT, layer_types=[KDA, DSA, KDA], indexer_types=["full"] * 3, linear_lower_bound=-5.0)
 L = MAIN["num_hidden_layers"]
 MTP_BLOCK = dict(layer_types=[DSA], indexer_types=["full"], mlp_layer_types=["sparse"])
+KDA_VARIANT = "--kda" in sys.argv[1:]
+if KDA_VARIANT:
+    MTP_BLOCK = dict(layer_types=[KDA], indexer_types=["full"], mlp_layer_types=["dense"])
+SUFFIX = "-kda" if KDA_VARIANT else ""
 TRAIN_PROMPTS, PROMPT_LEN, GEN = 192, 12, 40
 TEST_LENS = [(21, 24), (9, 30)]
 
@@ -109,16 +117,17 @@ def main():
 
     # Training data: the main model's greedy continuations of random prompts.
     seqs = []
-    for b in range(TRAIN_PROMPTS // 32):
+    for b in range(0 if KDA_VARIANT else TRAIN_PROMPTS // 32):
         p = torch.randint(1, v, (32, PROMPT_LEN), generator=g)
         with torch.no_grad():
             s = model.generate(input_ids=p, max_new_tokens=GEN, min_new_tokens=GEN, do_sample=False,
                                eos_token_id=None, pad_token_id=0)
         seqs.append(s)
         print(f"generated batch {b}", flush=True)
-    seqs = torch.cat(seqs, 0)
-    with torch.no_grad():
-        hidden, _ = main_hidden(model, seqs)
+    if not KDA_VARIANT:
+        seqs = torch.cat(seqs, 0)
+        with torch.no_grad():
+            hidden, _ = main_hidden(model, seqs)
 
     torch.manual_seed(SEED + 2)
     mtp = Mtp(cfg.text_config)
@@ -129,8 +138,8 @@ def main():
     opt = torch.optim.Adam(mtp.parameters(), lr=3e-3)
     # Position i predicts t_{i+2}; only greedy tokens are predictable (the prompt is random).
     first = PROMPT_LEN - 2
-    n_train = seqs.shape[0] - 32
-    for step in range(400):
+    n_train = TRAIN_PROMPTS - 32
+    for step in range(0 if KDA_VARIANT else 400):
         idx = torch.randint(0, n_train, (32,), generator=g)
         s, h = seqs[idx], hidden[idx]
         logits = mtp(embed, head, s[:, 1:-1], h[:, :-2])
@@ -141,11 +150,12 @@ def main():
         if step % 50 == 0:
             print(f"step {step} loss {loss.item():.3f}", flush=True)
     mtp.eval()
-    with torch.no_grad():
-        s, h = seqs[n_train:], hidden[n_train:]
-        pred = mtp(embed, head, s[:, 1:-1], h[:, :-2]).argmax(-1)[:, first:]
-        acc = (pred == s[:, first + 2:]).float().mean().item()
-    print(f"held-out top-1 agreement of the MTP head with the main model's greedy next-next token: {acc:.3f}")
+    if not KDA_VARIANT:
+        with torch.no_grad():
+            s, h = seqs[n_train:], hidden[n_train:]
+            pred = mtp(embed, head, s[:, 1:-1], h[:, :-2]).argmax(-1)[:, first:]
+            acc = (pred == s[:, first + 2:]).float().mean().item()
+        print(f"held-out top-1 agreement of the MTP head with the main model's greedy next-next token: {acc:.3f}")
 
     # Save: the main model with the MTP block as an extra layer L (transformers writes its on-disk
     # names), then the config cut back to L layers and the MTP's own tensors added.
@@ -160,7 +170,7 @@ def main():
         state[f"model.language_model.layers.{L}.{k}"] = t
     missing, unexpected = big.load_state_dict(state, strict=False)
     assert not unexpected and not missing, (missing, unexpected)
-    out_dir = OUT / "tiny-mtp"
+    out_dir = OUT / f"tiny-mtp{SUFFIX}"
     if out_dir.exists():
         shutil.rmtree(out_dir)
     big.save_pretrained(out_dir)
@@ -197,9 +207,10 @@ def main():
         out[f"mtp_logits_{i}"] = ml[0].float().contiguous()
         agree = (ml[0, plen - 1:-1].argmax(-1) == ids[0, plen + 1:]).float().mean().item()
         print(f"prompt {i}: len {plen} + {gen}, MTP agreement on the continuation {agree:.3f}")
-    save_file(out, str(OUT / "golden-mtp.safetensors"))
-    total = sum(f.stat().st_size for f in [st_path, out_dir / "config.json", OUT / "golden-mtp.safetensors"])
-    print(f"wrote {out_dir} and golden-mtp.safetensors ({total / 1e6:.2f} MB)")
+    golden = OUT / f"golden-mtp{SUFFIX}.safetensors"
+    save_file(out, str(golden))
+    total = sum(f.stat().st_size for f in [st_path, out_dir / "config.json", golden])
+    print(f"wrote {out_dir} and {golden.name} ({total / 1e6:.2f} MB)")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use shelfserve::actors::scheduler::SchedulerStats;
 use shelfserve::actors::{start_engine, Engine, EngineOptions, GenerationRequest, InferenceEngine, StreamEvent};
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
 use shelfserve::config::engine::EngineConfig;
@@ -60,10 +61,14 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
-#[test]
-fn mtp_logits_equal_the_reference() {
-    let bundle = open("glm5/tiny-mtp");
-    let bytes = std::fs::read(common::fixture("glm5/golden-mtp.safetensors")).expect("golden-mtp.safetensors");
+/// The MTP logits of the fixture `variant` ("" or "-kda") against its reference: the whole
+/// sequence at once, in uneven pieces (its own cache continues across calls), and in pieces with a
+/// chained 7-token proposal after each (the chain's speculative positions must leave no trace:
+/// the recurrent state is put back, the paged records are overwritten).
+fn logits_equal_the_reference(variant: &str) {
+    let bundle = open(&format!("glm5/tiny-mtp{variant}"));
+    let golden = common::fixture(&format!("glm5/golden-mtp{variant}.safetensors"));
+    let bytes = std::fs::read(golden).expect("the golden file");
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     for case in 0..2 {
         let (_, raw) = tensor(&st, &format!("ids_{case}"));
@@ -71,9 +76,10 @@ fn mtp_logits_equal_the_reference() {
         let (shape, want) = tensor(&st, &format!("mtp_logits_{case}"));
         let want = f32s(&want);
         assert_eq!(shape[0], ids.len() - 1);
-        // All of the sequence at once, then fed in uneven pieces: the MTP's own cache continues
-        // across calls exactly.
-        for (chunk, pieces) in [(ids.len(), vec![ids.len()]), (7, vec![5, 13, ids.len()])] {
+        let n = ids.len();
+        for (chunk, pieces, propose) in
+            [(n, vec![n], false), (7, vec![5, 13, n], false), (6, vec![4, 9, 10, 22, n], true)]
+        {
             let mut d = MtpDrafter::open(&bundle, 1, 512).expect("the MTP drafter");
             d.extend_hidden(1, target_taps(&bundle, &ids, chunk));
             let mut got = Vec::new();
@@ -82,12 +88,30 @@ fn mtp_logits_equal_the_reference() {
                 d.extend(1, &ids[fed..upto]);
                 fed = upto;
                 got.extend(d.commit_logits(1).expect("MTP logits"));
+                if propose {
+                    let drafts = d.propose(1, 7);
+                    assert_eq!(drafts.len(), if upto > 1 { 7 } else { 0 }, "drafts after {upto} tokens");
+                    assert_eq!(d.propose(1, 7), drafts, "the same state proposes the same drafts");
+                }
             }
             let err = rel_err(&got, &want);
-            eprintln!("case {case}, target chunks of {chunk}, pieces {pieces:?}: relative error {err:.2e}");
+            eprintln!(
+                "tiny-mtp{variant} case {case}, target chunks of {chunk}, pieces {pieces:?}: relative error {err:.2e}"
+            );
             assert!(err <= 1e-4, "case {case}: MTP logits differ from the reference by {err:e} (relative)");
         }
     }
+}
+
+#[test]
+fn mtp_logits_equal_the_reference() {
+    logits_equal_the_reference("");
+}
+
+/// The same with a KDA mixer in the MTP block (recurrent state instead of paged records).
+#[test]
+fn kda_mtp_logits_equal_the_reference() {
+    logits_equal_the_reference("-kda");
 }
 
 #[test]
@@ -172,22 +196,23 @@ fn prompt(seed: u32, len: usize) -> Vec<u32> {
     (0..len as u32).map(|i| 1 + (seed * 7919 + i * 104_729 + i * i * 31) % 127).collect()
 }
 
-/// Through scheduler, drafter and executor: the target taps its last layer, the MTP layer drafts
-/// from it, and greedy replies equal the un-drafted ones bit for bit for k = 1..=7, alone, all at
-/// once, and with a prompt whose prefix comes from the prefix cache; drafts are accepted.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mtp_drafted_greedy_equals_undrafted_through_the_engine() {
+/// Greedy replies of every k-lane against the un-drafted lane on fixture `variant`: 4 prompts
+/// alone for each k in `ks`, all of them at once, and a continuation whose prefix is served from
+/// the prefix cache (so the target never runs, nor taps, those positions). Returns the engine's
+/// counters after the "alone" runs and at the end.
+async fn drafted_equals_undrafted(variant: &str, ks: &[usize]) -> (SchedulerStats, SchedulerStats) {
     const TOKENS: usize = 40;
     let prompts: Vec<Vec<u32>> = vec![prompt(1, 12), prompt(2, 21), prompt(3, 9), prompt(4, 30)];
     let opts =
         EngineOptions { device: DeviceSelection { threads: 2, ..Default::default() }, served_model_name: "t".into() };
-    let engine = start_engine(open("glm5/tiny-mtp"), engine_config(), opts).await.expect("start the engine");
+    let bundle = open(&format!("glm5/tiny-mtp{variant}"));
+    let engine = start_engine(bundle, engine_config(), opts).await.expect("start the engine");
     common::engine::wait_ready(&engine, Duration::from_secs(120)).await;
     let mut want = Vec::new();
     for p in &prompts {
         want.push(generate(&engine, "k0", p, TOKENS).await.0);
     }
-    for k in 1..=7 {
+    for &k in ks {
         for (i, p) in prompts.iter().enumerate() {
             assert_eq!(generate(&engine, &format!("k{k}"), p, TOKENS).await.0, want[i], "prompt {i}, k {k}, alone");
         }
@@ -204,8 +229,6 @@ async fn mtp_drafted_greedy_equals_undrafted_through_the_engine() {
         let (k, i, got) = t.await.unwrap();
         assert_eq!(got, want[i], "prompt {i}, k {k}, concurrent");
     }
-    // A conversation that continues prompt 3's reply: its prefix is served from the cache, so the
-    // target never runs (nor taps) those positions; the drafts still verify exactly.
     let mut longer = prompts[3].clone();
     longer.extend_from_slice(&want[3].ids[..20]);
     let (plain, _) = generate(&engine, "k0", &longer, TOKENS).await;
@@ -214,21 +237,38 @@ async fn mtp_drafted_greedy_equals_undrafted_through_the_engine() {
         assert!(cached > 0, "k {k}: the prefix cache was not hit");
         assert_eq!(got, plain, "k {k}, after a prefix-cache hit");
     }
-    let s = engine.stats().await.unwrap();
+    let all = engine.stats().await.unwrap();
+    assert_eq!(engine.drafter_sequences().await, Some(vec![0; 8]), "every sequence's drafter state was dropped");
+    (alone, all)
+}
+
+/// Through scheduler, drafter and executor: the target taps its last layer, the MTP layer drafts
+/// from it, greedy replies equal the un-drafted ones bit for bit, and drafts are accepted (the
+/// fixture's MTP layer was trained on the target's own greedy continuations).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtp_drafted_greedy_equals_undrafted_through_the_engine() {
+    let (alone, all) = drafted_equals_undrafted("", &[1, 2, 3, 4, 5, 6, 7]).await;
     let rate = alone.accepted_tokens as f64 / alone.drafted_tokens.max(1) as f64;
     eprintln!(
-        "mtp on tiny-mtp: alone (k = 1..7, {} replies) drafted {} accepted {} ({:.1}% of drafts); all runs: \
+        "mtp on tiny-mtp: alone (k = 1..7, 28 replies) drafted {} accepted {} ({:.1}% of drafts); all runs: \
          drafted {} accepted {} over {} steps",
-        7 * prompts.len(),
         alone.drafted_tokens,
         alone.accepted_tokens,
         100.0 * rate,
-        s.drafted_tokens,
-        s.accepted_tokens,
-        s.steps
+        all.drafted_tokens,
+        all.accepted_tokens,
+        all.steps
     );
     assert!(alone.drafted_tokens > 200, "the MTP drafter proposed too little: {alone:?}");
     assert!(alone.accepted_tokens > 0, "no MTP draft was ever accepted: {alone:?}");
-    assert!(s.drafted_tokens > s.accepted_tokens, "no draft was rejected: {s:?}");
-    assert_eq!(engine.drafter_sequences().await, Some(vec![0; 8]), "every sequence's drafter state was dropped");
+    assert!(all.drafted_tokens > all.accepted_tokens, "no draft was rejected: {all:?}");
+}
+
+/// The KDA-block variant (random MTP layer: its drafts are rarely right, so every verification
+/// rolls the target back and the MTP's recurrent state is restored after every chain).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kda_mtp_drafted_greedy_equals_undrafted_through_the_engine() {
+    let (alone, all) = drafted_equals_undrafted("-kda", &[1, 4, 7]).await;
+    eprintln!("mtp on tiny-mtp-kda: drafted {} accepted {}", all.drafted_tokens, all.accepted_tokens);
+    assert!(alone.drafted_tokens > 100, "the MTP drafter proposed too little: {alone:?}");
 }

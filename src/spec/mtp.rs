@@ -58,6 +58,10 @@ pub struct MtpDrafter {
     target_last_layer: usize,
 }
 
+/// One request's new entries: its index in the batch, the target positions, their states and the
+/// tokens after them.
+type IngestRows = (usize, Vec<usize>, Vec<f32>, Vec<u32>);
+
 /// Drop pending chunks wholly before the next position to ingest.
 fn prune(s: &mut MtpSeq, d: usize) {
     let next = s.next_j;
@@ -160,7 +164,7 @@ impl MtpDrafter {
     fn propose_inner(&mut self, requests: &[DraftRequest]) -> Result<Vec<Vec<u32>>, BackendError> {
         let mut out = vec![Vec::new(); requests.len()];
         // 1. Commit every new target state of the requested sequences, in one batched step.
-        let mut ingest: Vec<(usize, Vec<usize>, Vec<f32>, Vec<u32>)> = Vec::new();
+        let mut ingest: Vec<IngestRows> = Vec::new();
         for (i, r) in requests.iter().enumerate() {
             let Some(s) = self.seqs.get(&r.seq) else { continue };
             let (pos, data) = self.ingestible(s);
@@ -270,8 +274,8 @@ impl MtpDrafter {
         result.map(|()| out)
     }
 
-    /// The MTP logits of every entry `seq` can commit now (tests compare them with the
-    /// reference): one row per target position from the first ingestible one.
+    /// Commit every entry `seq` can commit now, as `propose` would, and return their MTP logits
+    /// (tests compare them with the reference): one row per target position ingested.
     pub fn commit_logits(&mut self, seq: SeqId) -> Result<Vec<f32>, BackendError> {
         let s = self.seqs.get(&seq).ok_or_else(|| BackendError::InvalidStep(format!("no sequence {seq}")))?;
         let (pos, data) = self.ingestible(s);
@@ -292,9 +296,10 @@ impl MtpDrafter {
         };
         let head = &mut self.head;
         let res = self.pool.install(|| head.step(&[step]))?;
+        let last = *pos.last().expect("non-empty");
         s.entries += pos.len();
-        s.next_j = pos.last().expect("non-empty") + 1;
-        s.head = None;
+        s.next_j = last + 1;
+        s.head = res.logits.last_row(0).map(|row| (last, argmax(row), res.last_hidden[0].clone()));
         prune(s, self.head.hidden_size());
         Ok(res.logits.data)
     }
