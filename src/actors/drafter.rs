@@ -4,7 +4,8 @@
 //! reply — one round trip per step, however many sequences draft. It never sees the target's KV
 //! blocks or logits; whether a draft is used (budget, blocks, preemption) is the scheduler's call.
 //!
-//! A `draft:PATH` lane's source is a draft model on the CPU backend with its own KV store
+//! An `mtp` lane's source is the glm5_next target's own MTP layer on the CPU (`spec::mtp`), which
+//! reads the target's last-layer hidden states like `dflash:PATH` does. A `draft:PATH` lane's source is a draft model on the CPU backend with its own KV store
 //! (`spec::draft_model`); each lane's requests go to its source in one `propose_batch` call, so the
 //! draft model runs one batched forward per draft position. Every source runs under the adaptive
 //! draft length (`spec::adaptive`), so a request's `k` is the most a sequence may get. That
@@ -17,6 +18,7 @@ use crate::sched::SeqId;
 use crate::spec::adaptive::{draft_cost_from_weights, Adaptive, AdaptiveConfig};
 use crate::spec::dflash::DFlashDrafter;
 use crate::spec::draft_model::{DraftModel, DraftModelOptions, VocabIdentity};
+use crate::spec::mtp::MtpDrafter;
 use crate::spec::ngram::{NgramConfig, NgramDrafter};
 use crate::spec::{DraftError, DraftRequest, DraftSource, HiddenChunk, SpeculativeMethod};
 
@@ -101,6 +103,13 @@ pub fn sources_for(
                 );
                 let cfg = AdaptiveConfig::with_costs(price.row_cost, draft_cost);
                 Ok(Some(Box::new(Adaptive::new(model, cfg)) as Box<dyn DraftSource>))
+            }
+            SpeculativeMethod::Mtp => {
+                // The target's own MTP layer, with a store as large as the target's pool.
+                let drafter = MtpDrafter::open(target, draft_opts.threads, draft_opts.pool_tokens)?;
+                let estimate = draft_cost_from_weights(drafter.weight_bytes(), target_weight_bytes);
+                let cfg = AdaptiveConfig::with_costs(price.row_cost, price.draft_cost.unwrap_or(estimate));
+                Ok(Some(Box::new(Adaptive::new(drafter, cfg)) as Box<dyn DraftSource>))
             }
             SpeculativeMethod::DFlash(path) => {
                 let drafter = DFlashDrafter::open(path, target, draft_opts.threads)?;

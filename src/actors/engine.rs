@@ -15,7 +15,7 @@ use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg, SchedulerSta
 use crate::backend::KvGeometry;
 use crate::config::engine::EngineConfig;
 use crate::config::layers::ModelFamily;
-use crate::generate::{rank_backend_makers, DeviceSelection, ResolvedKind};
+use crate::generate::{rank_backend_makers, DeviceSelection, ResolvedDevice, ResolvedKind};
 use crate::kv::PoolIdentity;
 use crate::model::ModelBundle;
 use crate::sched::admission::{Admission, LaneQueue};
@@ -165,6 +165,23 @@ pub fn lane_pacing(config: &EngineConfig, device: ResolvedKind) -> Option<Pacing
     Some(Pacing::new(targets, StepCostModel::new(d.cost, COST_DECAY), config.scheduler.block_size))
 }
 
+/// `--speculative mtp` runs the MTP layer on the CPU beside a single-rank CPU target; CUDA and
+/// tensor parallelism are refused at startup rather than failing later.
+fn refuse_mtp_where_unsupported(config: &EngineConfig, device: &ResolvedDevice) -> Result<(), EngineError> {
+    let Some(lane) = config.lanes.iter().find(|l| l.speculative == SpeculativeMethod::Mtp) else { return Ok(()) };
+    let why = if device.kind != ResolvedKind::Cpu {
+        "on the CUDA backend"
+    } else if device.tensor_parallel > 1 {
+        "with tensor parallelism (--tp > 1)"
+    } else {
+        return Ok(());
+    };
+    Err(EngineError::Invalid(format!(
+        "lane `{}`: --speculative mtp is not supported {why} yet; it runs on the CPU backend with --tp 1",
+        lane.name
+    )))
+}
+
 pub async fn start_engine(
     bundle: ModelBundle,
     config: EngineConfig,
@@ -174,6 +191,7 @@ pub async fn start_engine(
     // The one place `auto` is settled (probing the driver once): the drafter's verification
     // price, the pool's KV layout and every rank's backend read this.
     let device = opts.device.resolve();
+    refuse_mtp_where_unsupported(&config, &device)?;
     let s = &config.scheduler;
     let page_tokens = if s.page_tokens > 0 { s.page_tokens } else { DEFAULT_LLAMA_PAGE_TOKENS };
     // The pool is sized and checked against the device's memory before any weight loads.

@@ -60,8 +60,9 @@ pub struct ServeArgs {
     /// Size lower lanes' prefill to higher lanes' latency targets (`true`/`false`) [default: true].
     #[arg(long, env = "SHELFSERVE_LANE_PACING", value_name = "BOOL")]
     pub lane_pacing: Option<bool>,
-    /// Speculative decoding for every lane: `none`, `ngram` (model-free suffix match),
-    /// `draft:PATH` or `dflash:DIR` (a DFlash block drafter reading the target's hidden states);
+    /// Speculative decoding for every lane: `none`, `ngram` (model-free suffix match), `mtp`
+    /// (a glm5_next checkpoint's own MTP layer; CPU, no --tp), `draft:PATH` or `dflash:DIR` (a
+    /// DFlash block drafter reading the target's hidden states);
     /// overrides each lane's `speculative` in the configuration.
     #[arg(long, env = "SHELFSERVE_SPECULATIVE")]
     pub speculative: Option<String>,

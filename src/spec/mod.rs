@@ -16,7 +16,8 @@
 //! batched forward per draft position instead of one per sequence.
 //!
 //! Drafters that read the target (`dflash`, the DFlash/DFlash2 block drafter: one forward proposes
-//! a block from the target's hidden states) say which target layers they read
+//! a block from the target's hidden states; `mtp`, glm5_next's own MTP layer, which reads the last
+//! layer's state) say which target layers they read
 //! (`DraftSource::hidden_taps`); the engine asks the backend to tap those layers, the executor
 //! returns the states of the tokens each step kept ([`HiddenChunk`], in its `StepResult`), and
 //! the scheduler forwards them in `DraftUpdate`, where `extend_hidden` hands them to the source
@@ -26,6 +27,7 @@
 pub mod adaptive;
 pub mod dflash;
 pub mod draft_model;
+pub mod mtp;
 pub mod ngram;
 pub mod stats;
 pub mod step;
@@ -45,6 +47,8 @@ pub enum DraftError {
     InvalidConfig(String),
     #[error("draft model `{path}`: {msg}")]
     DraftModel { path: String, msg: String },
+    #[error("--speculative mtp: {0}")]
+    Mtp(String),
 }
 
 /// The target's tapped hidden states (see `backend::HiddenTaps`) for consecutive positions of one
@@ -103,15 +107,17 @@ pub trait DraftSource: Send {
     }
 }
 
-/// Which drafter a lane uses: `none`, `ngram`, `draft:PATH` (a smaller checkpoint with the
-/// same tokenizer: a GGUF file, an HF directory or `default`) or `dflash:PATH` (a DFlash/DFlash2
-/// drafter directory that reads the target's hidden states).
+/// Which drafter a lane uses: `none`, `ngram`, `mtp` (a glm5_next checkpoint's own MTP layer, on
+/// the CPU backend), `draft:PATH` (a smaller checkpoint with the same tokenizer: a GGUF file, an HF
+/// directory or `default`) or `dflash:PATH` (a DFlash/DFlash2 drafter directory that reads the
+/// target's hidden states).
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum SpeculativeMethod {
     #[default]
     None,
     Ngram,
+    Mtp,
     DraftModel(String),
     DFlash(String),
 }
@@ -122,6 +128,7 @@ impl SpeculativeMethod {
         match self {
             Self::None => None,
             Self::Ngram => Some("ngram"),
+            Self::Mtp => Some("mtp"),
             Self::DraftModel(_) => Some("draft-model"),
             Self::DFlash(_) => Some("dflash"),
         }
@@ -129,7 +136,7 @@ impl SpeculativeMethod {
 
     /// Whether the lane's drafter reads the target's hidden states.
     pub fn reads_hidden_states(&self) -> bool {
-        matches!(self, Self::DFlash(_))
+        matches!(self, Self::DFlash(_) | Self::Mtp)
     }
 }
 
@@ -140,11 +147,12 @@ impl FromStr for SpeculativeMethod {
         match s.trim() {
             "" | "none" | "off" => Ok(Self::None),
             "ngram" => Ok(Self::Ngram),
+            "mtp" => Ok(Self::Mtp),
             other => match (other.strip_prefix("draft:"), other.strip_prefix("dflash:")) {
                 (Some(path), _) if !path.is_empty() => Ok(Self::DraftModel(path.to_string())),
                 (_, Some(path)) if !path.is_empty() => Ok(Self::DFlash(path.to_string())),
                 _ => Err(DraftError::InvalidConfig(format!(
-                    "`{other}` is not a speculative method; use none, ngram, draft:PATH or dflash:PATH"
+                    "`{other}` is not a speculative method; use none, ngram, mtp, draft:PATH or dflash:PATH"
                 ))),
             },
         }
@@ -164,6 +172,7 @@ impl From<SpeculativeMethod> for String {
         match m {
             SpeculativeMethod::None => "none".into(),
             SpeculativeMethod::Ngram => "ngram".into(),
+            SpeculativeMethod::Mtp => "mtp".into(),
             SpeculativeMethod::DraftModel(p) => format!("draft:{p}"),
             SpeculativeMethod::DFlash(p) => format!("dflash:{p}"),
         }
@@ -189,6 +198,10 @@ mod tests {
     fn methods_parse_and_print() {
         assert_eq!("none".parse::<SpeculativeMethod>().unwrap(), SpeculativeMethod::None);
         assert_eq!("ngram".parse::<SpeculativeMethod>().unwrap(), SpeculativeMethod::Ngram);
+        assert_eq!("mtp".parse::<SpeculativeMethod>().unwrap(), SpeculativeMethod::Mtp);
+        assert_eq!(String::from(SpeculativeMethod::Mtp), "mtp");
+        assert!(SpeculativeMethod::Mtp.reads_hidden_states());
+        assert_eq!(SpeculativeMethod::Mtp.source_name(), Some("mtp"));
         assert_eq!(
             "draft:/m/small".parse::<SpeculativeMethod>().unwrap(),
             SpeculativeMethod::DraftModel("/m/small".into())
@@ -197,9 +210,9 @@ mod tests {
             "dflash:/m/drafter".parse::<SpeculativeMethod>().unwrap(),
             SpeculativeMethod::DFlash("/m/drafter".into())
         );
-        for bad in ["draft:", "dflash:", "eagle", "ngram2"] {
+        for bad in ["draft:", "dflash:", "eagle", "ngram2", "mtp2"] {
             let e = bad.parse::<SpeculativeMethod>().unwrap_err().to_string();
-            assert!(e.contains("none, ngram, draft:PATH or dflash:PATH"), "{e}");
+            assert!(e.contains("none, ngram, mtp, draft:PATH or dflash:PATH"), "{e}");
         }
         assert_eq!(String::from(SpeculativeMethod::DFlash("d".into())), "dflash:d");
         assert_eq!(String::from(SpeculativeMethod::DraftModel("x".into())), "draft:x");

@@ -431,3 +431,135 @@ pub fn load<L: LinearWeight>(c: &Glm5Config, w: &dyn WeightSource) -> Result<Glm
     }
     Ok(Glm5Weights { embed, layers, norm, lm_head })
 }
+
+/// One MTP (next-token-prediction) layer, stored after the decoder layers at
+/// `model.language_model.layers.{num_hidden_layers + i}.` in the DeepSeek-V3 layout
+/// (`../shared/glm5_next_spec.md` §6): `enorm`/`hnorm`, `eh_proj` `[D, 2D]` over
+/// `[enorm(embedding) ; hnorm(hidden)]`, an ordinary decoder block (mixer and FFN kinds read from
+/// which tensors are there) and `shared_head.norm`. `embed_tokens` and `shared_head.head` are
+/// copies of the main model's; when a checkpoint leaves them out, the main ones are used.
+pub struct MtpWeights<L> {
+    /// The layer's index in the checkpoint (`num_hidden_layers + i`).
+    pub index: usize,
+    pub mixer: MixerKind,
+    pub ffn: FfnKind,
+    pub enorm: Vec<f32>,
+    pub hnorm: Vec<f32>,
+    /// `[D, 2D]`, the embedding half first.
+    pub eh_proj: L,
+    pub embed: Option<L>,
+    pub block: Layer<L>,
+    pub head_norm: Vec<f32>,
+    pub head: Option<L>,
+    /// The main model's final norm: the MTP reads the main model's final *normed* hidden state,
+    /// while the engine's taps hand out the state before that norm.
+    pub main_norm: Vec<f32>,
+}
+
+impl<L> MtpWeights<L> {
+    /// `c` as a one-layer model whose only layer is this MTP block (what the block's cache and
+    /// forward are laid out from).
+    pub fn block_config(&self, c: &Glm5Config) -> Glm5Config {
+        use super::config::IndexerKind;
+        Glm5Config {
+            num_hidden_layers: 1,
+            layer_types: vec![self.mixer],
+            indexer_types: vec![IndexerKind::Full],
+            mlp_layer_types: vec![self.ffn],
+            ..c.clone()
+        }
+    }
+}
+
+/// `num_nextn_predict_layers` from the checkpoint's `config.json` (nested under `text_config` or
+/// flat); 0 when absent.
+pub fn num_nextn_predict_layers(dir: &std::path::Path) -> Result<usize, ModelError> {
+    let file = dir.join("config.json");
+    let text =
+        std::fs::read_to_string(&file).map_err(|e| ModelError::Config { file: file.clone(), msg: e.to_string() })?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| ModelError::Config { file: file.clone(), msg: e.to_string() })?;
+    let get = |o: &serde_json::Value| o.get("num_nextn_predict_layers").and_then(serde_json::Value::as_u64);
+    Ok(v.get("text_config").and_then(get).or_else(|| get(&v)).unwrap_or(0) as usize)
+}
+
+/// Load the checkpoint's MTP layers (`num_nextn_predict_layers` of them). A checkpoint without
+/// any, or with one whose tensors are missing, is an error that says so.
+pub fn load_mtp<L: LinearWeight>(c: &Glm5Config, w: &dyn WeightSource) -> Result<Vec<MtpWeights<L>>, ModelError> {
+    let n = num_nextn_predict_layers(w.origin())?;
+    let no_mtp = |msg: String| ModelError::Config { file: w.origin().join("config.json"), msg };
+    if n == 0 {
+        return Err(no_mtp(
+            "the checkpoint has no MTP layer (`num_nextn_predict_layers` is 0 or absent in config.json), so \
+             `--speculative mtp` cannot be used with it"
+                .into(),
+        ));
+    }
+    let ld = Loader { w, used: RefCell::new(BTreeSet::new()) };
+    let d = c.hidden_size;
+    let main_norm = ld.vector(&format!("{TEXT_PREFIX}norm.weight"), d)?;
+    (0..n)
+        .map(|i| {
+            let index = c.num_hidden_layers + i;
+            let lp = format!("{TEXT_PREFIX}layers.{index}.");
+            let missing = |e: ModelError| {
+                no_mtp(format!(
+                    "config.json declares {n} MTP layer(s), but MTP layer {index} (`{lp}*`) cannot be loaded: {e}"
+                ))
+            };
+            if !ld.has(&format!("{lp}eh_proj.weight")) {
+                return Err(missing(ModelError::Format {
+                    file: w.origin().to_path_buf(),
+                    msg: format!("tensor `{lp}eh_proj.weight` is missing"),
+                }));
+            }
+            let mixer = if ld.has(&format!("{lp}self_attn.q_a_proj.weight")) { MixerKind::Dsa } else { MixerKind::Kda };
+            let ffn = if ld.has(&format!("{lp}mlp.gate.weight")) { FfnKind::Moe } else { FfnKind::Dense };
+            let with_indexer = ld.has(&format!("{lp}self_attn.indexer.wq_b.weight"));
+            if mixer == MixerKind::Dsa && !with_indexer {
+                return Err(missing(ModelError::Format {
+                    file: w.origin().to_path_buf(),
+                    msg: "an MLA block without its own indexer (a shared-indexer MTP block has no layer to share with)"
+                        .into(),
+                }));
+            }
+            let load = || -> Result<MtpWeights<L>, ModelError> {
+                let block = Layer {
+                    attn_hc: hyper_connection(&ld, &lp, "attn", c)?,
+                    ffn_hc: hyper_connection(&ld, &lp, "ffn", c)?,
+                    input_norm: ld.vector(&format!("{lp}input_layernorm.weight"), d)?,
+                    post_norm: ld.vector(&format!("{lp}post_attention_layernorm.weight"), d)?,
+                    mixer: match mixer {
+                        MixerKind::Kda => Mixer::Kda(kda(&ld, &lp, c)?),
+                        MixerKind::Dsa => Mixer::Dsa(mla(&ld, &lp, c, true)?),
+                    },
+                    ffn: match ffn {
+                        FfnKind::Dense => Ffn::Dense(mlp(&ld, &format!("{lp}mlp."), c.intermediate_size, d)?),
+                        FfnKind::Moe => Ffn::Moe(moe(&ld, &lp, c)?),
+                    },
+                };
+                let optional = |name: String| -> Result<Option<L>, ModelError> {
+                    if ld.has(&name) {
+                        Ok(Some(ld.linear(&name, c.vocab_size, d)?))
+                    } else {
+                        Ok(None)
+                    }
+                };
+                Ok(MtpWeights {
+                    index,
+                    mixer,
+                    ffn,
+                    enorm: ld.vector(&format!("{lp}enorm.weight"), d)?,
+                    hnorm: ld.vector(&format!("{lp}hnorm.weight"), d)?,
+                    eh_proj: ld.linear(&format!("{lp}eh_proj.weight"), d, 2 * d)?,
+                    embed: optional(format!("{lp}embed_tokens.weight"))?,
+                    block,
+                    head_norm: ld.vector(&format!("{lp}shared_head.norm.weight"), d)?,
+                    head: optional(format!("{lp}shared_head.head.weight"))?,
+                    main_norm: main_norm.clone(),
+                })
+            };
+            load().map_err(missing)
+        })
+        .collect()
+}

@@ -155,7 +155,7 @@ impl Glm5Model {
 
     /// The forward with image embeddings and layer taps both optional.
     #[allow(clippy::too_many_arguments)]
-    fn forward_full(
+    pub(super) fn forward_full(
         &self,
         cache: &mut Glm5Cache,
         batch: &[SeqStep<'_>],

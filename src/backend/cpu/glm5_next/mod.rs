@@ -32,6 +32,7 @@ mod ffn;
 pub mod forward;
 mod kda;
 mod mla;
+pub mod mtp;
 pub mod ops;
 pub mod shard;
 #[cfg(test)]
