@@ -3,7 +3,7 @@
 //! the Debian packages); without it every container is refused with a message that names the
 //! feature and the frame-list form that needs no decoder.
 
-use super::{MediaError, RgbImage, VideoProcessor};
+use super::RgbImage;
 
 /// What one decoded video may cost.
 #[derive(Clone, Copy, Debug)]
@@ -29,9 +29,13 @@ pub const NO_DECODER: &str = "decoding video containers (mp4, webm, ...) needs a
 
 /// Decode `bytes` and keep the frames `processor.sample_frames` picks.
 #[cfg(not(feature = "video-ffmpeg"))]
-pub fn decode_video(bytes: &[u8], processor: &VideoProcessor, limits: VideoLimits) -> Result<DecodedVideo, MediaError> {
+pub fn decode_video(
+    bytes: &[u8],
+    processor: &super::VideoProcessor,
+    limits: VideoLimits,
+) -> Result<DecodedVideo, super::MediaError> {
     let _ = (bytes, processor, limits);
-    Err(MediaError::NoDecoder(NO_DECODER.into()))
+    Err(super::MediaError::NoDecoder(NO_DECODER.into()))
 }
 
 #[cfg(feature = "video-ffmpeg")]
