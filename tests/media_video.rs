@@ -66,8 +66,7 @@ fn video_processor_matches_transformers_bitwise() {
 fn frame_sampling_matches_transformers() {
     let (_, all) = cases();
     for s in all["sampling"].as_array().unwrap() {
-        let mut p = VideoProcessor::default();
-        p.max_duration = s["max_duration"].as_f64().unwrap();
+        let mut p = VideoProcessor { max_duration: s["max_duration"].as_f64().unwrap(), ..Default::default() };
         if let Some(m) = s["max_frames"].as_u64() {
             p.max_frames = m as usize;
         }

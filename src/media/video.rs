@@ -13,7 +13,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use super::processor::{smart_resize, CLIP_MEAN, CLIP_STD};
+use super::processor::{smart_resize, HeightWidth, CLIP_MEAN, CLIP_STD};
 use super::resample::{resize_bicubic_as, Flavour};
 use super::{MediaError, ProcessedImage, RgbImage};
 
@@ -126,7 +126,7 @@ impl VideoProcessor {
         if p.patch_size == 0 || p.temporal_patch_size == 0 || p.merge_size == 0 || p.patch_expand_factor == 0 {
             return Err(MediaError::Settings("patch, temporal patch, merge sizes must be positive".into()));
         }
-        if p.image_std.contains(&0.0) || !(p.fps > 0.0) {
+        if p.image_std.contains(&0.0) || p.fps.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
             return Err(MediaError::Settings("image_std has a zero or fps is not positive".into()));
         }
         Ok(p)
@@ -188,7 +188,7 @@ impl VideoProcessor {
         frames: usize,
         height: usize,
         width: usize,
-    ) -> Result<((usize, usize), (usize, usize)), MediaError> {
+    ) -> Result<(HeightWidth, HeightWidth), MediaError> {
         let factor = self.patch_size * self.merge_size * self.patch_expand_factor;
         let tf = self.temporal_patch_size;
         let (th, tw) = smart_resize(frames, height, width, tf, factor, self.min_image_tokens, self.max_image_tokens)?;
