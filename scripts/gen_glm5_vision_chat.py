@@ -14,9 +14,15 @@ Changes on top of the chat fixture, as GLM ships its multimodal checkpoints:
   as special tokens (ids 502, 503, 504), and `config.json` names them (`image_start_token_id`,
   `image_token_id`, `image_end_token_id`); the embedding and lm_head gain three seeded rows at the
   scales scripts/gen_glm5_tiny.py's `randomize` uses (embedding 1.0, lm_head 0.6/sqrt(fan-in));
-* the chat template renders a list content of `text` / `image` parts, an image as
+* the chat template renders a list content of `text` / `image` / `video` parts, an image as
   `<|begin_of_image|><|image|><|end_of_image|>` (one placeholder: the server expands it to the
-  image's `t·h·w/4` tokens, as transformers' processor does).
+  image's `t·h·w/4` tokens, as transformers' processor does), a video as
+  `<|begin_of_video|><|video|><|end_of_video|>` (the server replaces `<|video|>` with one
+  `<|begin_of_image|>` run `<|end_of_image|>` plus timestamp text per frame pair, as
+  `Glm5NextProcessor.replace_video_token` does);
+* the video markers are special tokens too (ids 505, 506, 507), named in `config.json`
+  (`video_start_token_id`, `video_token_id`, `video_end_token_id`), with seeded embedding and
+  lm_head rows drawn after the image markers' (so those rows stay as they were).
 
 Run from the repository root:
 
@@ -33,7 +39,9 @@ from safetensors.numpy import load_file, save_file
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures" / "glm5"
 CHAT, TOWER, OUT = FIX / "chat", FIX / "vision-tiny", FIX / "vision-chat"
-MARKERS = ["<|begin_of_image|>", "<|image|>", "<|end_of_image|>"]
+IMAGE_MARKERS = ["<|begin_of_image|>", "<|image|>", "<|end_of_image|>"]
+VIDEO_MARKERS = ["<|begin_of_video|>", "<|video|>", "<|end_of_video|>"]
+MARKERS = IMAGE_MARKERS + VIDEO_MARKERS
 SEED = 2718
 
 CHAT_TEMPLATE = (
@@ -42,7 +50,8 @@ CHAT_TEMPLATE = (
     "{% if m['content'] is string %}{{ m['content'] }}"
     "{% else %}{% for p in m['content'] %}"
     "{% if p['type'] == 'text' %}{{ p['text'] }}"
-    "{% elif p['type'] == 'image' %}{{ '<|begin_of_image|><|image|><|end_of_image|>' }}{% endif %}"
+    "{% elif p['type'] == 'image' %}{{ '<|begin_of_image|><|image|><|end_of_image|>' }}"
+    "{% elif p['type'] == 'video' %}{{ '<|begin_of_video|><|video|><|end_of_video|>' }}{% endif %}"
     "{% endfor %}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}"
     "{% if enable_thinking is defined and not enable_thinking %}{{ '\n<think></think>' }}{% endif %}"
@@ -74,7 +83,8 @@ def main():
     assert {k: v for k, v in cfg["vision_config"].items() if k != "dtype"} == {
         k: v for k, v in tower_cfg["vision_config"].items() if k != "dtype"
     }
-    cfg["image_start_token_id"], cfg["image_token_id"], cfg["image_end_token_id"] = ids
+    cfg["image_start_token_id"], cfg["image_token_id"], cfg["image_end_token_id"] = ids[:3]
+    cfg["video_start_token_id"], cfg["video_token_id"], cfg["video_end_token_id"] = ids[3:]
     cfg["text_config"]["vocab_size"] = vocab + len(MARKERS)
     (OUT / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
@@ -83,8 +93,13 @@ def main():
     rng = np.random.default_rng(SEED)
     emb = "model.language_model.embed_tokens.weight"
     hidden = weights[emb].shape[1]
-    extra_emb = rng.standard_normal((len(MARKERS), hidden)).astype(np.float32)
-    extra_head = (rng.standard_normal((len(MARKERS), hidden)) * 0.6 / np.sqrt(hidden)).astype(np.float32)
+    rows = []
+    for group in (IMAGE_MARKERS, VIDEO_MARKERS):
+        emb_rows = rng.standard_normal((len(group), hidden)).astype(np.float32)
+        head_rows = (rng.standard_normal((len(group), hidden)) * 0.6 / np.sqrt(hidden)).astype(np.float32)
+        rows.append((emb_rows, head_rows))
+    extra_emb = np.concatenate([r[0] for r in rows])
+    extra_head = np.concatenate([r[1] for r in rows])
     weights[emb] = np.concatenate([weights[emb], extra_emb])
     weights["lm_head.weight"] = np.concatenate([weights["lm_head.weight"], extra_head])
     for name in [k for k in weights if k.startswith("model.visual.")]:

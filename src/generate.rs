@@ -487,6 +487,13 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         (**self).encode_image(pixel_values, grid)
     }
 
+    fn encode_images(
+        &mut self,
+        images: &[crate::backend::ImageInput<'_>],
+    ) -> Vec<Result<ImageEmbedding, BackendError>> {
+        (**self).encode_images(images)
+    }
+
     fn forward_embedded(
         &mut self,
         batch: &[SeqStep<'_>],

@@ -235,7 +235,7 @@ fn images_in_one_call_equal_each_alone() {
         let mut gpu = cuda(p);
         let images = synthetic_images(&vc);
         let refs: Vec<(&[f32], [usize; 3])> = images.iter().map(|(px, g)| (px.as_slice(), *g)).collect();
-        let together = gpu.encode_images(&refs).unwrap();
+        let together = gpu.encode_image_batch(&refs).unwrap();
         assert_eq!(together.len(), images.len());
         for ((px, grid), joint) in images.iter().zip(&together) {
             let alone = gpu.encode_image(px, *grid).unwrap();
@@ -284,7 +284,7 @@ fn bad_images_and_embedded_runs_are_errors() {
     let e = gpu.encode_image(&vec![0.0; 3 * vc.patch_dim()], [1, 1, 3]).unwrap_err().to_string();
     assert!(e.contains("1x1x3"), "{e}");
     let ok = synthetic(1, [1, 2, 2], vc.patch_dim());
-    assert!(gpu.encode_images(&[(ok.as_slice(), [1, 2, 2]), (&ok[..10], [1, 2, 2])]).is_err());
+    assert!(gpu.encode_image_batch(&[(ok.as_slice(), [1, 2, 2]), (&ok[..10], [1, 2, 2])]).is_err());
     let table = [0u32];
     let ids = [1u32, 2, 3];
     // A run of the wrong width, and one past the step's tokens.

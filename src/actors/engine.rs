@@ -82,13 +82,51 @@ pub fn vision_info(bundle: &ModelBundle) -> Result<Option<VisionInfo>, EngineErr
             vc.temporal_patch_size
         )));
     }
-    Ok(Some(VisionInfo { image_token_id: ids.image_token_id, merge_size: vc.spatial_merge_size, processor }))
+    let video = video_info(dir, &vc)?;
+    Ok(Some(VisionInfo {
+        image_token_id: ids.image_token_id,
+        merge_size: vc.spatial_merge_size,
+        processor,
+        video,
+        refused: None,
+    }))
+}
+
+/// Video needs the template's video token and the image markers each frame pair is wrapped in
+/// (`video_token_id`, `image_start_token_id`, `image_end_token_id` in `config.json`); a config
+/// without them takes images only.
+fn video_info(
+    dir: &std::path::Path,
+    vc: &crate::model::glm5_next::vision::VisionConfig,
+) -> Result<Option<crate::actors::handle::VideoInfo>, EngineError> {
+    let text = std::fs::read_to_string(dir.join("config.json")).map_err(|e| EngineError::Invalid(e.to_string()))?;
+    let root: serde_json::Value = serde_json::from_str(&text).map_err(|e| EngineError::Invalid(e.to_string()))?;
+    let id = |k: &str| root.get(k).and_then(serde_json::Value::as_u64).map(|v| v as u32);
+    let (Some(video_token_id), Some(image_start_token_id), Some(image_end_token_id)) =
+        (id("video_token_id"), id("image_start_token_id"), id("image_end_token_id"))
+    else {
+        return Ok(None);
+    };
+    let processor = crate::media::VideoProcessor::from_dir(dir).map_err(|e| EngineError::Invalid(e.to_string()))?;
+    if processor.patch_size != vc.patch_size
+        || processor.merge_size != vc.spatial_merge_size
+        || processor.temporal_patch_size != vc.temporal_patch_size
+    {
+        return Err(EngineError::Invalid(format!(
+            "video_preprocessor_config.json (patch {}, merge {}, temporal {}) disagrees with the vision config",
+            processor.patch_size, processor.merge_size, processor.temporal_patch_size
+        )));
+    }
+    Ok(Some(crate::actors::handle::VideoInfo { video_token_id, image_start_token_id, image_end_token_id, processor }))
 }
 
 /// A request's images must sit on runs of the model's placeholder id, in order, one placeholder
 /// per merged patch group of their grid, inside the prompt.
 fn check_images(req: &GenerationRequest, vision: Option<&VisionInfo>) -> Result<(), String> {
     let Some(v) = vision else { return Err("this model has no vision tower, so it takes no images".into()) };
+    if let Some(why) = &v.refused {
+        return Err(why.clone());
+    }
     let mut end = 0;
     for (k, img) in req.images.iter().enumerate() {
         let tokens = img.grid.iter().product::<usize>() / (v.merge_size * v.merge_size);
@@ -210,7 +248,16 @@ pub async fn start_engine(
         vocab_size: bundle.config.vocab_size,
         tokenizer: tokenizer.clone(),
         eos_token_ids: eos.clone(),
-        vision: vision_info(&bundle)?,
+        vision: vision_info(&bundle)?.map(|mut v| {
+            if opts.device.tensor_parallel > 1 {
+                v.refused = Some(format!(
+                    "images and video are not served under tensor parallelism (--tp {}): the vision tower runs \
+                     on one device only; start the server without --tp to send media",
+                    opts.device.tensor_parallel
+                ));
+            }
+            v
+        }),
     };
     let counters = Arc::new(SharedCounters {
         ready: AtomicBool::new(false),

@@ -13,7 +13,9 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use super::handle::PromptImage;
 use super::scheduler::SchedulerMsg;
 use super::spill::SpillMsg;
-use crate::backend::{Backend, DeviceSampleSpec, EmbeddedRows, HiddenTaps, ImageEmbedding, SeqStep};
+use crate::backend::{
+    Backend, BackendError, DeviceSampleSpec, EmbeddedRows, HiddenTaps, ImageEmbedding, ImageInput, SeqStep,
+};
 use crate::kv::{EvictedPage, PageHash, SlotSnapshot};
 use crate::sampling::{PenaltyState, SamplingParams};
 use crate::sched::SeqId;
@@ -83,6 +85,9 @@ pub struct StepResult {
     /// of a prefill chunk; the last known token and the accepted drafts of a verification), when
     /// the backend taps layers for a drafter (`Backend::set_hidden_taps`). Rank 0 only.
     pub hidden: Vec<(SeqId, HiddenChunk)>,
+    /// Sequences left out of the step because one of their images failed to encode, with the
+    /// reason: their requests fail (400); the rest of the step ran.
+    pub rejected: Vec<(SeqId, String)>,
 }
 
 pub enum ExecutorMsg {
@@ -211,29 +216,21 @@ impl EncoderCache {
         EncoderCache { capacity, entries: std::collections::VecDeque::new() }
     }
 
-    fn get_or_encode(&mut self, backend: &mut dyn Backend, image: &PromptImage) -> Result<Arc<ImageEmbedding>, String> {
-        if let Some(i) = self.entries.iter().position(|(h, _)| *h == image.hash) {
-            let entry = self.entries.remove(i).expect("index from position");
-            let e = Arc::clone(&entry.1);
-            self.entries.push_back(entry);
-            return Ok(e);
-        }
-        let e = Arc::new(backend.encode_image(&image.pixel_values, image.grid).map_err(|e| e.to_string())?);
-        if e.rows != image.span.len() {
-            return Err(format!(
-                "an image of grid {:?} encodes to {} rows but holds {} placeholder tokens",
-                image.grid,
-                e.rows,
-                image.span.len()
-            ));
-        }
+    fn get(&mut self, hash: u64) -> Option<Arc<ImageEmbedding>> {
+        let i = self.entries.iter().position(|(h, _)| *h == hash)?;
+        let entry = self.entries.remove(i).expect("index from position");
+        let e = Arc::clone(&entry.1);
+        self.entries.push_back(entry);
+        Some(e)
+    }
+
+    fn insert(&mut self, hash: u64, e: Arc<ImageEmbedding>) {
         if self.capacity > 0 {
             if self.entries.len() == self.capacity {
                 self.entries.pop_front();
             }
-            self.entries.push_back((image.hash, Arc::clone(&e)));
+            self.entries.push_back((hash, e));
         }
-        Ok(e)
     }
 }
 
@@ -241,30 +238,122 @@ impl EncoderCache {
 /// embedding, first image row)` runs.
 type StepEmbeds = Vec<Vec<(usize, Arc<ImageEmbedding>, usize, usize)>>;
 
+/// Encode the images the step's sequences cover that the cache does not hold, in one
+/// `Backend::encode_images` call (each distinct image once). A sequence one of whose images
+/// fails is returned in the second list with the reason, and gets no runs: only its request
+/// fails.
 fn encode_step_images(
     backend: &mut dyn Backend,
     plan: &StepPlan,
     cache: &mut EncoderCache,
-) -> Result<StepEmbeds, String> {
-    plan.seqs
+) -> (StepEmbeds, Vec<(SeqId, String)>) {
+    fn covered(s: &PlanSeq) -> impl Iterator<Item = &PromptImage> + '_ {
+        let (lo, hi) = (s.start_pos, s.start_pos + s.tokens.len() - s.num_draft);
+        s.images.iter().filter(move |img| img.span.start < hi && img.span.end > lo)
+    }
+    let mut ready: std::collections::HashMap<u64, Result<Arc<ImageEmbedding>, String>> = Default::default();
+    let mut missing: Vec<&PromptImage> = Vec::new();
+    for img in plan.seqs.iter().flat_map(covered) {
+        if ready.contains_key(&img.hash) {
+            continue;
+        }
+        match cache.get(img.hash) {
+            Some(e) => {
+                ready.insert(img.hash, Ok(e));
+            }
+            None if missing.iter().any(|m| m.hash == img.hash) => {}
+            None => missing.push(img),
+        }
+    }
+    if !missing.is_empty() {
+        let inputs: Vec<ImageInput<'_>> =
+            missing.iter().map(|m| ImageInput { pixel_values: &m.pixel_values, grid: m.grid }).collect();
+        let mut results = backend.encode_images(&inputs);
+        results
+            .resize_with(missing.len(), || Err(BackendError::InvalidStep("the backend encoded too few images".into())));
+        for (img, r) in missing.iter().zip(results) {
+            let r = match r {
+                Ok(e) if e.rows != img.span.len() => Err(format!(
+                    "an image of grid {:?} encodes to {} rows but holds {} placeholder tokens",
+                    img.grid,
+                    e.rows,
+                    img.span.len()
+                )),
+                Ok(e) => {
+                    let e = Arc::new(e);
+                    cache.insert(img.hash, Arc::clone(&e));
+                    Ok(e)
+                }
+                Err(e) => Err(e.to_string()),
+            };
+            ready.insert(img.hash, r);
+        }
+    }
+    let mut rejected = Vec::new();
+    let embeds = plan
+        .seqs
         .iter()
         .map(|s| {
-            let (lo, hi) = (s.start_pos, s.start_pos + s.tokens.len() - s.num_draft);
-            s.images
-                .iter()
-                .filter(|img| img.span.start < hi && img.span.end > lo)
+            let lo = s.start_pos;
+            let runs: Result<Vec<_>, String> = covered(s)
                 .map(|img| {
-                    let e = cache.get_or_encode(backend, img)?;
-                    let (a, b) = (img.span.start.max(lo), img.span.end.min(hi));
+                    let e = ready[&img.hash].clone()?;
+                    let (a, b) = (img.span.start.max(lo), img.span.end.min(lo + s.tokens.len() - s.num_draft));
                     Ok((a - lo, e, a - img.span.start, b - a))
                 })
-                .collect::<Result<Vec<_>, String>>()
+                .collect();
+            runs.unwrap_or_else(|e| {
+                rejected.push((s.seq, e));
+                Vec::new()
+            })
         })
-        .collect()
+        .collect();
+    (embeds, rejected)
 }
 
-/// Run `plan` on `backend`; rank 0 samples, the other ranks only run the forward pass.
+/// Run `plan` on `backend`. Images are encoded first; the sequences whose images fail to encode
+/// are left out of the step and reported in `StepResult::rejected`, the others run.
 fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize, encoders: &mut EncoderCache) -> StepResult {
+    if plan.seqs.iter().all(|s| s.images.is_empty()) {
+        return run_encoded(backend, plan, rank, None);
+    }
+    let start = Instant::now();
+    let (embeds, rejected) = encode_step_images(backend, plan, encoders);
+    if rejected.is_empty() {
+        return run_encoded(backend, plan, rank, Some(embeds));
+    }
+    for (seq, why) in &rejected {
+        tracing::warn!(seq, error = %why, "an image failed to encode: its request fails alone");
+    }
+    let keep: Vec<bool> = plan.seqs.iter().map(|s| !rejected.iter().any(|(id, _)| *id == s.seq)).collect();
+    let kept = StepPlan {
+        step_id: plan.step_id,
+        seqs: plan.seqs.iter().zip(&keep).filter(|(_, k)| **k).map(|(s, _)| s.clone()).collect(),
+    };
+    let embeds: StepEmbeds = embeds.into_iter().zip(&keep).filter(|(_, k)| **k).map(|(e, _)| e).collect();
+    let mut result = if kept.seqs.is_empty() {
+        StepResult {
+            step_id: plan.step_id,
+            rank,
+            sampled: Vec::new(),
+            elapsed: start.elapsed(),
+            prefill_tokens: 0,
+            decode_tokens: 0,
+            error: None,
+            snapshots: Vec::new(),
+            hidden: Vec::new(),
+            rejected: Vec::new(),
+        }
+    } else {
+        run_encoded(backend, &kept, rank, Some(embeds))
+    };
+    result.rejected = rejected;
+    result
+}
+
+/// Run `plan` on `backend` with its images already encoded (`encoded`: per sequence, the runs of
+/// rows that take image embeddings); rank 0 samples, the other ranks only run the forward pass.
+fn run_encoded(backend: &mut dyn Backend, plan: &StepPlan, rank: usize, encoded: Option<StepEmbeds>) -> StepResult {
     let start = Instant::now();
     let steps: Vec<SeqStep<'_>> = plan
         .seqs
@@ -291,6 +380,7 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize, encoders: &
         error: None,
         snapshots: Vec::new(),
         hidden: Vec::new(),
+        rejected: Vec::new(),
     };
     // Sequences verifying drafts ask the backend to keep per-token recurrent state, and are
     // committed to their accepted length right after sampling (a no-op without recurrent state).
@@ -317,17 +407,6 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize, encoders: &
     // are applied to host logits, so a step with a constrained sequence samples on the host.
     let constrained = plan.seqs.iter().any(|s| s.sample.as_ref().is_some_and(|spec| spec.grammar.is_some()));
     // Image rows take the vision tower's embeddings, on the host path (`forward_embedded`).
-    let encoded = if plan.seqs.iter().any(|s| !s.images.is_empty()) {
-        match encode_step_images(backend, plan, encoders) {
-            Ok(e) => Some(e),
-            Err(e) => {
-                result.error = Some(format!("encoding an image: {e}"));
-                Some(Vec::new())
-            }
-        }
-    } else {
-        None
-    };
     let embeds: Vec<Vec<EmbeddedRows<'_>>> = encoded
         .iter()
         .flatten()
@@ -341,9 +420,7 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize, encoders: &
                 .collect()
         })
         .collect();
-    if result.error.is_some() {
-        // Nothing ran: the step fails as a whole, like a backend error.
-    } else if rank == 0 && !verify.contains(&true) && !constrained && encoded.is_none() {
+    if rank == 0 && !verify.contains(&true) && !constrained && encoded.is_none() {
         match sample_on_device(backend, &steps, plan) {
             Ok(Some(sampled)) => result.sampled = sampled,
             Ok(None) => sample_on_host(backend, &steps, &verify, &embeds, plan, rank, &mut result),
@@ -607,6 +684,7 @@ impl Actor for ExecutorActor {
                                 decode_tokens: 0,
                                 error: Some(format!("the backend of rank {rank} panicked")),
                                 hidden: Vec::new(),
+                                rejected: Vec::new(),
                             }
                         });
                         if scheduler.cast(SchedulerMsg::StepDone(result)).is_err() {

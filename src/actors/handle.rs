@@ -171,6 +171,23 @@ pub struct VisionInfo {
     pub merge_size: usize,
     /// The checkpoint's `preprocessor_config.json` (or transformers' defaults).
     pub processor: crate::media::ImageProcessor,
+    /// How the model takes video; `None` when its config names no video tokens.
+    pub video: Option<VideoInfo>,
+    /// Why this engine refuses images and video although the model has a tower (tensor
+    /// parallelism: the ranks would have to agree on every image's encoding).
+    pub refused: Option<String>,
+}
+
+/// What the API needs to turn a video into prompt input: the template writes one `video_token_id`
+/// per video, which the API replaces with one `<|begin_of_image|>` run of placeholders
+/// `<|end_of_image|>` plus timestamp text per frame pair, as `Glm5NextProcessor` does.
+#[derive(Clone, Debug)]
+pub struct VideoInfo {
+    pub video_token_id: u32,
+    pub image_start_token_id: u32,
+    pub image_end_token_id: u32,
+    /// The checkpoint's `video_preprocessor_config.json` (or transformers' defaults).
+    pub processor: crate::media::VideoProcessor,
 }
 
 /// What the HTTP layer needs from the engine.

@@ -17,5 +17,5 @@ pub mod spill;
 pub use engine::{start_engine, DrainReport, Engine, EngineOptions};
 pub use handle::{
     EngineError, FinishReason, GenerationRequest, InferenceEngine, ModelInfo, PromptImage, StreamEvent, TokenInfo,
-    Usage, VisionInfo,
+    Usage, VideoInfo, VisionInfo,
 };

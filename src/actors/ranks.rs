@@ -107,6 +107,7 @@ mod tests {
             decode_tokens: 1,
             error: error.map(String::from),
             hidden: Vec::new(),
+            rejected: Vec::new(),
         }
     }
 

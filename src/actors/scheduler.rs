@@ -452,14 +452,20 @@ impl SchedulerState {
         }
     }
 
-    fn on_step_done(&mut self, r: StepResult) {
+    fn on_step_done(&mut self, mut r: StepResult) {
         self.in_flight = false;
         self.step_done_at = Some(Instant::now());
         self.stats.steps += 1;
         let kind = if r.prefill_tokens > 0 { "prefill" } else { "decode" };
         metrics::histogram!("shelfserve_step_duration_seconds", "kind" => kind).record(r.elapsed.as_secs_f64());
+        // Sequences whose images failed to encode were left out of the step: only their
+        // requests fail, as the client's (400); the step's timing no longer fits its shape.
+        let rejected = std::mem::take(&mut r.rejected);
+        for (id, why) in &rejected {
+            self.fail(*id, EngineError::Invalid(format!("the vision tower could not encode an image: {why}")));
+        }
         let Some(policy) = self.policy.as_mut() else { return };
-        if r.error.is_none() {
+        if r.error.is_none() && rejected.is_empty() {
             // A step far over its prediction is what keeps a waiting high lane past its target:
             // name its shape (before the fit learns from it) so such outliers can be traced.
             if let Some(pacing) = policy.pacing() {

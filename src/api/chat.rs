@@ -203,8 +203,8 @@ fn normalize_message(i: usize, m: Value) -> Result<Value, ApiError> {
         Some(Value::String(_)) => {}
         Some(Value::Array(parts)) => {
             let text = join_text_parts(i, parts)?;
-            // With images the parts stay a list (`api::media` takes the images out of it).
-            if !parts.iter().any(media::is_image_part) {
+            // With images or video the parts stay a list (`api::media` takes them out of it).
+            if !parts.iter().any(media::is_media_part) {
                 obj.insert("content".into(), Value::String(text));
             }
         }
@@ -244,12 +244,12 @@ fn join_text_parts(i: usize, parts: &[Value]) -> Result<String, ApiError> {
         };
         match obj.get("type").and_then(Value::as_str) {
             Some("text") => {}
-            Some("image_url") => continue,
+            Some("image_url" | "video_url" | "video") => continue,
             Some(other) => {
                 return Err(ApiError::unsupported(
                     format!("{param}.type"),
                     format!(
-                    "content part type `{other}` in `{param}` is not supported; only `text` and `image_url` parts are"
+                    "content part type `{other}` in `{param}` is not supported; only `text`, `image_url`, `video_url` and `video` parts are"
                 ),
                 ))
             }

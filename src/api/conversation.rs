@@ -37,7 +37,8 @@ pub(crate) struct RenderedPrompt {
     /// The grammar that makes a forced call's arguments follow the tool's schema (Hermes and GLM
     /// syntax; `None` for other families and when nothing is forced).
     pub call_grammar: Option<Constraint>,
-    /// The conversation's images, their placeholders already expanded in `ids` (`api::media`).
+    /// The conversation's images and video frame pairs, their placeholders already expanded in
+    /// `ids` (`api::media`).
     pub images: Vec<PromptImage>,
 }
 
@@ -66,11 +67,12 @@ pub(crate) fn render(state: &LaneState, conv: Conversation, param: &'static str)
     let syntax = TemplateTools::detect(source);
     let use_tools = !conv.tools.is_empty() && conv.tool_choice != ToolChoice::None;
     let mut messages = conv.messages;
-    // Images leave the messages before the template sees them (one bare `image` part each); the
-    // cheap refusals (no vision tower, too many) come before any rendering or decoding.
-    let image_refs = media::take_images(&mut messages)?;
+    // Images and videos leave the messages before the template sees them (one bare `image` or
+    // `video` part each); the cheap refusals (no vision tower, too many) come before any rendering
+    // or decoding.
+    let media_refs = media::take_media(&mut messages)?;
     let vision = state.shared.engine.model().vision.as_ref();
-    media::check_images(&image_refs, vision, &state.shared.opts.media)?;
+    media::check_media(&media_refs, vision, &state.shared.opts.media)?;
     let template_tools = if syntax.native {
         use_tools.then(|| tools::template_tools(&conv.tools))
     } else {
@@ -133,7 +135,8 @@ pub(crate) fn render(state: &LaneState, conv: Conversation, param: &'static str)
         text.push_markup(prefix);
     }
     let ids = encoder.encode(tokenizer, &text).map_err(template_error)?;
-    let (ids, images) = media::attach_images(&image_refs, ids, vision, &state.shared.opts.media, param)?;
+    let encode_text = |text: &str| tokenizer.encode(text, false).map_err(|e| ApiError::Internal(e.to_string()));
+    let (ids, images) = media::attach_media(&media_refs, ids, vision, &state.shared.opts.media, param, &encode_text)?;
     if ids.is_empty() {
         return Err(ApiError::invalid(param, "the conversation renders to an empty prompt"));
     }

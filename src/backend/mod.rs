@@ -72,6 +72,14 @@ pub struct ImageEmbedding {
     pub data: Vec<f32>,
 }
 
+/// One image to encode: `pixel_values` `[t·h·w, C·T·P·P]` from `media::ImageProcessor` (or one
+/// frame pair of `media::VideoProcessor`), grid `(t, h, w)`.
+#[derive(Clone, Copy, Debug)]
+pub struct ImageInput<'a> {
+    pub pixel_values: &'a [f32],
+    pub grid: [usize; 3],
+}
+
 /// Logits for a step: rows in batch order, each sequence contributing its `logits_rows` rows.
 #[derive(Clone, Debug, Default)]
 pub struct StepLogits {
@@ -285,6 +293,12 @@ pub trait Backend: Send {
     fn encode_image(&mut self, pixel_values: &[f32], grid: [usize; 3]) -> Result<ImageEmbedding, BackendError> {
         let _ = (pixel_values, grid);
         Err(BackendError::InvalidStep("this model has no vision tower".into()))
+    }
+    /// Encode the images of a step (across requests) in one call: one result per image, in
+    /// order, so that an image that fails fails alone. Backends that can batch the tower
+    /// override this; the default encodes one image after the other.
+    fn encode_images(&mut self, images: &[ImageInput<'_>]) -> Vec<Result<ImageEmbedding, BackendError>> {
+        images.iter().map(|i| self.encode_image(i.pixel_values, i.grid)).collect()
     }
     /// [`Backend::forward_verify`] where `embeds[i]` gives input embeddings for runs of sequence
     /// `i`'s rows (their token ids are then not looked up and may lie outside the vocabulary).

@@ -132,6 +132,16 @@ pub struct HttpArgs {
     /// Encoded bytes one image may have (more: 400).
     #[arg(long, env = "SHELFSERVE_MAX_IMAGE_BYTES", default_value_t = MediaOptions::DEFAULT_MAX_BYTES)]
     pub max_image_bytes: usize,
+    /// Videos one request may carry (more: 400).
+    #[arg(long, env = "SHELFSERVE_MAX_VIDEOS_PER_REQUEST", default_value_t = MediaOptions::DEFAULT_MAX_VIDEOS)]
+    pub max_videos_per_request: usize,
+    /// Frames of one video that reach the model: a frame list's length, or what sampling keeps of
+    /// a decoded container (more: 400).
+    #[arg(long, env = "SHELFSERVE_MAX_VIDEO_FRAMES", default_value_t = MediaOptions::DEFAULT_MAX_VIDEO_FRAMES)]
+    pub max_video_frames: usize,
+    /// Encoded bytes of one video container (more: 400).
+    #[arg(long, env = "SHELFSERVE_MAX_VIDEO_BYTES", default_value_t = MediaOptions::DEFAULT_MAX_VIDEO_BYTES)]
+    pub max_video_bytes: usize,
 }
 
 impl HttpArgs {
@@ -157,6 +167,9 @@ impl HttpArgs {
             max_images: self.max_images_per_request,
             max_pixels: self.max_image_pixels,
             max_bytes: self.max_image_bytes,
+            max_videos: self.max_videos_per_request,
+            max_video_frames: self.max_video_frames,
+            max_video_bytes: self.max_video_bytes,
         };
         if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
             opts.tls = Some(crate::api::tls::server_config(cert, key).map_err(|e| CliError::Usage(e.to_string()))?);

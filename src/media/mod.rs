@@ -1,19 +1,25 @@
-//! Images in: decoding user media into RGB pixels and turning them into the vision tower's input
-//! exactly as transformers' `Glm5NextImageProcessor` does (resize under the image-token budget
-//! with PIL's bicubic filter, rescale, normalize, temporal duplication, patch flattening), plus
-//! the content hash that identifies an image to the caches.
+//! Images and video in: decoding user media into RGB pixels and turning them into the vision
+//! tower's input exactly as transformers' `Glm5NextImageProcessor` does (resize under the
+//! image-token budget with PIL's bicubic filter, rescale, normalize, temporal duplication, patch
+//! flattening) and its `Glm5NextVideoProcessor` (frame sampling, one canvas per video, torch's
+//! resize; `video`), plus the content hash that identifies an image to the caches.
 //!
 //! Owns pixels and their layout only: no model weights, no tokens, no HTTP. The API decides which
 //! bytes are allowed in (data URLs, local paths, remote fetches) and the backend runs the tower
 //! on what this module produces. Nothing here touches the scheduler, the KV pool or a device.
 
+pub mod container;
 pub mod decode;
+#[cfg(feature = "video-ffmpeg")]
+mod ffmpeg;
 pub mod processor;
 pub mod resample;
 pub mod source;
+pub mod video;
 
 pub use self::decode::{decode_image, DecodeLimits, RgbImage};
 pub use self::processor::{ImageProcessor, ProcessedImage};
+pub use self::video::{frame_labels, ProcessedVideo, VideoMeta, VideoProcessor};
 
 /// Why an image could not be turned into model input; every variant is the client's fault (400).
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +35,11 @@ pub enum MediaError {
     Refused(String),
     #[error("image processor: {0}")]
     Settings(String),
+    #[error("the video has {frames} frames, more than the limit of {limit} frames")]
+    TooManyFrames { frames: usize, limit: usize },
+    /// A video container (mp4, webm, ...) on a build without the `video-ffmpeg` feature.
+    #[error("{0}")]
+    NoDecoder(String),
 }
 
 /// A stable 64-bit content hash of an image's model input (grid and pixel values): equal inputs

@@ -265,8 +265,21 @@ impl Backend for Glm5CudaBackend {
     }
 
     fn encode_image(&mut self, pixel_values: &[f32], grid: [usize; 3]) -> Result<ImageEmbedding, BackendError> {
-        let mut out = self.encode_images(&[(pixel_values, grid)])?;
+        let mut out = self.encode_image_batch(&[(pixel_values, grid)])?;
         out.pop().ok_or_else(|| BackendError::Device("the vision tower returned no embedding".into()))
+    }
+
+    /// The step's images through the tower in one batch; when the batch fails, each image
+    /// again alone, so that only the bad one fails.
+    fn encode_images(
+        &mut self,
+        images: &[crate::backend::ImageInput<'_>],
+    ) -> Vec<Result<ImageEmbedding, BackendError>> {
+        let batch: Vec<(&[f32], [usize; 3])> = images.iter().map(|i| (i.pixel_values, i.grid)).collect();
+        match self.encode_image_batch(&batch) {
+            Ok(all) if all.len() == images.len() => all.into_iter().map(Ok).collect(),
+            _ => batch.iter().map(|&(p, g)| self.encode_image(p, g)).collect(),
+        }
     }
 
     fn forward_embedded(

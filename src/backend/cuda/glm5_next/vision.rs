@@ -1,6 +1,6 @@
 //! The `glm5_next` vision tower on the GPU (spec §7): weights loaded through the model's
 //! description (`model::glm5_next::vision`, the same names and shapes the CPU reads; Conv3d and
-//! Conv2d as projections) in the backend's storage precision, and [`Glm5CudaBackend::encode_images`]:
+//! Conv2d as projections) in the backend's storage precision, and [`Glm5CudaBackend::encode_image_batch`]:
 //! patch embedding, 24 blocks, post-norm, 2×2 downsample and merger as cuBLAS GEMMs plus the
 //! kernels of `cuda/vision.cu`. The patch positions, RoPE tables and attention segments come from
 //! the shared description, so both devices read one definition; the attention is one varlen
@@ -220,7 +220,7 @@ impl Glm5CudaBackend {
     /// pass of the tower into their placeholder embeddings, in order. The result of an image does
     /// not depend on the others in the call (attention stays within each frame; every other
     /// operation is per row), up to the GEMMs' row-count-dependent summation order.
-    pub fn encode_images(&mut self, images: &[(&[f32], [usize; 3])]) -> Result<Vec<ImageEmbedding>, BackendError> {
+    pub fn encode_image_batch(&mut self, images: &[(&[f32], [usize; 3])]) -> Result<Vec<ImageEmbedding>, BackendError> {
         let Some(tower) = self.vision.take() else {
             return Err(BackendError::InvalidStep("this model has no vision tower".into()));
         };
