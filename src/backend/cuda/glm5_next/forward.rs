@@ -679,7 +679,7 @@ impl Glm5CudaBackend {
                 &ii
             )?;
         } else {
-            self.moe_grouped(c, w, u, n, experts, slot_out, l)?;
+            self.moe_grouped(c, w, u, n, (experts, slot_out), l)?;
         }
         let y = self.mlp(c, &w.shared, u, n, "ffn_out")?;
         let f = self.gpu.func("glm5", "moe_combine")?;
@@ -688,15 +688,15 @@ impl Glm5CudaBackend {
         Ok(y)
     }
 
-    /// Routed experts for larger steps: pairs sorted by expert, one GEMM pair per used expert.
+    /// Routed experts for larger steps: pairs sorted by expert, one GEMM pair per used expert;
+    /// reads the routes from `experts`, writes each pair's output to its row of `slot_out`.
     fn moe_grouped(
         &mut self,
         c: &Glm5Config,
         w: &Moe,
         u: u64,
         n: usize,
-        experts: u64,
-        slot_out: u64,
+        (experts, slot_out): (u64, u64),
         l: usize,
     ) -> Result<(), BackendError> {
         let (d, k, inter) = (c.hidden_size, c.num_experts_per_tok, w.inter);
