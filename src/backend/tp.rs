@@ -42,6 +42,10 @@ pub fn group_block_bytes<B: Backend>(ranks: &[B]) -> usize {
 /// The group's KV image of `blocks`: block after block, each block the ranks' parts in order (so
 /// the spill tier may cut the image at block boundaries).
 pub fn read_group_kv<B: Backend>(ranks: &mut [B], blocks: &[u32]) -> Result<Vec<u8>, BackendError> {
+    // One rank's image is the group's: no interleaving copy (as in `write_group_kv`).
+    if let [only] = ranks {
+        return only.read_kv_blocks(blocks);
+    }
     let parts = ranks.iter_mut().map(|r| r.read_kv_blocks(blocks)).collect::<Result<Vec<_>, _>>()?;
     let widths: Vec<usize> = ranks.iter().map(Backend::kv_block_bytes).collect();
     let mut image = Vec::with_capacity(blocks.len() * widths.iter().sum::<usize>());
