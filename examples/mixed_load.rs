@@ -92,6 +92,9 @@ struct Args {
     /// Write the rows as JSON here too.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// Overlapped scheduling in every phase (`true`/`false`; the engine's default is on).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    overlap_scheduling: bool,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -227,6 +230,7 @@ fn start(args: &Args, pacing: bool) -> Result<Local, String> {
         .map_err(|e| e.to_string())?
         .resolve(&SchedulerKnobs::default(), None, family, class)?;
     cfg.scheduler.lane_pacing = pacing;
+    cfg.scheduler.overlap_scheduling = args.overlap_scheduling;
     if let Some(ms) = args.voice_target_ttft_ms {
         cfg.lanes.iter_mut().filter(|l| l.name == "voice").for_each(|l| l.target_ttft_ms = Some(ms));
     }

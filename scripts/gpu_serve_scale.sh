@@ -5,6 +5,10 @@
 #                              /dev/shm), `serve --device cuda` with no other flags: load time and
 #                              rate, bench-serve at concurrency 1..256 and a cold 7,284-token prefill,
 #                              then `shelfserve bench` at the same batches: the ratio table.
+#   gpu_serve_scale.sh overlap two servers side by side on the same GPU (0.45 of its memory each),
+#                              overlapped scheduling off (ports 8890/8891) and on (8888/8889);
+#                              bench-serve alternates between them at each concurrency (off, on,
+#                              off, on), then `shelfserve bench` at the same batches.
 #   gpu_serve_scale.sh voice   mixed_load on the same model: voice TTFT idle vs under 8 and 32
 #                              agents, lane pacing off and on.
 # Results (JSON and logs) go to $OUT.
@@ -116,13 +120,71 @@ if p:
             print(f"prefill 7284: served TTFT p50 {ttft:.1f} ms = {served:.0f} tok/s; bench {r['tok_per_s']:.0f} tok/s; served/bench {served / r['tok_per_s']:.2f}")
 PY
   ;;
+overlap)
+  [ -f "$MODEL/model.safetensors.index.json" ] || make_model
+  start() {  # $1 = overlap on/off, $2 = first lane port
+    setsid "$HERE/shelfserve" serve --device cuda --model "$MODEL" --gpu-memory-utilization 0.45 \
+      --overlap-scheduling $1 --lane-ports $2,$(( $2 + 1 )) > "$OUTDIR/serve-overlap-$1.log" 2>&1 &
+    echo $!
+  }
+  healthy() { for i in $(seq 1 1200); do curl -sf localhost:$1/health > /dev/null && return 0; sleep 0.1; done; return 1; }
+  ON=$(start true 8888); healthy 8888 || { echo "on server did not start"; tail -20 "$OUTDIR/serve-overlap-true.log"; exit 1; }
+  OFF=$(start false 8890); healthy 8890 || { echo "off server did not start"; tail -20 "$OUTDIR/serve-overlap-false.log"; exit 1; }
+  for port in 8888 8890; do
+    "$HERE/shelfserve" bench-serve --base-url http://127.0.0.1:$port/v1 --concurrency 4 --num-prompts 8 \
+      --input-len $INPUT_LEN --output-len 16 --ignore-eos --no-progress > /dev/null 2>&1
+  done
+  for c in $CONCURRENCY; do
+    n=$(( c == 1 ? 4 : (c < 8 ? 8 : 2 * c) ))
+    for round in 1 2; do
+      for mode in off on; do
+        port=$([ $mode = on ] && echo 8888 || echo 8890)
+        "$HERE/shelfserve" bench-serve --base-url http://127.0.0.1:$port/v1 --concurrency $c --num-prompts $n \
+          --input-len $INPUT_LEN --output-len $OUTPUT_LEN --ignore-eos --no-progress \
+          --json "$OUTDIR/overlap-$mode-c$c-r$round.json" > "$OUTDIR/overlap-$mode-c$c-r$round.txt" 2>&1 \
+          || { echo "bench-serve $mode c=$c failed"; tail -5 "$OUTDIR/overlap-$mode-c$c-r$round.txt"; }
+      done
+    done
+  done
+  for port in 8888 8890; do
+    echo "port $port:"; curl -s localhost:$port/metrics | grep -E "^shelfserve_(steps_overlapped_total|step_gap_seconds_(sum|count)|preemptions_total)" | head -6
+  done
+  for pid in $ON $OFF; do kill -TERM $pid 2>/dev/null; done; sleep 2; kill -9 $ON $OFF 2>/dev/null
+  "$HERE/shelfserve" bench --config "$MODEL/config.json" --batches $(echo $CONCURRENCY | tr ' ' ,) \
+    --contexts $(( INPUT_LEN + OUTPUT_LEN / 2 )) --json "$OUTDIR/bench.jsonl" > "$OUTDIR/bench.txt" 2>&1 \
+    || { echo "bench failed"; tail -5 "$OUTDIR/bench.txt"; }
+  python3 - "$OUTDIR" $CONCURRENCY <<'PY'
+import json, os, sys
+out, conc = sys.argv[1], [int(c) for c in sys.argv[2:]]
+bp = os.path.join(out, "bench.jsonl")
+dec = {r["batch"]: r["tok_per_s"] for r in map(json.loads, open(bp)) if r.get("kind") == "decode"} if os.path.exists(bp) else {}
+def best(mode, c, key):
+    vals = []
+    for r in (1, 2):
+        p = os.path.join(out, f"overlap-{mode}-c{c}-r{r}.json")
+        if os.path.exists(p):
+            rep = json.load(open(p)).get("report", {})
+            v = rep.get("steady_decode", {}).get("tok_per_s") if key == "steady" else rep.get(key)
+            if isinstance(v, (int, float)):
+                vals.append(v)
+    return sum(vals) / len(vals) if vals else None
+f = lambda x: f"{x:.0f}" if x else "-"
+g = lambda a, b: f"{a / b:.3f}" if (a and b) else "-"
+print(f"\n{'conc':>5} {'bench':>8} {'steady off':>11} {'steady on':>10} {'off/bench':>9} {'on/bench':>9} {'agg off':>8} {'agg on':>8} {'agg on/off':>10}")
+for c in conc:
+    b = dec.get(c)
+    so, sn = best("off", c, "steady"), best("on", c, "steady")
+    ao, an = best("off", c, "output_throughput"), best("on", c, "output_throughput")
+    print(f"{c:>5} {f(b):>8} {f(so):>11} {f(sn):>10} {g(so, b):>9} {g(sn, b):>9} {f(ao):>8} {f(an):>8} {g(an, ao):>10}")
+PY
+  ;;
 voice)
   [ -f "$MODEL/model.safetensors.index.json" ] || make_model
   for agents in ${AGENTS:-8 32}; do
     echo "== mixed_load, $agents agents"
     "$HERE/mixed_load" --device cuda --model "$MODEL" --agents $agents --phase ${PHASE:-20s} --rounds 1 \
-      --agent-prompt-words 2150 --voice-rate ${VOICE_RATE:-2} --pacing ${PACING:-both} ${MIXED_ARGS:-} --json "$OUTDIR/mixed-$agents.json" 2> "$OUTDIR/mixed-$agents.log" \
-      || { echo "mixed_load failed"; tail -20 "$OUTDIR/mixed-$agents.log"; }
+      --agent-prompt-words 2150 --voice-rate ${VOICE_RATE:-2} --pacing ${PACING:-both} ${MIXED_ARGS:-} --json "$OUTDIR/mixed-$agents${TAG:-}.json" 2> "$OUTDIR/mixed-$agents${TAG:-}.log" \
+      || { echo "mixed_load failed"; tail -20 "$OUTDIR/mixed-$agents${TAG:-}.log"; }
   done
   ;;
 esac

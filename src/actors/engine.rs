@@ -369,6 +369,7 @@ pub async fn start_engine(
             spill_host_bytes: card.spill_host_bytes,
             world: makers.len(),
             pacing: lane_pacing(&config, device.kind),
+            overlap: config.scheduler.overlap_scheduling,
         },
     )
     .await

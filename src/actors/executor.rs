@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
+use super::previous_samples::PreviousSamples;
 use super::handle::PromptImage;
 use super::scheduler::SchedulerMsg;
 use super::spill::SpillMsg;
@@ -57,6 +58,9 @@ pub struct PlanSeq {
     /// them): the executor encodes them (or finds them in its encoder cache) and feeds their
     /// embeddings in place of those rows.
     pub images: Vec<PromptImage>,
+    /// A lookahead row (`sched::lookahead`): its one token is a placeholder for the token the
+    /// executor's previous step sampled for this sequence, put in just before the step runs.
+    pub follows_previous: bool,
 }
 
 /// Everything an executor needs to run one step.
@@ -88,6 +92,24 @@ pub struct StepResult {
     /// Sequences left out of the step because one of their images failed to encode, with the
     /// reason: their requests fail (400); the rest of the step ran.
     pub rejected: Vec<(SeqId, String)>,
+}
+
+impl StepResult {
+    /// A step that produced nothing because of `error`.
+    pub fn failed(step_id: u64, rank: usize, error: String) -> Self {
+        StepResult {
+            step_id,
+            rank,
+            sampled: Vec::new(),
+            elapsed: Duration::ZERO,
+            prefill_tokens: 0,
+            decode_tokens: 0,
+            error: Some(error),
+            snapshots: Vec::new(),
+            hidden: Vec::new(),
+            rejected: Vec::new(),
+        }
+    }
 }
 
 pub enum ExecutorMsg {
@@ -665,28 +687,23 @@ impl Actor for ExecutorActor {
                 }
             };
             let mut encoders = EncoderCache::new(ENCODER_CACHE_IMAGES);
+            let mut previous = PreviousSamples::default();
             while let Ok(job) = rx.recv() {
                 match job {
-                    Job::Step(plan) => {
-                        // A panicking backend must still answer, or the scheduler waits forever.
-                        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            run_plan(backend.as_mut(), &plan, rank, &mut encoders)
-                        }))
-                        .unwrap_or_else(|_| {
-                            backend.abort_collectives(&format!("the backend of rank {rank} panicked"));
-                            StepResult {
-                                step_id: plan.step_id,
-                                rank,
-                                sampled: Vec::new(),
-                                snapshots: Vec::new(),
-                                elapsed: Duration::ZERO,
-                                prefill_tokens: 0,
-                                decode_tokens: 0,
-                                error: Some(format!("the backend of rank {rank} panicked")),
-                                hidden: Vec::new(),
-                                rejected: Vec::new(),
-                            }
-                        });
+                    Job::Step(mut plan) => {
+                        let result = match previous.fill(&mut plan) {
+                            Err(e) => StepResult::failed(plan.step_id, rank, e),
+                            // A panicking backend must still answer, or the scheduler waits forever.
+                            Ok(()) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                run_plan(backend.as_mut(), &plan, rank, &mut encoders)
+                            }))
+                            .unwrap_or_else(|_| {
+                                let error = format!("the backend of rank {rank} panicked");
+                                backend.abort_collectives(&error);
+                                StepResult::failed(plan.step_id, rank, error)
+                            }),
+                        };
+                        previous.record(&result);
                         if scheduler.cast(SchedulerMsg::StepDone(result)).is_err() {
                             break;
                         }
@@ -759,6 +776,7 @@ mod tests {
 
     fn plan_seq(seq: SeqId, tokens: Vec<u32>, start_pos: usize, num_draft: usize, sample: bool) -> PlanSeq {
         PlanSeq {
+            follows_previous: false,
             seq,
             tokens,
             start_pos,

@@ -9,6 +9,7 @@ pub mod engine;
 pub mod executor;
 pub mod handle;
 pub mod kvpool;
+pub mod previous_samples;
 pub mod ranks;
 pub mod request;
 pub mod scheduler;

@@ -5,7 +5,7 @@
 //! (EOS, max_tokens and the context limit are decided here; stop strings by each
 //! `RequestActor`). It never touches tensors or block ids beyond forwarding them.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -123,6 +123,9 @@ pub struct SchedulerArgs {
     /// Lane latency targets and the starting step cost (given to the planner when it is built);
     /// `None` = lane pacing off.
     pub pacing: Option<Pacing>,
+    /// Plan each step while the executor runs the one before it when that step can only be
+    /// continued (`sched::lookahead`); one rank only.
+    pub overlap: bool,
 }
 
 struct LiveSeq {
@@ -172,9 +175,9 @@ pub struct SchedulerState {
     ranks: RankBook,
     /// Executors that reported ready, by rank, until the whole group has.
     joining: Vec<Option<ActorRef<ExecutorMsg>>>,
-    in_flight: bool,
-    /// What the step in flight computes (timed by the executor, it refits the step cost model).
-    in_flight_shape: StepShape,
+    /// What each step dispatched and not yet done computes, oldest first (timed by the executor,
+    /// it refits the step cost model): one step, or two while a lookahead step waits behind it.
+    in_flight: VecDeque<StepShape>,
     /// When the last step's result arrived, while the next step is being planned: the host time
     /// between two steps (the device idles through it) is recorded when that step is dispatched.
     step_done_at: Option<Instant>,
@@ -241,7 +244,7 @@ impl SchedulerState {
     /// round trip, and offer them to the policy for the next step. A drafter that fails or is
     /// slow only costs this step its drafts.
     async fn refresh_drafts(&mut self) {
-        if self.in_flight {
+        if !self.in_flight.is_empty() {
             return;
         }
         let (Some(drafter), Some(policy)) = (self.args.drafter.clone(), self.policy.as_ref()) else { return };
@@ -319,7 +322,11 @@ impl SchedulerState {
     /// the step is dispatched when the pool answers (`dispatch`). With nothing to plan, queued
     /// releases are still sent so freed pages are cached or free at once.
     fn maybe_step(&mut self) {
-        if self.in_flight || self.awaiting_pool || self.restore_wait {
+        if !self.in_flight.is_empty() {
+            self.maybe_lookahead();
+            return;
+        }
+        if self.awaiting_pool || self.restore_wait {
             return;
         }
         let (Some(policy), Some(pool), Some(_)) = (self.policy.as_mut(), self.pool.as_ref(), self.executor.as_ref())
@@ -336,6 +343,36 @@ impl SchedulerState {
             }
         };
         if pool.cast(KvPoolMsg::Commit { ops, for_step }).is_ok() {
+            self.awaiting_pool = true;
+        } else {
+            self.pool_gone();
+        }
+    }
+
+    /// With one step in flight that can only be continued, plan and commit the step after it now,
+    /// so it is at the executor when that step ends (`sched::lookahead`).
+    fn maybe_lookahead(&mut self) {
+        if !self.args.overlap
+            || self.in_flight.len() != 1
+            || self.awaiting_pool
+            || self.restore_wait
+            || !self.followers.is_empty()
+        {
+            return;
+        }
+        let (Some(policy), Some(pool)) = (self.policy.as_mut(), self.pool.as_ref()) else { return };
+        let (live, max_context) = (&self.live, self.args.max_context);
+        let may_continue = |id: SeqId| {
+            live.get(&id).is_some_and(|l| {
+                l.spec_k == 0
+                    && l.grammar.is_none()
+                    && l.penalties.is_none()
+                    // The step in flight adds one token; the context must hold the next one too.
+                    && l.prompt_len + l.generated + 1 < max_context
+            })
+        };
+        let Some(ops) = policy.plan_lookahead(may_continue) else { return };
+        if pool.cast(KvPoolMsg::Commit { ops, for_step: true }).is_ok() {
             self.awaiting_pool = true;
         } else {
             self.pool_gone();
@@ -378,11 +415,9 @@ impl SchedulerState {
             }
         }
         if out.seqs.is_empty() {
-            // Everything planned sat out (the pool could not grant it): take the step as done
-            // and plan again against the fresh view.
-            if let Some(p) = self.policy.as_mut() {
-                p.on_step_done(&[], &[]);
-            }
+            // Everything planned sat out (the pool could not grant it, or a lookahead step's
+            // sequences ended meanwhile): nothing is in flight for it; plan again against the
+            // fresh view.
             return;
         }
         let Some(exec) = self.executor.as_ref() else { return };
@@ -394,7 +429,13 @@ impl SchedulerState {
                 let sample = if p.wants_logits {
                     self.live.get(&p.id).map(|l| SampleSpec {
                         params: Arc::clone(&l.params),
-                        step: l.generated as u64,
+                        // A lookahead row generates the token after the one the step in flight
+                        // samples, whether or not that step's result is in yet.
+                        step: if p.follows_previous {
+                            (p.start_pos + 1).saturating_sub(l.prompt_len) as u64
+                        } else {
+                            l.generated as u64
+                        },
                         penalties: l.penalties.clone(),
                         // Started now, joined by the executor after the forward pass.
                         grammar: l.grammar.as_ref().map(|g| {
@@ -415,6 +456,7 @@ impl SchedulerState {
                 PlanSeq {
                     images,
                     seq: p.id,
+                    follows_previous: p.follows_previous,
                     tokens: p.tokens,
                     start_pos: p.start_pos,
                     block_table: p.block_table,
@@ -426,14 +468,17 @@ impl SchedulerState {
             })
             .collect();
         self.next_step += 1;
-        self.in_flight_shape = out.shape;
         let plan = StepPlan { step_id: self.next_step, seqs };
         let followers_sent = self.followers.iter().all(|f| f.cast(ExecutorMsg::Run(plan.clone())).is_ok());
         if followers_sent && exec.cast(ExecutorMsg::Run(plan)).is_ok() {
-            self.in_flight = true;
-            if let Some(done) = self.step_done_at.take() {
+            // Queued behind a step still running, it starts with no host time in between.
+            if !self.in_flight.is_empty() {
+                metrics::counter!("shelfserve_steps_overlapped_total").increment(1);
+            } else if let Some(done) = self.step_done_at.take() {
                 metrics::histogram!("shelfserve_step_gap_seconds").record(done.elapsed().as_secs_f64());
             }
+            self.step_done_at = None;
+            self.in_flight.push_back(out.shape);
         } else if let Some(p) = self.policy.as_mut() {
             for id in p.on_step_failed() {
                 self.fail(id, EngineError::Executor("the executor is gone".into()));
@@ -453,8 +498,10 @@ impl SchedulerState {
     }
 
     fn on_step_done(&mut self, mut r: StepResult) {
-        self.in_flight = false;
-        self.step_done_at = Some(Instant::now());
+        let shape = self.in_flight.pop_front().unwrap_or_default();
+        if self.in_flight.is_empty() {
+            self.step_done_at = Some(Instant::now());
+        }
         self.stats.steps += 1;
         let kind = if r.prefill_tokens > 0 { "prefill" } else { "decode" };
         metrics::histogram!("shelfserve_step_duration_seconds", "kind" => kind).record(r.elapsed.as_secs_f64());
@@ -469,24 +516,24 @@ impl SchedulerState {
             // A step far over its prediction is what keeps a waiting high lane past its target:
             // name its shape (before the fit learns from it) so such outliers can be traced.
             if let Some(pacing) = policy.pacing() {
-                let predicted = pacing.model().predict(&self.in_flight_shape);
+                let predicted = pacing.model().predict(&shape);
                 if r.elapsed.as_secs_f64() > 2.0 * predicted + 0.005 {
                     metrics::counter!("shelfserve_step_over_prediction_total").increment(1);
                     tracing::debug!(
                         step = r.step_id,
                         seconds = r.elapsed.as_secs_f64(),
                         predicted,
-                        prefill_tokens = self.in_flight_shape.prefill_tokens,
-                        decode_seqs = self.in_flight_shape.decode_seqs,
-                        attended = self.in_flight_shape.attended,
+                        prefill_tokens = shape.prefill_tokens,
+                        decode_seqs = shape.decode_seqs,
+                        attended = shape.attended,
                         "step took over twice its predicted time"
                     );
                 }
             }
-            policy.observe_step(&self.in_flight_shape, r.elapsed.as_secs_f64());
+            policy.observe_step(&shape, r.elapsed.as_secs_f64());
             // The pool prices recomputing a spilled prefix at the measured prefill rate.
-            self.prefill_rate.observe(self.in_flight_shape.prefill_tokens, r.elapsed.as_secs_f64());
-            if self.in_flight_shape.prefill_tokens >= PrefillRate::MIN_TOKENS && self.spill_on {
+            self.prefill_rate.observe(shape.prefill_tokens, r.elapsed.as_secs_f64());
+            if shape.prefill_tokens >= PrefillRate::MIN_TOKENS && self.spill_on {
                 if let (Some(cost), Some(pool)) = (self.prefill_rate.as_step_cost(), &self.pool) {
                     let _ = pool.cast(KvPoolMsg::StepCost(cost));
                 }
@@ -658,8 +705,7 @@ impl Actor for SchedulerActor {
             followers: Vec::new(),
             ranks: RankBook::new(world),
             joining: vec![None; world.max(1)],
-            in_flight: false,
-            in_flight_shape: StepShape::default(),
+            in_flight: VecDeque::new(),
             step_done_at: None,
             prefill_rate: PrefillRate::default(),
             next_step: 0,

@@ -60,6 +60,10 @@ pub struct ServeArgs {
     /// Size lower lanes' prefill to higher lanes' latency targets (`true`/`false`) [default: true].
     #[arg(long, env = "SHELFSERVE_LANE_PACING", value_name = "BOOL")]
     pub lane_pacing: Option<bool>,
+    /// Plan each decode step while the device runs the one before it (`true`/`false`)
+    /// [default: true; one rank only].
+    #[arg(long, env = "SHELFSERVE_OVERLAP_SCHEDULING", value_name = "BOOL")]
+    pub overlap_scheduling: Option<bool>,
     /// Speculative decoding for every lane: `none`, `ngram` (model-free suffix match), `mtp`
     /// (a glm5_next checkpoint's own MTP layer; CPU, no --tp), `draft:PATH` or `dflash:DIR` (a
     /// DFlash block drafter reading the target's hidden states);
@@ -205,6 +209,7 @@ impl ServeArgs {
             spill_host_bytes: self.spill_host_bytes,
             gpu_memory_utilization: self.gpu_memory_utilization,
             lane_pacing: self.lane_pacing,
+            overlap_scheduling: self.overlap_scheduling,
         }
     }
 

@@ -102,6 +102,10 @@ pub struct SchedulerConfig {
     /// `target_itl_ms`); off plans by the token budget alone.
     #[serde(default = "default_lane_pacing")]
     pub lane_pacing: bool,
+    /// Plan a decode step while the executor runs the one before it, when that step can only be
+    /// continued (SGLang's overlap scheduler; `sched::lookahead`). One rank only.
+    #[serde(default = "default_overlap_scheduling")]
+    pub overlap_scheduling: bool,
 }
 
 fn default_gpu_memory_utilization() -> f64 {
@@ -109,6 +113,10 @@ fn default_gpu_memory_utilization() -> f64 {
 }
 
 fn default_lane_pacing() -> bool {
+    true
+}
+
+fn default_overlap_scheduling() -> bool {
     true
 }
 

@@ -70,6 +70,7 @@ pub struct SchedulerKnobs {
     pub spill_host_bytes: Option<u64>,
     pub gpu_memory_utilization: Option<f64>,
     pub lane_pacing: Option<bool>,
+    pub overlap_scheduling: Option<bool>,
 }
 
 /// GPU scheduler defaults: a step wide enough to keep an H200 busy at 256 decoding streams
@@ -110,6 +111,7 @@ pub fn device_defaults(device: DeviceClass) -> SchedulerKnobs {
         }),
         gpu_memory_utilization: Some(DEFAULT_GPU_MEMORY_UTILIZATION),
         lane_pacing: Some(true),
+        overlap_scheduling: Some(true),
     }
 }
 
@@ -196,6 +198,7 @@ impl EngineFile {
             spill_host_bytes: pick!(spill_host_bytes).unwrap_or_default(),
             gpu_memory_utilization: pick!(gpu_memory_utilization).unwrap_or(DEFAULT_GPU_MEMORY_UTILIZATION),
             lane_pacing: pick!(lane_pacing).unwrap_or(true),
+            overlap_scheduling: pick!(overlap_scheduling).unwrap_or(true),
         };
         let mut lanes = self.lanes.clone();
         for lane in lanes.iter_mut().filter(|l| l.max_queue == 0) {

@@ -129,8 +129,9 @@ struct Seq {
     admitted: Option<u64>,
     /// The step that last preempted it: it is not re-admitted within that step.
     preempted_at: Option<u64>,
-    /// Part of the step between `plan_step` and `on_step_done`.
-    in_flight: bool,
+    /// Steps in flight (planned and not yet done) that carry it: one, or two when a lookahead
+    /// step continues it (`plan_lookahead`).
+    in_flight: u8,
 }
 
 impl Seq {
@@ -155,6 +156,8 @@ struct Planned {
 
 struct StepBuild {
     budget: usize,
+    /// Planned by `plan_lookahead`: every chunk is one token the step in flight will sample.
+    lookahead: bool,
     planned: Vec<Planned>,
     preempted: Vec<SeqId>,
 }
@@ -191,7 +194,9 @@ pub struct Planner {
     next_admission: u64,
     /// Counts planned steps; tags preemptions so they are not undone in the same step.
     step: u64,
-    in_flight: Option<Vec<Planned>>,
+    /// Steps dispatched and not yet done, oldest first: at most one, plus a lookahead step
+    /// continuing it.
+    in_flight: VecDeque<Vec<Planned>>,
     /// Lane latency targets and the step cost model that shrink lower lanes' prefill chunks
     /// (`sched::pacing`); `None` plans by the token budget alone.
     pacing: Option<Pacing>,
@@ -204,7 +209,7 @@ impl std::fmt::Debug for Planner {
             .field("waiting", &self.num_waiting())
             .field("running", &self.running.len())
             .field("blocks_available", &self.avail)
-            .field("in_flight", &self.in_flight.as_ref().map(Vec::len))
+            .field("in_flight", &self.in_flight.iter().map(Vec::len).collect::<Vec<_>>())
             .finish()
     }
 }
@@ -224,7 +229,7 @@ impl Planner {
             running: Vec::new(),
             next_admission: 0,
             step: 0,
-            in_flight: None,
+            in_flight: VecDeque::new(),
             pacing: None,
         })
     }
@@ -338,7 +343,7 @@ impl Planner {
                 draft: Vec::new(),
                 admitted: None,
                 preempted_at: None,
-                in_flight: false,
+                in_flight: 0,
             },
         );
         self.waiting.entry(Reverse(seq.priority)).or_default().push_back(seq.id);
@@ -357,7 +362,7 @@ impl Planner {
     /// were kept (0 when the sequence cannot take a draft now). A draft is for one step only.
     pub fn set_draft(&mut self, id: SeqId, mut draft: Vec<u32>) -> usize {
         let Some(seq) = self.seqs.get_mut(&id) else { return 0 };
-        if seq.admitted.is_none() || seq.in_flight || !seq.is_decode() {
+        if seq.admitted.is_none() || seq.in_flight > 0 || !seq.is_decode() {
             return 0;
         }
         // Accepting every draft plus the bonus token adds draft.len() + 1 tokens.
@@ -373,7 +378,7 @@ impl Planner {
     /// or growth. Hand the pool's reply to `finish_step`. `None` when there is nothing to do, or
     /// while a planned step has not been finished or reported (`on_step_done` / `on_step_failed`).
     pub fn plan_step(&mut self) -> Option<Vec<PoolOp>> {
-        if self.in_flight.is_some() || self.awaiting.is_some() {
+        if !self.in_flight.is_empty() || self.awaiting.is_some() {
             tracing::warn!("plan_step called while the previous step is still in flight");
             return None;
         }
@@ -383,6 +388,7 @@ impl Planner {
         self.step += 1;
         let mut b = StepBuild {
             budget: self.cfg.max_num_batched_tokens,
+            lookahead: false,
             planned: Vec::with_capacity(self.running.len() + 1),
             preempted: Vec::new(),
         };
@@ -505,10 +511,16 @@ impl Planner {
                 p.wants_logits = p.start + p.n_base == seq.tokens.len();
                 prefix_hits.push((p.id, g.start));
             }
-            seq.in_flight = true;
-            let mut tokens = Vec::with_capacity(p.n_base + p.draft.len());
-            tokens.extend_from_slice(&seq.tokens[p.start..p.start + p.n_base]);
-            tokens.extend_from_slice(&p.draft);
+            seq.in_flight += 1;
+            let tokens = if b.lookahead {
+                // The token the step in flight samples: the executor puts it in.
+                vec![0]
+            } else {
+                let mut tokens = Vec::with_capacity(p.n_base + p.draft.len());
+                tokens.extend_from_slice(&seq.tokens[p.start..p.start + p.n_base]);
+                tokens.extend_from_slice(&p.draft);
+                tokens
+            };
             let nb = (p.start + tokens.len()).div_ceil(bs).min(g.blocks.len());
             out.push(PlannedSeq {
                 id: p.id,
@@ -518,6 +530,7 @@ impl Planner {
                 state_slot: g.slot,
                 wants_logits: p.wants_logits,
                 num_draft: p.draft.len(),
+                follows_previous: b.lookahead,
             });
             kept.push(p);
         }
@@ -530,7 +543,10 @@ impl Planner {
                 panic!("the KV pool refused an operation: {e}");
             }
         }
-        self.in_flight = Some(kept);
+        // A step that runs nothing is not in flight (nothing will report it done).
+        if !kept.is_empty() {
+            self.in_flight.push_back(kept);
+        }
         let mut shape = StepShape::default();
         for s in &out {
             shape.add(s.start_pos, s.tokens.len(), s.is_decode() && s.num_draft == 0);
@@ -549,7 +565,7 @@ impl Planner {
     /// Returns the sequences the policy itself ended because they reached `max_tokens` (it keeps at
     /// most `max_tokens` generated tokens); they may overlap with `finished`.
     pub fn on_step_done(&mut self, sampled: &[(SeqId, Vec<u32>)], finished: &[SeqId]) -> Vec<SeqId> {
-        let planned = self.in_flight.take().unwrap_or_else(|| {
+        let planned = self.in_flight.pop_front().unwrap_or_else(|| {
             if !sampled.is_empty() {
                 tracing::warn!("on_step_done without a step in flight: sampled tokens ignored");
             }
@@ -559,7 +575,7 @@ impl Planner {
         let mut length_finished = Vec::new();
         for p in planned {
             let Some(seq) = self.seqs.get_mut(&p.id) else { continue };
-            seq.in_flight = false;
+            seq.in_flight = seq.in_flight.saturating_sub(1);
             let before = seq.tokens.len();
             if !p.wants_logits {
                 if samples.contains_key(&p.id) {
@@ -597,11 +613,11 @@ impl Planner {
     /// The step in flight failed: nothing it computed counts; its sequences stay where they were
     /// and will be planned again. Returns their ids so the caller can fail or retry them.
     pub fn on_step_failed(&mut self) -> Vec<SeqId> {
-        let planned = self.in_flight.take().unwrap_or_default();
+        let planned = self.in_flight.pop_front().unwrap_or_default();
         let mut ids = Vec::with_capacity(planned.len());
         for p in planned {
             if let Some(seq) = self.seqs.get_mut(&p.id) {
-                seq.in_flight = false;
+                seq.in_flight = seq.in_flight.saturating_sub(1);
                 ids.push(p.id);
             }
         }
@@ -713,7 +729,7 @@ impl Planner {
                 }
             }
         }
-        if let Some(planned) = &mut self.in_flight {
+        for planned in &mut self.in_flight {
             planned.retain(|p| p.id != id);
         }
         if let Some(b) = &mut self.awaiting {
@@ -926,3 +942,6 @@ impl Planner {
         }
     }
 }
+
+#[path = "lookahead.rs"]
+mod lookahead;

@@ -930,3 +930,6 @@ fn randomized_operations_with_lane_pacing_keep_accounting_and_streams_exact() {
 
 #[path = "prefix_tests.rs"]
 mod prefix;
+
+#[path = "lookahead_tests.rs"]
+mod lookahead;

@@ -83,6 +83,16 @@ impl Policy {
         Some(out)
     }
 
+    /// Plans, commits and returns the step that continues the one in flight (see
+    /// `sched::lookahead`); its chunks' tokens are placeholders for what that step samples.
+    pub fn plan_lookahead(&mut self, may_continue: impl Fn(SeqId) -> bool) -> Option<StepPlanOut> {
+        let ops = self.planner.plan_lookahead(may_continue)?;
+        let reply = apply_ops(&mut self.pool, ops);
+        let out = self.planner.finish_step(reply);
+        self.flush();
+        Some(out)
+    }
+
     pub fn on_step_done(&mut self, sampled: &[(SeqId, Vec<u32>)], finished: &[SeqId]) -> Vec<SeqId> {
         let ended = self.planner.on_step_done(sampled, finished);
         self.flush();

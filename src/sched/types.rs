@@ -85,6 +85,10 @@ pub struct PlannedSeq {
     pub wants_logits: bool,
     /// Trailing draft tokens in `tokens` (0 without speculative decoding).
     pub num_draft: usize,
+    /// A lookahead step's chunk (`Planner::plan_lookahead`): its one token is the one the step
+    /// before samples for this sequence, which only the executor knows when it runs this step
+    /// (`tokens` holds a placeholder).
+    pub follows_previous: bool,
 }
 
 impl PlannedSeq {
