@@ -18,8 +18,8 @@ mod e2e_http;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,7 +56,9 @@ fn respond<S: Read + Write>(stream: S, base: &str, png: &[u8]) -> std::io::Resul
     let head = |status: &str, extra: &str| format!("HTTP/1.1 {status}\r\nConnection: close\r\n{extra}\r\n");
     match path.as_str() {
         "/cat.png" => {
-            s.write_all(head("200 OK", &format!("Content-Type: image/png\r\nContent-Length: {}\r\n", png.len())).as_bytes())?;
+            s.write_all(
+                head("200 OK", &format!("Content-Type: image/png\r\nContent-Length: {}\r\n", png.len())).as_bytes(),
+            )?;
             s.write_all(png)?;
         }
         // Two hops: a relative and an absolute `Location`.
@@ -68,8 +70,12 @@ fn respond<S: Read + Write>(stream: S, base: &str, png: &[u8]) -> std::io::Resul
             let n: u32 = p["/loop/".len()..].parse().unwrap_or(0);
             s.write_all(head("302 Found", &format!("Location: /loop/{}\r\nContent-Length: 0\r\n", n + 1)).as_bytes())?
         }
-        "/missing" => s.write_all(head("404 Not Found", "Content-Length: 9\r\n").as_bytes()).and(s.write_all(b"not here\n"))?,
-        "/garbage" => s.write_all(head("200 OK", "Content-Length: 12\r\n").as_bytes()).and(s.write_all(b"not an image"))?,
+        "/missing" => {
+            s.write_all(head("404 Not Found", "Content-Length: 9\r\n").as_bytes()).and(s.write_all(b"not here\n"))?
+        }
+        "/garbage" => {
+            s.write_all(head("200 OK", "Content-Length: 12\r\n").as_bytes()).and(s.write_all(b"not an image"))?
+        }
         "/declared" => s.write_all(head("200 OK", &format!("Content-Length: {}\r\n", 1u64 << 40)).as_bytes())?,
         // No Content-Length, 64 MiB in chunks (HTTP/1.1 chunked, or an HTTP/1.0 body that ends
         // when the connection closes).

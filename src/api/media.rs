@@ -25,11 +25,11 @@ use base64::Engine as _;
 use serde_json::Value;
 
 use super::errors::ApiError;
-use crate::actors::handle::{PromptImage, VisionInfo};
-use crate::media::source::{resolve, MediaBytes, MediaPolicy};
 use super::media_fetch::fetched_bytes;
 pub(crate) use super::media_fetch::Fetched;
+use crate::actors::handle::{PromptImage, VisionInfo};
 use crate::media::fetch::Fetcher;
+use crate::media::source::{resolve, MediaBytes, MediaPolicy};
 use crate::media::{content_hash, decode_image, DecodeLimits, MediaError};
 
 /// The server's media settings (`serve` flags).

@@ -10,12 +10,12 @@ use super::{CliError, ModelArgs};
 use crate::actors::{start_engine, EngineOptions, InferenceEngine};
 use crate::api::auth::{read_key_file, AuthPolicy};
 use crate::api::media::MediaOptions;
-use crate::media::fetch::Fetcher;
-use crate::media::remote::RemotePolicy;
 use crate::api::{bind_all, ApiOptions};
 use crate::config::engine::{EngineConfig, DEFAULT_CONFIG_TOML};
 use crate::config::layers::{DeviceClass, EngineFile, ModelFamily, Provenance, SchedulerKnobs};
 use crate::generate::{DeviceKind, ResolvedKind};
+use crate::media::fetch::Fetcher;
+use crate::media::remote::RemotePolicy;
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
@@ -184,7 +184,8 @@ impl HttpArgs {
         } else {
             if self.allowed_media_domains.is_some() || self.media_extra_ca.is_some() {
                 return Err(CliError::Usage(
-                    "--allowed-media-domains and --media-extra-ca apply to remote media: add --allow-remote-media".into(),
+                    "--allowed-media-domains and --media-extra-ca apply to remote media: add --allow-remote-media"
+                        .into(),
                 ));
             }
             None

@@ -32,7 +32,9 @@ pub struct Fetcher {
 #[derive(Debug, PartialEq, Eq)]
 pub enum FetchFailure {
     /// The body passed the limit (declared or while streaming); `declared` when the server said so.
-    TooBig { declared: Option<u64> },
+    TooBig {
+        declared: Option<u64>,
+    },
     Other(String),
 }
 

@@ -11,9 +11,9 @@
 
 pub mod container;
 pub mod decode;
+pub mod fetch;
 #[cfg(feature = "video-ffmpeg")]
 mod ffmpeg;
-pub mod fetch;
 pub mod processor;
 pub mod remote;
 pub mod resample;

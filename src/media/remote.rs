@@ -76,7 +76,11 @@ impl RemotePolicy {
 
 impl Default for RemotePolicy {
     fn default() -> Self {
-        RemotePolicy { allowed_domains: None, timeout: Self::DEFAULT_TIMEOUT, max_redirects: Self::DEFAULT_MAX_REDIRECTS }
+        RemotePolicy {
+            allowed_domains: None,
+            timeout: Self::DEFAULT_TIMEOUT,
+            max_redirects: Self::DEFAULT_MAX_REDIRECTS,
+        }
     }
 }
 
@@ -122,7 +126,8 @@ fn is_internal_v6(ip: Ipv6Addr) -> bool {
         || (first & 0xfe00) == 0xfc00 // unique local fc00::/7
         || (first & 0xffc0) == 0xfe80 // link-local fe80::/10
         || (first & 0xffc0) == 0xfec0 // site-local (deprecated) fec0::/10
-        || ip.to_ipv4().is_some_and(|v4| ip.segments()[..6] == [0; 6] && is_internal_v4(v4)) // ::a.b.c.d
+        || ip.to_ipv4().is_some_and(|v4| ip.segments()[..6] == [0; 6] && is_internal_v4(v4))
+    // ::a.b.c.d
 }
 
 /// The absolute URL a redirect's `Location` names, resolved against the URL it came from.
