@@ -44,7 +44,7 @@ impl RemotePolicy {
             return Err("the URL has no host".into());
         }
         if let Some(allowed) = &self.allowed_domains {
-            if !allowed.iter().any(|d| *d == host) {
+            if !allowed.contains(&host) {
                 return Err(format!("the host `{host}` is not in --allowed-media-domains"));
             }
         }
