@@ -61,8 +61,9 @@ pub(crate) async fn handle(
     let start = Instant::now();
     let body = read_body(&req, payload, state.shared.opts.max_body_bytes).await?;
     state.ensure_ready()?;
+    let remote = super::media_fetch::prefetch(&state, &body).await?;
     let st = state.clone().into_inner();
-    let prepared = blocking(move || prepare(&st, &body)).await?;
+    let prepared = blocking(move || prepare(&st, &body, remote)).await?;
     tracing::debug!(
         lane = %state.lane.name,
         prompt_tokens = prepared.prompt_len,
@@ -89,7 +90,7 @@ pub(crate) async fn handle(
     reply.collect(choices, prepared.plan.n).await
 }
 
-fn prepare(state: &LaneState, body: &[u8]) -> Result<Prepared, ApiError> {
+fn prepare(state: &LaneState, body: &[u8], remote: super::media::Fetched) -> Result<Prepared, ApiError> {
     let v = params::parse_body(body)?;
     let common: CommonParams = params::fields(&v)?;
     let chat: ChatParams = params::fields(&v)?;
@@ -124,6 +125,7 @@ fn prepare(state: &LaneState, body: &[u8]) -> Result<Prepared, ApiError> {
         tool_choice,
         kwargs: template_kwargs(chat.chat_template_kwargs, chat.reasoning_effort, &state.lane)?,
         add_generation_prompt: chat.add_generation_prompt.unwrap_or(true),
+        remote,
     };
     let rendered = conversation::render(state, conversation, "messages")?;
     if rendered.keep_special_tokens {

@@ -25,6 +25,8 @@ pub(crate) struct Conversation {
     pub tool_choice: ToolChoice,
     pub kwargs: Map<String, Value>,
     pub add_generation_prompt: bool,
+    /// The request's remote media, fetched by the handler (`api::media_fetch`); empty when none.
+    pub remote: media::Fetched,
 }
 
 pub(crate) struct RenderedPrompt {
@@ -136,7 +138,8 @@ pub(crate) fn render(state: &LaneState, conv: Conversation, param: &'static str)
     }
     let ids = encoder.encode(tokenizer, &text).map_err(template_error)?;
     let encode_text = |text: &str| tokenizer.encode(text, false).map_err(|e| ApiError::Internal(e.to_string()));
-    let (ids, images) = media::attach_media(&media_refs, ids, vision, &state.shared.opts.media, param, &encode_text)?;
+    let (ids, images) =
+        media::attach_media(&media_refs, ids, vision, &state.shared.opts.media, &conv.remote, param, &encode_text)?;
     if ids.is_empty() {
         return Err(ApiError::invalid(param, "the conversation renders to an empty prompt"));
     }

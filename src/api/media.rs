@@ -5,7 +5,8 @@
 //! bare `{"type": "image"}` part and every video part for `{"type": "video"}` (what HF chat
 //! templates test for) and keeps its source; the template writes one placeholder token per image
 //! or video. After tokenizing, [`attach_media`] resolves each source under the server's media
-//! policy (data URLs; `file://` only under `--allowed-local-media-path`; no remote fetching),
+//! policy (data URLs; `file://` only under `--allowed-local-media-path`; `http(s)` URLs only
+//! with `--allow-remote-media`, fetched beforehand by `api::media_fetch`),
 //! decodes and processes it with the model's image or video processor under the per-request
 //! limits, and expands its placeholder as transformers' processor does: an image's into one token
 //! per merged patch group of its grid; a video's into, per frame pair, `<|begin_of_image|>`, the
@@ -16,6 +17,7 @@
 //! Every failure here is the client's (400), in the endpoint's error shape, naming the limit or
 //! rule it broke.
 
+use std::borrow::Cow;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -23,7 +25,10 @@ use base64::Engine as _;
 use serde_json::Value;
 
 use super::errors::ApiError;
+use super::media_fetch::fetched_bytes;
+pub(crate) use super::media_fetch::Fetched;
 use crate::actors::handle::{PromptImage, VisionInfo};
+use crate::media::fetch::Fetcher;
 use crate::media::source::{resolve, MediaBytes, MediaPolicy};
 use crate::media::{content_hash, decode_image, DecodeLimits, MediaError};
 
@@ -32,9 +37,11 @@ use crate::media::{content_hash, decode_image, DecodeLimits, MediaError};
 pub struct MediaOptions {
     /// `--allowed-local-media-path`: `file://` URLs must resolve inside it; `None` refuses them.
     pub allowed_local_path: Option<PathBuf>,
-    /// `--allow-remote-media`. This server does not fetch remote media yet: with the flag on,
-    /// `http(s)` URLs get a 400 that says so; without it, a 400 naming the flag.
+    /// `--allow-remote-media`: `http(s)` URLs are fetched (by `fetcher`); without it, a 400
+    /// naming the flag.
     pub allow_remote: bool,
+    /// The client and rules remote media is fetched with; `Some` exactly when `allow_remote`.
+    pub fetcher: Option<Arc<Fetcher>>,
     /// `--max-images-per-request`.
     pub max_images: usize,
     /// `--max-image-pixels`: decoded width × height of one image.
@@ -64,6 +71,7 @@ impl Default for MediaOptions {
         MediaOptions {
             allowed_local_path: None,
             allow_remote: false,
+            fetcher: None,
             max_images: Self::DEFAULT_MAX_IMAGES,
             max_pixels: Self::DEFAULT_MAX_PIXELS,
             max_bytes: Self::DEFAULT_MAX_BYTES,
@@ -134,7 +142,7 @@ pub(crate) fn take_media(messages: &mut [Value]) -> Result<Vec<MediaRef>, ApiErr
     Ok(refs)
 }
 
-fn image_source(part: &Value, param: &str) -> Result<MediaSource, ApiError> {
+pub(crate) fn image_source(part: &Value, param: &str) -> Result<MediaSource, ApiError> {
     let bad =
         |field: &str, what: &str| ApiError::invalid(format!("{param}.{field}"), format!("`{param}.{field}` {what}"));
     if part.get("type").and_then(Value::as_str) == Some("image_url") {
@@ -216,14 +224,15 @@ pub(crate) fn check_media(refs: &[MediaRef], vision: Option<&VisionInfo>, opts: 
 }
 
 /// Decode and process every image and video of `refs`, then expand the template's one
-/// placeholder per image or video in `ids` (see the module doc). `encode_text` tokenizes a
-/// frame pair's timestamp text. Returns the expanded ids and one [`PromptImage`] per image and
+/// placeholder per image or video in `ids` (see the module doc). `remote` holds the request's
+/// fetched remote media; `encode_text` tokenizes a frame pair's timestamp text. Returns the expanded ids and one [`PromptImage`] per image and
 /// per frame pair, in prompt order.
 pub(crate) fn attach_media(
     refs: &[MediaRef],
     ids: Vec<u32>,
     vision: Option<&VisionInfo>,
     opts: &MediaOptions,
+    remote: &Fetched,
     param: &str,
     encode_text: &dyn Fn(&str) -> Result<Vec<u32>, ApiError>,
 ) -> Result<(Vec<u32>, Vec<PromptImage>), ApiError> {
@@ -251,12 +260,12 @@ pub(crate) fn attach_media(
     // Each kind fills its own placeholders in order, as transformers' processor does.
     let mut processed_images = Vec::with_capacity(images.len());
     for r in &images {
-        processed_images.push(load(r, vision, opts).map_err(|e| media_error(&r.param, e, opts))?);
+        processed_images.push(load(r, vision, opts, remote).map_err(|e| media_error(&r.param, e, opts))?);
     }
     let mut processed_videos = Vec::with_capacity(videos.len());
     for r in &videos {
         let MediaSource::Video(src) = &r.source else { unreachable!("partitioned by kind") };
-        processed_videos.push(super::media_video::load(src, &r.param, vision, opts, encode_text)?);
+        processed_videos.push(super::media_video::load(src, &r.param, vision, opts, remote, encode_text)?);
     }
     let (mut next_image, mut next_video) = (processed_images.into_iter(), processed_videos.into_iter());
     let mut out = Vec::with_capacity(ids.len());
@@ -291,20 +300,21 @@ pub(crate) fn attach_media(
     Ok((out, prompt_images))
 }
 
-fn load(r: &MediaRef, vision: &VisionInfo, opts: &MediaOptions) -> Result<crate::media::ProcessedImage, MediaError> {
+fn load(
+    r: &MediaRef,
+    vision: &VisionInfo,
+    opts: &MediaOptions,
+    remote: &Fetched,
+) -> Result<crate::media::ProcessedImage, MediaError> {
     let policy = MediaPolicy {
         allowed_local_path: opts.allowed_local_path.clone(),
         allow_remote: opts.allow_remote,
         max_bytes: opts.max_bytes,
     };
-    let bytes = match &r.source {
+    let bytes: Cow<[u8]> = match &r.source {
         MediaSource::Url(url) => match resolve(url, &policy)? {
-            MediaBytes::Inline(b) => b,
-            MediaBytes::Remote(_) => {
-                return Err(MediaError::Refused(
-                    "this server does not fetch remote media yet; send the image as a `data:` URL (base64)".into(),
-                ))
-            }
+            MediaBytes::Inline(b) => Cow::Owned(b),
+            MediaBytes::Remote(url) => Cow::Borrowed(fetched_bytes(remote, &url)?),
         },
         MediaSource::Video(_) => unreachable!("videos load in media_video"),
         MediaSource::Base64(data) => {
@@ -312,9 +322,11 @@ fn load(r: &MediaRef, vision: &VisionInfo, opts: &MediaOptions) -> Result<crate:
             if estimate > opts.max_bytes.saturating_add(3) {
                 return Err(MediaError::TooManyBytes { bytes: estimate, limit: opts.max_bytes });
             }
-            base64::engine::general_purpose::STANDARD
-                .decode(data.trim())
-                .map_err(|e| MediaError::Decode(format!("the base64 data is not valid: {e}")))?
+            Cow::Owned(
+                base64::engine::general_purpose::STANDARD
+                    .decode(data.trim())
+                    .map_err(|e| MediaError::Decode(format!("the base64 data is not valid: {e}")))?,
+            )
         }
     };
     let img = decode_image(&bytes, DecodeLimits { max_bytes: opts.max_bytes, max_pixels: opts.max_pixels })?;

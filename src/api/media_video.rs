@@ -1,8 +1,8 @@
 //! Video parts of chat requests (`api::media` takes them out of the messages):
 //!
 //! * `{"type": "video_url", "video_url": {"url": …}}` (or a `video` part whose `video` is one
-//!   URL): a container (mp4, webm, …) as a `data:` URL or a `file://` path under the same policy
-//!   as images, decoded and sampled at the video processor's rate with the `video-ffmpeg` cargo
+//!   URL): a container (mp4, webm, …) as a `data:` URL, a `file://` path or a fetched `http(s)`
+//!   URL under the same policy as images, decoded and sampled at the video processor's rate with the `video-ffmpeg` cargo
 //!   feature, refused with a 400 naming the feature without it;
 //! * `{"type": "video", "video": [frame URLs…], "fps": N}`: frames already sampled, each an image
 //!   URL under the image rules, `N` frames per second of the original (transformers' default of
@@ -11,10 +11,13 @@
 //! Either way the frames go through `media::VideoProcessor` and come back as one image per frame
 //! pair plus the pair's tokenized timestamp text.
 
+use std::borrow::Cow;
+
 use serde_json::Value;
 
 use super::errors::ApiError;
 use super::media::{media_error, MediaOptions};
+use super::media_fetch::{fetched_bytes, Fetched};
 use crate::actors::handle::VisionInfo;
 use crate::media::container::{decode_video, VideoLimits};
 use crate::media::source::{resolve, MediaBytes, MediaPolicy};
@@ -95,12 +98,10 @@ pub(crate) fn check_frames(src: &VideoSource, param: &str, opts: &MediaOptions) 
     Ok(())
 }
 
-fn resolve_bytes(url: &str, policy: &MediaPolicy) -> Result<Vec<u8>, MediaError> {
+fn resolve_bytes<'a>(url: &str, policy: &MediaPolicy, remote: &'a Fetched) -> Result<Cow<'a, [u8]>, MediaError> {
     match resolve(url, policy)? {
-        MediaBytes::Inline(b) => Ok(b),
-        MediaBytes::Remote(_) => Err(MediaError::Refused(
-            "this server does not fetch remote media yet; send the video or its frames as `data:` URLs (base64)".into(),
-        )),
+        MediaBytes::Inline(b) => Ok(Cow::Owned(b)),
+        MediaBytes::Remote(url) => fetched_bytes(remote, &url).map(Cow::Borrowed),
     }
 }
 
@@ -109,6 +110,7 @@ pub(crate) fn load(
     param: &str,
     vision: &VisionInfo,
     opts: &MediaOptions,
+    remote: &Fetched,
     encode_text: &dyn Fn(&str) -> Result<Vec<u32>, ApiError>,
 ) -> Result<LoadedVideo, ApiError> {
     let video = vision.video.as_ref().expect("check_media refuses video for a model without video info");
@@ -122,7 +124,7 @@ pub(crate) fn load(
             let mut frames = Vec::with_capacity(urls.len());
             for (k, url) in urls.iter().enumerate() {
                 let at = format!("{param}.video[{k}]");
-                let bytes = resolve_bytes(url, &policy).map_err(|e| media_error(&at, e, opts))?;
+                let bytes = resolve_bytes(url, &policy, remote).map_err(|e| media_error(&at, e, opts))?;
                 let limits = DecodeLimits { max_bytes: opts.max_bytes, max_pixels: opts.max_pixels };
                 frames.push(decode_image(&bytes, limits).map_err(|e| media_error(&at, e, opts))?);
             }
@@ -130,7 +132,7 @@ pub(crate) fn load(
         }
         VideoSource::Container(url) => {
             policy.max_bytes = opts.max_video_bytes;
-            let bytes = resolve_bytes(url, &policy).map_err(|e| video_error(param, e, opts))?;
+            let bytes = resolve_bytes(url, &policy, remote).map_err(|e| video_error(param, e, opts))?;
             let limits = VideoLimits { max_frames: opts.max_video_frames, max_pixels: opts.max_pixels };
             let d = decode_video(&bytes, &video.processor, limits).map_err(|e| video_error(param, e, opts))?;
             (d.frames, d.indices, d.fps)

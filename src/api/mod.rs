@@ -21,6 +21,7 @@ mod completions;
 mod conversation;
 pub mod errors;
 pub mod media;
+mod media_fetch;
 mod media_video;
 pub mod metrics;
 mod output;

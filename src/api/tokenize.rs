@@ -43,6 +43,7 @@ pub(crate) async fn tokenize(
 ) -> Result<HttpResponse, ApiError> {
     let body = read_body(&req, payload, state.shared.opts.max_body_bytes).await?;
     state.ensure_ready()?;
+    let remote = super::media_fetch::prefetch(&state, &body).await?;
     let st = state.clone().into_inner();
     let ids = blocking(move || {
         let v = params::parse_body(&body)?;
@@ -60,6 +61,7 @@ pub(crate) async fn tokenize(
                     tool_choice: ToolChoice::Auto,
                     kwargs: template_kwargs(p.chat_template_kwargs, None, &st.lane)?,
                     add_generation_prompt: p.add_generation_prompt.unwrap_or(true),
+                    remote,
                 };
                 Ok(conversation::render(&st, conv, "messages")?.ids)
             }

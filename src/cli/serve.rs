@@ -14,6 +14,8 @@ use crate::api::{bind_all, ApiOptions};
 use crate::config::engine::{EngineConfig, DEFAULT_CONFIG_TOML};
 use crate::config::layers::{DeviceClass, EngineFile, ModelFamily, Provenance, SchedulerKnobs};
 use crate::generate::{DeviceKind, ResolvedKind};
+use crate::media::fetch::Fetcher;
+use crate::media::remote::RemotePolicy;
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
@@ -123,10 +125,21 @@ pub struct HttpArgs {
     /// first); without it, only `data:` URLs and base64 sources are accepted.
     #[arg(long, env = "SHELFSERVE_ALLOWED_LOCAL_MEDIA_PATH", value_name = "DIR")]
     pub allowed_local_media_path: Option<PathBuf>,
-    /// Accept `http(s)://` image URLs. This build does not fetch them yet: with the flag they get
-    /// a 400 saying so, without it a 400 naming the flag.
+    /// Fetch `http(s)://` image and video URLs (off: a 400 naming this flag). Hosts that resolve
+    /// to loopback, private, link-local or other internal addresses are refused unless listed in
+    /// --allowed-media-domains (docs/vision.md).
     #[arg(long, env = "SHELFSERVE_ALLOW_REMOTE_MEDIA")]
     pub allow_remote_media: bool,
+    /// With --allow-remote-media: fetch only from these hosts (comma list, exact names or IP
+    /// literals), whatever addresses they resolve to.
+    #[arg(long, env = "SHELFSERVE_ALLOWED_MEDIA_DOMAINS", value_name = "HOSTS")]
+    pub allowed_media_domains: Option<String>,
+    /// Seconds one remote media fetch may take in all (redirects, headers and body).
+    #[arg(long, env = "SHELFSERVE_MEDIA_FETCH_TIMEOUT", default_value_t = RemotePolicy::DEFAULT_TIMEOUT.as_secs_f64())]
+    pub media_fetch_timeout: f64,
+    /// A PEM file of root certificates trusted for https media besides the built-in Mozilla roots.
+    #[arg(long, env = "SHELFSERVE_MEDIA_EXTRA_CA", value_name = "FILE")]
+    pub media_extra_ca: Option<PathBuf>,
     /// Images one request may carry (more: 400).
     #[arg(long, env = "SHELFSERVE_MAX_IMAGES_PER_REQUEST", default_value_t = MediaOptions::DEFAULT_MAX_IMAGES)]
     pub max_images_per_request: usize,
@@ -165,9 +178,26 @@ impl HttpArgs {
                 return Err(CliError::Usage(format!("--allowed-local-media-path {}: not a directory", dir.display())));
             }
         }
+        let fetcher = if self.allow_remote_media {
+            let policy = RemotePolicy {
+                allowed_domains: self.allowed_media_domains.as_deref().map(RemotePolicy::domains_from_list),
+                timeout: secs("media-fetch-timeout", self.media_fetch_timeout)?,
+                max_redirects: RemotePolicy::DEFAULT_MAX_REDIRECTS,
+            };
+            Some(Arc::new(Fetcher::new(policy, self.media_extra_ca.as_deref()).map_err(CliError::Usage)?))
+        } else {
+            if self.allowed_media_domains.is_some() || self.media_extra_ca.is_some() {
+                return Err(CliError::Usage(
+                    "--allowed-media-domains and --media-extra-ca apply to remote media: add --allow-remote-media"
+                        .into(),
+                ));
+            }
+            None
+        };
         opts.media = MediaOptions {
             allowed_local_path: self.allowed_local_media_path.clone(),
             allow_remote: self.allow_remote_media,
+            fetcher,
             max_images: self.max_images_per_request,
             max_pixels: self.max_image_pixels,
             max_bytes: self.max_image_bytes,

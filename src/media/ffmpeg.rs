@@ -46,7 +46,7 @@ pub fn decode_video(bytes: &[u8], processor: &VideoProcessor, limits: VideoLimit
     let index = stream.index();
     let rate = stream.avg_frame_rate();
     let fps = if rate.denominator() != 0 { f64::from(rate) } else { 0.0 };
-    if !(fps > 0.0) {
+    if fps.is_nan() || fps <= 0.0 {
         return Err(bad("its video stream states no frame rate"));
     }
     let mut total = usize::try_from(stream.frames()).unwrap_or(0);

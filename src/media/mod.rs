@@ -4,15 +4,18 @@
 //! flattening) and its `Glm5NextVideoProcessor` (frame sampling, one canvas per video, torch's
 //! resize; `video`), plus the content hash that identifies an image to the caches.
 //!
-//! Owns pixels and their layout only: no model weights, no tokens, no HTTP. The API decides which
-//! bytes are allowed in (data URLs, local paths, remote fetches) and the backend runs the tower
-//! on what this module produces. Nothing here touches the scheduler, the KV pool or a device.
+//! Owns pixels and their layout, and the fetching of remote media (`remote` holds its rules,
+//! `fetch` the client): no model weights, no tokens. The API decides which bytes are allowed in
+//! (data URLs, local paths, remote fetches) and the backend runs the tower on what this module
+//! produces. Nothing here touches the scheduler, the KV pool or a device.
 
 pub mod container;
 pub mod decode;
+pub mod fetch;
 #[cfg(feature = "video-ffmpeg")]
 mod ffmpeg;
 pub mod processor;
+pub mod remote;
 pub mod resample;
 pub mod source;
 pub mod video;
@@ -40,6 +43,9 @@ pub enum MediaError {
     /// A video container (mp4, webm, ...) on a build without the `video-ffmpeg` feature.
     #[error("{0}")]
     NoDecoder(String),
+    /// A remote URL could not be fetched (the message names the URL and why).
+    #[error("{0}")]
+    Fetch(String),
 }
 
 /// A stable 64-bit content hash of an image's model input (grid and pixel values): equal inputs

@@ -1,7 +1,8 @@
 //! Where an image's bytes may come from, as a policy over the URL a client sent: `data:` URLs
 //! (base64) always; `file://` paths only inside one allowed directory (resolved through links
 //! before the check, so a link cannot lead outside); `http(s)://` only when remote media is
-//! allowed, and then handed back for the caller to fetch under the same byte limit. Everything
+//! allowed, and then handed back for the caller to fetch (`media::fetch`, under `media::remote`'s
+//! rules and the same byte limit). Everything
 //! else is refused with a message that names the rule.
 
 use std::io::Read;

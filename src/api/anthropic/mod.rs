@@ -64,12 +64,14 @@ pub(crate) async fn count_tokens(req: HttpRequest, payload: web::Payload, state:
     let counted = async {
         let body = read_body(&req, payload, state.shared.opts.max_body_bytes).await?;
         state.ensure_ready()?;
+        let remote = super::media_fetch::prefetch(&state, &body).await?;
         let st = state.clone().into_inner();
         blocking(move || {
             let v = params::parse_body(&body)?;
             let p: MessagesParams = params::fields(&v)?;
             params::check_model(p.model.as_deref(), st.served_name(), st.shared.engine.model())?;
-            Ok(conversation::render(&st, to_conversation(&st, &p)?, "messages")?.ids.len())
+            let conv = Conversation { remote, ..to_conversation(&st, &p)? };
+            Ok(conversation::render(&st, conv, "messages")?.ids.len())
         })
         .await
     };
@@ -87,8 +89,9 @@ async fn handle_messages(
     let start = Instant::now();
     let body = read_body(&req, payload, state.shared.opts.max_body_bytes).await?;
     state.ensure_ready()?;
+    let remote = super::media_fetch::prefetch(&state, &body).await?;
     let st = state.clone().into_inner();
-    let Prepared { rendered, plan, requests } = blocking(move || prepare(&st, &body)).await?;
+    let Prepared { rendered, plan, requests } = blocking(move || prepare(&st, &body, remote)).await?;
     let prompt_len = rendered.ids.len();
     let receivers = state.submit(requests, "messages")?;
     let choices = Choices::new(receivers, &state.lane.name, start);
@@ -116,7 +119,7 @@ fn end_of_turn_ids(state: &LaneState, plan: &params::Plan) -> Vec<u32> {
     ids
 }
 
-fn prepare(state: &LaneState, body: &[u8]) -> Result<Prepared, ApiError> {
+fn prepare(state: &LaneState, body: &[u8], remote: super::media::Fetched) -> Result<Prepared, ApiError> {
     let v = params::parse_body(body)?;
     let p: MessagesParams = params::fields(&v)?;
     let model = state.shared.engine.model();
@@ -134,7 +137,8 @@ fn prepare(state: &LaneState, body: &[u8]) -> Result<Prepared, ApiError> {
         ..CommonParams::default()
     };
     let mut plan = params::plan(&common, Some((max_tokens, "max_tokens")), None, &state.lane, model)?;
-    let rendered = conversation::render(state, to_conversation(state, &p)?, "messages")?;
+    let conv = Conversation { remote, ..to_conversation(state, &p)? };
+    let rendered = conversation::render(state, conv, "messages")?;
     if rendered.keep_special_tokens {
         plan.skip_special_tokens = false;
     }
@@ -190,7 +194,7 @@ fn to_conversation(state: &LaneState, p: &MessagesParams) -> Result<Conversation
         Some(_) => return Err(ApiError::invalid("thinking.type", "`thinking.type` must be `enabled` or `disabled`")),
     }
     let kwargs = template_kwargs(Some(requested), None, &state.lane)?;
-    Ok(Conversation { messages, tools, tool_choice, kwargs, add_generation_prompt: true })
+    Ok(Conversation { messages, tools, tool_choice, kwargs, add_generation_prompt: true, remote: Default::default() })
 }
 
 fn text_of_blocks(blocks: &[Value], param: &str) -> Result<String, ApiError> {
