@@ -517,3 +517,38 @@ impl Filler {
         Ok(b)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::quant::packed::{quantize_rows, PackedFormat};
+
+    fn packed(format: PackedFormat, rows: usize, cols: usize) -> PackedRows {
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+        quantize_rows(format, rows, cols, &w)
+    }
+
+    #[test]
+    fn a_rank_keeps_whole_rows_and_whole_groups_of_a_packed_projection() {
+        for format in [PackedFormat::Fp8Block, PackedFormat::Int4 { group: 32 }, PackedFormat::Nvfp4] {
+            let p = packed(format, 6, 256);
+            let full = p.dequantize();
+            // Rows: the same weights, each row with its own scales (and NVFP4 global).
+            let r = cut_packed(p.clone(), &Cut::Rows(2..5), "m.q_proj").unwrap();
+            assert_eq!(r.dequantize(), full[2 * 256..5 * 256].to_vec(), "{format:?}");
+            // Columns on group boundaries (128 is one for every format here).
+            let c = cut_packed(p.clone(), &Cut::Cols(128..256), "m.o_proj").unwrap();
+            let want: Vec<f32> = full.chunks_exact(256).flat_map(|row| row[128..].to_vec()).collect();
+            assert_eq!(c.dequantize(), want, "{format:?}");
+            assert!(super::super::quant::check_shape(c.format, c.cols).is_ok());
+            // The whole range is the projection itself.
+            assert_eq!(cut_packed(p.clone(), &Cut::Rows(0..6), "x").unwrap().codes, p.codes);
+        }
+        // A column cut inside a 128-column FP8 block cannot keep its scale: refused, named.
+        let e = cut_packed(packed(PackedFormat::Fp8Block, 4, 256), &Cut::Cols(64..192), "m.down_proj").unwrap_err();
+        let e = e.to_string();
+        assert!(e.contains("m.down_proj") && e.contains("splits a scale group"), "{e}");
+        let e = cut_packed(packed(PackedFormat::Nvfp4, 4, 64), &Cut::PaddedRows { rows: 0..4, to: 8 }, "lm_head");
+        assert!(e.is_err());
+    }
+}
