@@ -103,6 +103,22 @@ impl Report {
     }
 }
 
+/// The bench config's optional `quantization` field: `fp8` (128×128 blocks), `int4` (group
+/// 128) or `nvfp4`; the projections are then random packed weights made on the device.
+fn bench_quantization(text: &str) -> Result<Option<crate::model::quant::packed::PackedFormat>, String> {
+    use crate::model::quant::packed::PackedFormat;
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+    match v.get("quantization").filter(|q| !q.is_null()) {
+        None => Ok(None),
+        Some(q) => match q.as_str() {
+            Some("fp8") => Ok(Some(PackedFormat::Fp8Block)),
+            Some("int4") => Ok(Some(PackedFormat::Int4 { group: 128 })),
+            Some("nvfp4") => Ok(Some(PackedFormat::Nvfp4)),
+            _ => Err(format!("bench config: quantization {q} (expected \"fp8\", \"int4\" or \"nvfp4\")")),
+        },
+    }
+}
+
 fn device(e: BackendError) -> CliError {
     CliError::Usage(format!("bench: {e}"))
 }
@@ -132,6 +148,10 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
     let cfg = LlamaConfig::from_hf_json(&text, &args.config)?;
     let spec = LlamaSpec::new(&cfg);
     let world = args.tensor_parallel_size.max(1);
+    let format = bench_quantization(&text).map_err(|e| device(BackendError::InvalidStep(e)))?;
+    if format.is_some() && world > 1 {
+        return Err(device(BackendError::InvalidStep("a `quantization` bench runs on one device".into())));
+    }
     let weight_bytes = spec.decode_weight_elems() * 2;
     let kv_token_bytes = cfg.num_hidden_layers * 2 * cfg.kv_dim() * 2;
     // Per device: its share of the weights (plus the whole embedding and the seeded whole tensor
@@ -158,7 +178,22 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
     );
     let started = Instant::now();
     let opts = CudaOptions { ordinal: args.cuda_device, kv: geom, precision: Precision::Bf16 };
-    let mut b = TpCudaBackend::synthetic(&cfg, 1234, opts, world).map_err(device)?;
+    let mut b = match format {
+        Some(f) => TpCudaBackend::synthetic_packed(&cfg, 1234, opts, f),
+        None => TpCudaBackend::synthetic(&cfg, 1234, opts, world),
+    }
+    .map_err(device)?;
+    // Packed projections: a decode step reads what is held but the embedding (untied) — codes
+    // and scales as stored, the head and norms — not the dense estimate above.
+    let device_weights = match format {
+        Some(f) => {
+            let embed = if cfg.tie_word_embeddings { 0 } else { cfg.vocab_size * cfg.hidden_size * 2 };
+            let held = b.weight_bytes() - embed;
+            eprintln!("bench: projections packed as {}: decode reads {:.2} GB", f.name(), held as f64 / 1e9);
+            held
+        }
+        None => device_weights,
+    };
     b.fill_kv_random(99).map_err(device)?;
     let gpu_name = b.lead().gpu_name().to_string();
     eprintln!("bench: weights generated on {world} x {gpu_name} in {:.1}s", started.elapsed().as_secs_f64());
@@ -299,4 +334,26 @@ pub fn run_bench(args: &BenchArgs) -> Result<(), CliError> {
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::quant::packed::PackedFormat;
+
+    #[test]
+    fn bench_configs_name_their_quantization() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/bench");
+        let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
+        assert_eq!(bench_quantization(&read("llama-8b.json")), Ok(None));
+        assert_eq!(bench_quantization(&read("llama-8b-fp8.json")), Ok(Some(PackedFormat::Fp8Block)));
+        assert_eq!(bench_quantization(&read("llama-8b-int4.json")), Ok(Some(PackedFormat::Int4 { group: 128 })));
+        assert_eq!(bench_quantization(&read("llama-8b-nvfp4.json")), Ok(Some(PackedFormat::Nvfp4)));
+        for f in ["llama-8b-fp8.json", "llama-8b-int4.json", "llama-8b-nvfp4.json"] {
+            let cfg = LlamaConfig::from_hf_json(&read(f), &dir.join(f)).unwrap();
+            assert_eq!(cfg.hidden_size, 4096, "{f}");
+        }
+        let e = bench_quantization(r#"{"quantization": "q4_k"}"#).unwrap_err();
+        assert!(e.contains("q4_k") && e.contains("nvfp4"), "{e}");
+    }
 }

@@ -376,8 +376,9 @@ pub fn load_matrix_f32(w: &dyn WeightSource, base: &str, out: usize, inp: usize)
     Ok(super::tensor::to_f32(&t))
 }
 
-/// Refuse `w` on a backend (`device`) that has no kernels for quantized checkpoints, naming the
-/// format and a quantized tensor, rather than letting it read codes as weights.
+/// Refuse `w` on a backend (`device`) that has no kernels for quantized checkpoints (today the
+/// `glm5_next` CUDA backend; the llama-family one keeps them packed), naming the format and a
+/// quantized tensor, rather than letting it read codes as weights.
 pub fn refuse_on_device(w: &dyn WeightSource, device: &str) -> Result<(), ModelError> {
     let Some(scheme) = w.quantization() else { return Ok(()) };
     let names = w.tensor_names();

@@ -11,6 +11,7 @@ use super::decode::{
 };
 use super::gpu::{cfg, grid_for, DevBuf, Gpu, Precision};
 use super::plan::{AttnKernels, StepLayout, ROWS_PER_ITEM};
+use super::quant::{self, LinearWeight};
 use super::shard;
 use super::CudaBackend;
 use crate::backend::{BackendError, SeqStep};
@@ -158,12 +159,21 @@ impl CudaBackend {
         let xs = s.get(gpu, "final_x", m.max(1) * h * eb)?;
         let logits = s.get(gpu, "logits", m.max(1) * c.vocab_size * 4)?;
         let tp_logits = shard::reserve_logits_scratch(gpu, s, &self.tp, m)?;
+        // Packed (quantized) projections run the unfused path, each matrix product dispatched on
+        // its weight (`quant::matmul`); prefill-sized steps dequantize one matrix at a time here.
+        let packed = self.weights.has_packed();
+        let dequant = if packed && quant::packed_path(t) == quant::PackedPath::DequantGemm {
+            s.get(gpu, "dequant", self.weights.max_packed_elems() * eb)?
+        } else {
+            0
+        };
 
         // Decode-sized steps run on the fused GEMVs (no cuBLAS, no tensor-core items) and replay
         // a captured CUDA graph: same shapes and buffers, same launches, no launch gaps.
         let fused = fused_decode_fits(t, &[h, qd, inter]) && layout.mma_items.is_empty();
+        let fused_layers = fused && !packed;
         // RoPE joins the q/k/v GEMV unless q/k are normed per head first (that needs the whole head).
-        let rope_fused = fused && self.weights.layers.iter().all(|l| l.q_norm.is_none() && l.k_norm.is_none());
+        let rope_fused = fused_layers && self.weights.layers.iter().all(|l| l.q_norm.is_none() && l.k_norm.is_none());
         let graph_key = (self.cuda_graphs && fused).then_some(GraphKey {
             tokens: t,
             logit_rows: m,
@@ -241,9 +251,9 @@ impl CudaBackend {
             };
             let ptr = |b: &Option<DevBuf>| b.as_ref().map_or(0, DevBuf::ptr);
             // A fused GEMV over `t` token rows reading the residual stream `x` (or `input`).
-            let gemv = |w: &DevBuf, bias: &Option<DevBuf>, n: usize, k: usize| GemvArgs {
+            let gemv = |w: u64, bias: &Option<DevBuf>, n: usize, k: usize| GemvArgs {
                 x,
-                w: w.ptr(),
+                w,
                 bias: ptr(bias),
                 m: t as i32,
                 n: n as i32,
@@ -254,6 +264,12 @@ impl CudaBackend {
             // The residual's RMSNorm with weights `w` into `xn`, the GEMM input of the cuBLAS path.
             let rmsnorm = |gpu: &Gpu, w: u64| -> Result<(), BackendError> {
                 launch!(gpu, norm_f.clone(), cfg((t as u32, 1), NORM_THREADS, 0), &x, &null, &w, &xn, &h32, &eps)
+            };
+            let dense = |w: &LinearWeight| w.dense().map_or(0, DevBuf::ptr);
+            // `y (+)= x · wᵀ` over the step's rows, whatever `w`'s format.
+            let matmul = |gpu: &mut Gpu, w: &LinearWeight, k: usize, x: u64, y: u64, acc: bool| {
+                let io = quant::MatmulIo { x, y, ldy: w.rows(), dequant };
+                quant::matmul(gpu, prec, w, t, k, io, acc)
             };
             for (li, lw) in self.weights.layers.iter().enumerate() {
                 let kbase = self.kv.at(self.kv_layout.layer_offset(li) * eb);
@@ -294,16 +310,16 @@ impl CudaBackend {
                         nh: nh32,
                         nkv: nkv32,
                         hd: hd32,
-                        ..gemv(&lw.qkv, &lw.qkv_bias, qd + 2 * kvd, h)
+                        ..gemv(dense(&lw.qkv), &lw.qkv_bias, qd + 2 * kvd, h)
                     };
                     launch_gemv(gpu, GemvKind::NormRope, prec, &a)?;
-                } else if fused {
-                    let a = GemvArgs { norm_w: norm_in, y: qkv, ..gemv(&lw.qkv, &lw.qkv_bias, qd + 2 * kvd, h) };
+                } else if fused_layers {
+                    let a = GemvArgs { norm_w: norm_in, y: qkv, ..gemv(dense(&lw.qkv), &lw.qkv_bias, qd + 2 * kvd, h) };
                     launch_gemv(gpu, GemvKind::Norm, prec, &a)?;
                     rope(gpu)?;
                 } else {
                     rmsnorm(gpu, norm_in)?;
-                    gpu.gemm(prec, t, qd + 2 * kvd, h, xn, lw.qkv.ptr(), qkv, false)?;
+                    matmul(gpu, &lw.qkv, h, xn, qkv, false)?;
                     add_bias(gpu, qkv, &lw.qkv_bias, qd + 2 * kvd)?;
                     rope(gpu)?;
                 }
@@ -331,26 +347,30 @@ impl CudaBackend {
                 }
                 let norm_post = lw.post_norm.ptr();
                 let accumulate = shard::residual_accumulates(&self.tp);
-                if fused {
-                    let o = GemvArgs { x: attn, y: x, ..gemv(&lw.o, &lw.o_bias, h, qd) };
+                if fused_layers {
+                    let o = GemvArgs { x: attn, y: x, ..gemv(dense(&lw.o), &lw.o_bias, h, qd) };
                     shard::gemv_add_row_parallel(gpu, &self.tp, prec, &o, t * h)?;
-                    let a = GemvArgs { norm_w: norm_post, y: act, ..gemv(&lw.gate_up, &lw.gate_up_bias, 2 * inter, h) };
+                    let a = GemvArgs {
+                        norm_w: norm_post,
+                        y: act,
+                        ..gemv(dense(&lw.gate_up), &lw.gate_up_bias, 2 * inter, h)
+                    };
                     launch_gemv(gpu, GemvKind::NormSwiglu, prec, &a)?;
-                    let down = GemvArgs { x: act, y: x, ..gemv(&lw.down, &lw.down_bias, h, inter) };
+                    let down = GemvArgs { x: act, y: x, ..gemv(dense(&lw.down), &lw.down_bias, h, inter) };
                     shard::gemv_add_row_parallel(gpu, &self.tp, prec, &down, t * h)?;
                     continue;
                 }
-                gpu.gemm(prec, t, h, qd, attn, lw.o.ptr(), x, accumulate)?;
+                matmul(gpu, &lw.o, qd, attn, x, accumulate)?;
                 add_bias(gpu, x, &lw.o_bias, h)?;
                 shard::all_reduce(&self.tp, x, t * h)?;
                 rmsnorm(gpu, norm_post)?;
-                gpu.gemm(prec, t, 2 * inter, h, xn, lw.gate_up.ptr(), gu, false)?;
+                matmul(gpu, &lw.gate_up, h, xn, gu, false)?;
                 add_bias(gpu, gu, &lw.gate_up_bias, 2 * inter)?;
                 // One row per grid row (up to 65 535, then grid-stride), four columns per thread.
                 let (rows, col_blocks) = (t as i32, inter.div_ceil(4 * 256) as u32);
                 let grid = (col_blocks, t.min(65_535) as u32);
                 launch!(gpu, swiglu_f.clone(), cfg(grid, 256, 0), &gu, &act, &inter32, &rows)?;
-                gpu.gemm(prec, t, h, inter, act, lw.down.ptr(), x, accumulate)?;
+                matmul(gpu, &lw.down, inter, act, x, accumulate)?;
                 add_bias(gpu, x, &lw.down_bias, h)?;
                 shard::all_reduce(&self.tp, x, t * h)?;
             }
@@ -364,7 +384,7 @@ impl CudaBackend {
                         norm_w: w,
                         y: logits,
                         m: m as i32,
-                        ..gemv(head, &None, c.vocab_size, h)
+                        ..gemv(head.ptr(), &None, c.vocab_size, h)
                     };
                     launch_gemv(gpu, GemvKind::Norm, prec, &a)?;
                 } else {

@@ -28,6 +28,9 @@ pub const GLM5_SOURCE: &str = include_str!("../../../cuda/glm5.cu");
 /// `glm5_next`'s vision tower kernels: compiled only by backends of a model with a tower (or
 /// one given image embeddings) ([`Gpu::load_vision`]).
 pub const VISION_SOURCE: &str = include_str!("../../../cuda/vision.cu");
+/// Packed quantized linears (FP8, int4, NVFP4): compiled only by backends whose checkpoint has
+/// them ([`Gpu::load_quant`]).
+pub const QUANT_SOURCE: &str = include_str!("../../../cuda/quant_gemv.cu");
 
 fn gemv_module(p: Precision) -> &'static str {
     match p {
@@ -304,6 +307,14 @@ impl Gpu {
         self.compile("vision", VISION_SOURCE)
     }
 
+    /// Compile the packed quantized kernels (`cuda/quant_gemv.cu`) once.
+    pub fn load_quant(&mut self) -> Result<(), BackendError> {
+        if self.modules.contains_key("quant") {
+            return Ok(());
+        }
+        self.compile("quant", QUANT_SOURCE)
+    }
+
     fn compile(&mut self, module: &'static str, src: &str) -> Result<(), BackendError> {
         self.compile_all(&[(module, src.to_string())])
     }
@@ -485,7 +496,25 @@ impl Gpu {
         y: u64,
         accumulate: bool,
     ) -> Result<(), BackendError> {
-        if m == 0 {
+        self.gemm_ld(prec, m, n, k, x, w, y, n, accumulate)
+    }
+
+    /// [`gemm`](Self::gemm) into rows of `ldy` f32 (`y` may point into a wider output: one part
+    /// of a row-stacked projection).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_ld(
+        &self,
+        prec: Precision,
+        m: usize,
+        n: usize,
+        k: usize,
+        x: u64,
+        w: u64,
+        y: u64,
+        ldy: usize,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        if m == 0 || n == 0 {
             return Ok(());
         }
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
@@ -514,7 +543,7 @@ impl Gpu {
                 &beta as *const f32 as *const _,
                 y as *mut _,
                 cublas_sys::cudaDataType::CUDA_R_32F,
-                n as i32,
+                ldy as i32,
                 compute,
                 cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
@@ -576,9 +605,12 @@ mod tests {
     #[ignore = "needs libnvrtc, not a GPU: LD_LIBRARY_PATH=<its dir> cargo test --lib -- --ignored every_kernel"]
     fn every_kernel_module_compiles_for_hopper_and_ampere() {
         for cc in [(9, 0), (8, 0)] {
-            for (module, src) in
-                MODULES.iter().chain([&("gemv", GEMV_SOURCE), &("glm5", GLM5_SOURCE), &("vision", VISION_SOURCE)])
-            {
+            for (module, src) in MODULES.iter().chain([
+                &("gemv", GEMV_SOURCE),
+                &("glm5", GLM5_SOURCE),
+                &("vision", VISION_SOURCE),
+                &("quant", QUANT_SOURCE),
+            ]) {
                 let ptx = compile_module(module, src, cc, &[]).unwrap_or_else(|e| panic!("{e}"));
                 assert!(ptx.to_src().contains(".entry"), "{module}: no kernels in the PTX");
             }

@@ -16,6 +16,7 @@ mod kernel_cache;
 pub mod nccl;
 mod page_mover;
 pub mod plan;
+pub mod quant;
 pub mod sample;
 pub mod shard;
 mod staging;

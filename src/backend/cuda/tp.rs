@@ -74,6 +74,16 @@ impl TpCudaBackend {
         Self::build(cfg, opts, world, |gpu, s| DeviceWeights::synthetic(gpu, cfg, opts.precision, seed, s))
     }
 
+    /// [`synthetic`](Self::synthetic) with the projections packed in `format` (one device).
+    pub fn synthetic_packed(
+        cfg: &LlamaConfig,
+        seed: u64,
+        opts: CudaOptions,
+        format: crate::model::quant::packed::PackedFormat,
+    ) -> Result<Self, BackendError> {
+        Self::build(cfg, opts, 1, |gpu, s| DeviceWeights::synthetic_packed(gpu, cfg, opts.precision, seed, s, format))
+    }
+
     fn build(
         cfg: &LlamaConfig,
         opts: CudaOptions,

@@ -1,33 +1,38 @@
 //! Model weights in device memory: matrices in the backend's storage precision (f16/f32/bf16
 //! converted and GGUF blocks dequantized at load, through the `WeightSource`), q/k/v and
 //! gate/up stacked into one matrix each so one GEMM computes them; norms and biases in f32.
+//! A quantized safetensors checkpoint's projections (FP8 blocks, int4, NVFP4) stay packed as
+//! stored ([`LinearWeight::Packed`], `quant`); stacking keeps each row's scales (NVFP4's global
+//! is per row for this), and projections of different formats are stacked as parts.
 //! Or seeded random weights generated on the device, for benchmarks of any size. A tensor-parallel
 //! rank keeps its share of each tensor (`shard::RankSlices`).
 
 use super::gpu::{cfg, grid_for, DevBuf, Gpu, Precision};
+use super::quant::{DevPacked, LinearWeight};
 use super::shard::{cut_device, Cut, RankSlices};
 use super::staging::{MatrixRuns, StagingUploader};
 use crate::backend::BackendError;
 use crate::config::LlamaConfig;
 use crate::launch;
 use crate::model::llama::{LinearSpec, LlamaSpec};
+use crate::model::quant::packed::PackedRows;
 use crate::model::tensor::to_f32;
-use crate::model::WeightSource;
+use crate::model::{quantized, TensorView, WeightSource};
 
 pub struct LayerWeights {
     pub input_norm: DevBuf,
     /// `[q_dim + 2·kv_dim, hidden]`.
-    pub qkv: DevBuf,
+    pub qkv: LinearWeight,
     pub qkv_bias: Option<DevBuf>,
     pub q_norm: Option<DevBuf>,
     pub k_norm: Option<DevBuf>,
-    pub o: DevBuf,
+    pub o: LinearWeight,
     pub o_bias: Option<DevBuf>,
     pub post_norm: DevBuf,
     /// `[2·intermediate, hidden]`: gate rows, then up rows.
-    pub gate_up: DevBuf,
+    pub gate_up: LinearWeight,
     pub gate_up_bias: Option<DevBuf>,
-    pub down: DevBuf,
+    pub down: LinearWeight,
     pub down_bias: Option<DevBuf>,
 }
 
@@ -40,7 +45,22 @@ pub struct DeviceWeights {
 }
 
 impl DeviceWeights {
-    /// Bytes of matrices and vectors on the device.
+    /// Whether any projection is stored packed (the step then runs the unfused path).
+    pub fn has_packed(&self) -> bool {
+        self.max_packed_elems() > 0
+    }
+
+    /// Elements of the largest packed matrix (the prefill dequantize scratch), 0 if none.
+    pub fn max_packed_elems(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
+            .map(LinearWeight::max_packed_elems)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Bytes of matrices and vectors on the device (packed projections at their packed size).
     pub fn bytes(&self) -> usize {
         let opt = |b: &Option<DevBuf>| b.as_ref().map_or(0, DevBuf::bytes);
         self.embed.bytes()
@@ -70,13 +90,21 @@ impl DeviceWeights {
     /// converting matrices to `prec`. Matrices stream from the map through the pinned staging
     /// ring ([`StagingUploader`]), read and converted on every core while earlier ones copy.
     pub fn load(
-        gpu: &Gpu,
+        gpu: &mut Gpu,
         c: &LlamaConfig,
         w: &dyn WeightSource,
         prec: Precision,
         slices: &RankSlices,
     ) -> Result<Self, BackendError> {
-        crate::model::quantized::refuse_on_device(w, "cuda")?;
+        // The packed kernels, and the dequantize kernel a packed LM head is widened with.
+        let dequant = match w.quantization() {
+            Some(q) => {
+                gpu.load_quant()?;
+                Some(gpu.func("quant", &super::quant::dequant_kernel_name(q.format(), prec))?)
+            }
+            None => None,
+        };
+        let gpu = &*gpu;
         let spec = LlamaSpec::new(c);
         let h = c.hidden_size;
         let cuts = LayerCuts::new(slices);
@@ -101,13 +129,6 @@ impl DeviceWeights {
             layers + embed + head
         };
         let mut up = StagingUploader::new(gpu, expected)?;
-        let linear = |parts: &[(&LinearSpec, Cut)]| {
-            parts
-                .iter()
-                .map(|(p, cut)| Ok((w.expect(&p.weight(), &[p.out, p.inp])?, cut.clone())))
-                .collect::<Result<Vec<_>, BackendError>>()
-        };
-        let mut matrix = |views: Vec<_>| up.matrix(gpu, &MatrixRuns::new(&views), prec);
         let bias = |parts: &[(&LinearSpec, Cut)]| -> Result<Option<DevBuf>, BackendError> {
             let Some(cuts) = bias_cuts(parts, slices) else { return Ok(None) };
             let mut all = Vec::new();
@@ -122,26 +143,30 @@ impl DeviceWeights {
         for l in &spec.layers {
             let qkv = [(&l.q, cuts.q.clone()), (&l.k, cuts.kv.clone()), (&l.v, cuts.kv.clone())];
             let gate_up = [(&l.gate, cuts.inter.clone()), (&l.up, cuts.inter.clone())];
+            let mut linear = |parts: &[(&LinearSpec, Cut)]| load_stack(gpu, &mut up, w, prec, parts);
             layers.push(LayerWeights {
                 input_norm: vector(&l.input_norm, h)?,
-                qkv: matrix(linear(&qkv)?)?,
+                qkv: linear(&qkv)?,
                 qkv_bias: bias(&qkv)?,
                 q_norm: l.q_norm.as_ref().map(|n| vector(n, c.head_dim)).transpose()?,
                 k_norm: l.k_norm.as_ref().map(|n| vector(n, c.head_dim)).transpose()?,
-                o: matrix(linear(&[(&l.o, cuts.o.clone())])?)?,
+                o: linear(&[(&l.o, cuts.o.clone())])?,
                 o_bias: bias(&[(&l.o, cuts.o.clone())])?,
                 post_norm: vector(&l.post_attention_norm, h)?,
-                gate_up: matrix(linear(&gate_up)?)?,
+                gate_up: linear(&gate_up)?,
                 gate_up_bias: bias(&gate_up)?,
-                down: matrix(linear(&[(&l.down, cuts.down.clone())])?)?,
+                down: linear(&[(&l.down, cuts.down.clone())])?,
                 down_bias: bias(&[(&l.down, cuts.down.clone())])?,
             });
         }
         // Whole on every rank (see `shard`), padded with zero rows for a tied, cut lm_head.
         let embed_view = w.expect(&spec.embed, &[c.vocab_size, h])?;
-        let embed = matrix(vec![(embed_view, embed_cut)])?;
+        let embed = up.matrix(gpu, &MatrixRuns::new(&[(embed_view, embed_cut)]), prec)?;
         let untied_head = match head_cut {
-            Some(cut) => Some(matrix(linear(&[(&spec.lm_head, cut)])?)?),
+            Some(cut) => {
+                let head = load_stack(gpu, &mut up, w, prec, &[(&spec.lm_head, cut)])?;
+                Some(dense_head(gpu, head, prec, dequant.as_ref())?)
+            }
             None => None,
         };
         // The tied head is copied out of the embedding on the compute stream: the uploads first.
@@ -170,8 +195,9 @@ impl DeviceWeights {
         let lin = |gpu: &mut Gpu,
                    f: &mut Filler,
                    parts: &[(&LinearSpec, Cut)]|
-         -> Result<(DevBuf, Option<DevBuf>), BackendError> {
+         -> Result<(LinearWeight, Option<DevBuf>), BackendError> {
             let n: usize = parts.iter().map(|(p, _)| p.out * p.inp).sum();
+            let rows = parts.iter().map(|(p, cut)| cut.out_rows(p.out)).sum();
             let whole = f.fill(gpu, n, prec, 0.0, 1.0 / (parts[0].0.inp as f32).sqrt())?;
             let mut at = 0;
             let blocks: Vec<(usize, usize, Cut)> = parts
@@ -194,7 +220,7 @@ impl DeviceWeights {
             } else {
                 None
             };
-            Ok((w, b))
+            Ok((LinearWeight::Dense { buf: w, rows }, b))
         };
         let cuts = LayerCuts::new(slices);
         let mut layers = Vec::with_capacity(spec.layers.len());
@@ -235,6 +261,176 @@ impl DeviceWeights {
         gpu.sync()?;
         Ok(DeviceWeights { embed, layers, final_norm, lm_head })
     }
+}
+
+/// Consecutive projections of one storage kind, on their way into one stacked matrix.
+enum Run<'a> {
+    Dense(Vec<(TensorView<'a>, Cut)>, usize),
+    Packed(Vec<PackedRows>),
+}
+
+/// Projections sharing one input (`parts`, each cut to this rank's share), stacked by rows: in
+/// the storage precision through the staging ring when stored as floats or GGML blocks, packed
+/// as stored when the checkpoint quantized them; consecutive parts of one kind form one matrix,
+/// parts of different kinds stay side by side ([`LinearWeight::Parts`]).
+fn load_stack<'a>(
+    gpu: &Gpu,
+    up: &mut StagingUploader,
+    w: &'a dyn WeightSource,
+    prec: Precision,
+    parts: &[(&LinearSpec, Cut)],
+) -> Result<LinearWeight, BackendError> {
+    let mut runs: Vec<Run<'a>> = Vec::new();
+    for (p, cut) in parts {
+        match quantized::load_linear(w, &p.name, p.out, p.inp)? {
+            Some(packed) => {
+                let packed = cut_packed(packed, cut, &p.name)?;
+                match runs.last_mut() {
+                    Some(Run::Packed(v)) if v[0].format == packed.format => v.push(packed),
+                    _ => runs.push(Run::Packed(vec![packed])),
+                }
+            }
+            None => {
+                let view = w.expect(&p.weight(), &[p.out, p.inp])?;
+                let rows = cut.out_rows(p.out);
+                match runs.last_mut() {
+                    Some(Run::Dense(v, n)) => {
+                        v.push((view, cut.clone()));
+                        *n += rows;
+                    }
+                    _ => runs.push(Run::Dense(vec![(view, cut.clone())], rows)),
+                }
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(runs.len());
+    for run in runs {
+        out.push(match run {
+            Run::Dense(views, rows) => {
+                LinearWeight::Dense { buf: up.matrix(gpu, &MatrixRuns::new(&views), prec)?, rows }
+            }
+            Run::Packed(v) => {
+                let stacked = PackedRows::concat(v).unwrap_or_else(|_| unreachable!("one format, one input width"));
+                LinearWeight::Packed(DevPacked::upload(gpu, &stacked)?)
+            }
+        });
+    }
+    Ok(LinearWeight::stack(out))
+}
+
+/// This rank's share of a packed projection. Rows cut anywhere; columns only on scale-group
+/// boundaries (a group cannot be split; such a tensor-parallel degree is refused).
+fn cut_packed(p: PackedRows, cut: &Cut, name: &str) -> Result<PackedRows, BackendError> {
+    match cut {
+        Cut::Rows(r) if *r == (0..p.rows) => Ok(p),
+        Cut::Rows(r) => Ok(p.take_rows(r.clone())),
+        Cut::Cols(c) if *c == (0..p.cols) => Ok(p),
+        Cut::Cols(c) => p.take_cols(c.clone()).ok_or_else(|| {
+            BackendError::Device(format!(
+                "`{name}` ({}): this tensor-parallel cut of columns {c:?} splits a scale group",
+                p.format.name()
+            ))
+        }),
+        Cut::PaddedRows { .. } => {
+            Err(BackendError::Device(format!("`{name}` ({}): padded row cuts are not served packed", p.format.name())))
+        }
+    }
+}
+
+/// The LM head as a dense matrix: a packed head is dequantized on the device (logged; the head
+/// has no packed path yet).
+fn dense_head(
+    gpu: &Gpu,
+    head: LinearWeight,
+    prec: Precision,
+    dequant: Option<&cudarc::driver::CudaFunction>,
+) -> Result<DevBuf, BackendError> {
+    match (head, dequant) {
+        (LinearWeight::Dense { buf, .. }, _) => Ok(buf),
+        (LinearWeight::Packed(p), Some(f)) => {
+            tracing::info!(format = %p.format.name(), "lm_head dequantized to the storage precision on the device");
+            let buf = gpu.alloc(p.rows * p.cols * prec.bytes())?;
+            p.dequantize_with(gpu, f, buf.ptr())?;
+            gpu.sync()?;
+            Ok(buf)
+        }
+        _ => Err(BackendError::Device("a packed lm_head without a quantization scheme".into())),
+    }
+}
+
+impl DeviceWeights {
+    /// [`synthetic`](Self::synthetic) with every projection packed in `format` (random codes and
+    /// scales made on the device, of the magnitudes of the dense synthetic weights): benchmarks
+    /// of quantized decode. The whole model on one device only.
+    pub fn synthetic_packed(
+        gpu: &mut Gpu,
+        c: &LlamaConfig,
+        prec: Precision,
+        seed: u64,
+        slices: &RankSlices,
+        format: crate::model::quant::packed::PackedFormat,
+    ) -> Result<Self, BackendError> {
+        if !slices.is_whole() {
+            return Err(BackendError::Device("packed synthetic weights are made for one device only".into()));
+        }
+        gpu.load_quant()?;
+        let mut dw = Self::synthetic(gpu, c, prec, seed, slices)?;
+        let mut f = Filler::new(seed ^ 0x5eed);
+        let (h, qd, kvd, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        for l in &mut dw.layers {
+            // Replace one at a time: at most one dense projection and its packed twin at once.
+            l.qkv = LinearWeight::Packed(random_packed(gpu, &mut f, format, qd + 2 * kvd, h)?);
+            l.o = LinearWeight::Packed(random_packed(gpu, &mut f, format, h, qd)?);
+            l.gate_up = LinearWeight::Packed(random_packed(gpu, &mut f, format, 2 * inter, h)?);
+            l.down = LinearWeight::Packed(random_packed(gpu, &mut f, format, h, inter)?);
+        }
+        gpu.sync()?;
+        Ok(dw)
+    }
+}
+
+/// A `[rows, cols]` packed matrix of seeded random codes; scales put its weights near
+/// ±1/√cols, like the dense synthetic matrices.
+fn random_packed(
+    gpu: &mut Gpu,
+    f: &mut Filler,
+    format: crate::model::quant::packed::PackedFormat,
+    rows: usize,
+    cols: usize,
+) -> Result<DevPacked, BackendError> {
+    use crate::model::quant::packed::PackedFormat;
+    super::quant::check_shape(format, cols).map_err(BackendError::Device)?;
+    let fill = gpu.func("quant", "quant_fill_bytes")?;
+    let bytes = |gpu: &mut Gpu, f: &mut Filler, n: usize, and_mask: u32, or_mask: u32| {
+        f.counter = f.counter.wrapping_add(1);
+        let b = gpu.alloc(n)?;
+        let (p, n64, seed) = (b.ptr(), n as i64, f.counter);
+        launch!(gpu, fill.clone(), cfg((grid_for(n, 256).min(8192), 1), 256, 0), &p, &n64, &seed, &and_mask, &or_mask)?;
+        Ok::<DevBuf, BackendError>(b)
+    };
+    let groups = rows * (cols / format.group());
+    let inv = 1.0 / (cols as f32).sqrt();
+    let (codes, scales, scale_codes, row_global) = match format {
+        PackedFormat::Fp8Block => (
+            bytes(gpu, f, rows * cols, 0xBF, 0)?,
+            Some(f.fill(gpu, groups, Precision::F32, inv, 0.1 * inv)?),
+            None,
+            None,
+        ),
+        PackedFormat::Int4 { .. } => (
+            bytes(gpu, f, rows * cols / 2, 0xFF, 0)?,
+            Some(f.fill(gpu, groups, Precision::F32, 0.25 * inv, 0.025 * inv)?),
+            None,
+            None,
+        ),
+        PackedFormat::Nvfp4 => (
+            bytes(gpu, f, rows * cols / 2, 0xFF, 0)?,
+            None,
+            Some(bytes(gpu, f, groups, 0x07, 0x30)?),
+            Some(f.fill(gpu, rows, Precision::F32, 3.0 / inv, 0.0)?),
+        ),
+    };
+    Ok(DevPacked { format, rows, cols, codes, scales, scale_codes, row_global })
 }
 
 /// A tied lm_head under tensor parallelism: this rank's vocabulary rows of the (zero-padded)
@@ -319,5 +515,40 @@ impl Filler {
         let (ptr, n64, seed) = (b.ptr(), n as i64, self.counter);
         launch!(gpu, f, cfg((grid_for(n, 256).min(8192), 1), 256, 0), &ptr, &n64, &seed, &center, &scale)?;
         Ok(b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::quant::packed::{quantize_rows, PackedFormat};
+
+    fn packed(format: PackedFormat, rows: usize, cols: usize) -> PackedRows {
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+        quantize_rows(format, rows, cols, &w)
+    }
+
+    #[test]
+    fn a_rank_keeps_whole_rows_and_whole_groups_of_a_packed_projection() {
+        for format in [PackedFormat::Fp8Block, PackedFormat::Int4 { group: 32 }, PackedFormat::Nvfp4] {
+            let p = packed(format, 6, 256);
+            let full = p.dequantize();
+            // Rows: the same weights, each row with its own scales (and NVFP4 global).
+            let r = cut_packed(p.clone(), &Cut::Rows(2..5), "m.q_proj").unwrap();
+            assert_eq!(r.dequantize(), full[2 * 256..5 * 256].to_vec(), "{format:?}");
+            // Columns on group boundaries (128 is one for every format here).
+            let c = cut_packed(p.clone(), &Cut::Cols(128..256), "m.o_proj").unwrap();
+            let want: Vec<f32> = full.chunks_exact(256).flat_map(|row| row[128..].to_vec()).collect();
+            assert_eq!(c.dequantize(), want, "{format:?}");
+            assert!(super::super::quant::check_shape(c.format, c.cols).is_ok());
+            // The whole range is the projection itself.
+            assert_eq!(cut_packed(p.clone(), &Cut::Rows(0..6), "x").unwrap().codes, p.codes);
+        }
+        // A column cut inside a 128-column FP8 block cannot keep its scale: refused, named.
+        let e = cut_packed(packed(PackedFormat::Fp8Block, 4, 256), &Cut::Cols(64..192), "m.down_proj").unwrap_err();
+        let e = e.to_string();
+        assert!(e.contains("m.down_proj") && e.contains("splits a scale group"), "{e}");
+        let e = cut_packed(packed(PackedFormat::Nvfp4, 4, 64), &Cut::PaddedRows { rows: 0..4, to: 8 }, "lm_head");
+        assert!(e.is_err());
     }
 }

@@ -1,0 +1,365 @@
+//! Quantized linears on the device, kept in their checkpoint format (`cuda/quant_gemv.cu`): FP8
+//! 128×128 blocks, compressed-tensors int4 and NVFP4, in the CPU's [`PackedRows`] layout (codes
+//! row after row, per-(row, group) scales; NVFP4 with its E4M3 scale bytes and a global per row).
+//! A projection is a [`LinearWeight`]: a dense matrix in the storage precision, a packed one, or
+//! projections of different formats stacked by rows ([`LinearWeight::Parts`], e.g. an FP8 q_proj
+//! beside k/v that transformers left in bf16).
+//!
+//! [`matmul`] dispatches on the weight: dense matrices go to cuBLAS; packed ones to the GEMV
+//! that dequantizes in registers for steps of at most [`QUANT_GEMV_MAX_ROWS`] token rows, else
+//! (prefill) the matrix is dequantized into a scratch in the storage precision and multiplied by
+//! the same cuBLAS GEMM — an honest interim: prefill reads the dequantized matrix once more than
+//! a fused tensor-core GEMM would (Marlin-style 4-bit and FP8 tensor-core GEMMs are later work).
+
+use cudarc::driver::CudaFunction;
+
+use super::gpu::{cfg, grid_for, kernel_param, DevBuf, DeviceRepr, Gpu, Precision};
+use crate::backend::BackendError;
+use crate::model::quant::packed::{PackedFormat, PackedRows};
+
+/// Most token rows the packed GEMVs take (their 8-row build); larger steps dequantize + GEMM.
+pub const QUANT_GEMV_MAX_ROWS: usize = 8;
+/// Weight rows one GEMV block computes (`QG_COLS`).
+pub const QUANT_GEMV_COLS: usize = 8;
+const QUANT_THREADS: u32 = 256;
+/// Bytes of codes each thread loads at once (one 16-byte load).
+pub const CHUNK_BYTES: usize = 16;
+
+/// What a quantized kernel reads and writes (`QuantArgs` in cuda/quant_gemv.cu; device addresses
+/// as u64, 0 for "none").
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct QuantArgs {
+    /// GEMV: `[m, k]` in the storage type.
+    pub x: u64,
+    pub codes: u64,
+    /// FP8 / int4: f32 `[n, k / group]`.
+    pub scales: u64,
+    /// NVFP4: e4m3 bytes `[n, k / 16]`.
+    pub scale_codes: u64,
+    /// NVFP4: f32 `[n]`.
+    pub row_global: u64,
+    /// GEMV: f32 output, row r at `y + r·ldy`; dequantize: `[n, k]` in the storage type.
+    pub y: u64,
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    pub ldy: i32,
+    pub group: i32,
+    pub accumulate: i32,
+}
+// SAFETY: plain `#[repr(C)]` data matching `QuantArgs` in cuda/quant_gemv.cu (6 pointers, then
+// 6 four-byte fields; 72 bytes).
+unsafe impl DeviceRepr for QuantArgs {}
+
+/// The kernels' name for a format.
+pub fn format_tag(f: PackedFormat) -> &'static str {
+    match f {
+        PackedFormat::Fp8Block => "fp8",
+        PackedFormat::Int4 { .. } => "int4",
+        PackedFormat::Nvfp4 => "nvfp4",
+    }
+}
+
+/// The GEMV build for `rows` token rows (1, 2, 3-4, 5-8): each holds only its rows' accumulators.
+pub fn gemv_kernel_name(f: PackedFormat, rows: usize, prec: Precision) -> String {
+    let r = match rows {
+        0 | 1 => 1,
+        2 => 2,
+        3 | 4 => 4,
+        _ => 8,
+    };
+    format!("quant_gemv_{}_r{r}_{}", format_tag(f), prec.suffix())
+}
+
+pub fn dequant_kernel_name(f: PackedFormat, prec: Precision) -> String {
+    format!("quant_dequant_{}_{}", format_tag(f), prec.suffix())
+}
+
+/// Weights in one 16-byte chunk of codes.
+pub fn chunk_weights(f: PackedFormat) -> usize {
+    match f {
+        PackedFormat::Fp8Block => CHUNK_BYTES,
+        _ => 2 * CHUNK_BYTES,
+    }
+}
+
+/// `Err(why)` unless the kernels can read matrices of `cols` columns in format `f`: every row a
+/// whole number of 16-byte chunks (aligned loads), and no chunk straddling two scale groups
+/// except NVFP4's two 16-column groups, which the kernels handle.
+pub fn check_shape(f: PackedFormat, cols: usize) -> Result<(), String> {
+    let w = chunk_weights(f);
+    if !cols.is_multiple_of(w) || !cols.is_multiple_of(f.group()) {
+        return Err(format!("{} columns of {} are not a whole number of {w}-weight chunks", cols, f.name()));
+    }
+    if f != PackedFormat::Nvfp4 && !f.group().is_multiple_of(w) {
+        return Err(format!("{}: groups of {} split a {w}-weight chunk", f.name(), f.group()));
+    }
+    Ok(())
+}
+
+/// How a step of `m` token rows multiplies a packed matrix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PackedPath {
+    /// Dequantize in registers (`quant_gemv_*`).
+    Gemv,
+    /// Dequantize into the scratch, then cuBLAS.
+    DequantGemm,
+}
+
+pub fn packed_path(m: usize) -> PackedPath {
+    if m <= QUANT_GEMV_MAX_ROWS {
+        PackedPath::Gemv
+    } else {
+        PackedPath::DequantGemm
+    }
+}
+
+/// A packed matrix on the device.
+pub struct DevPacked {
+    pub format: PackedFormat,
+    pub rows: usize,
+    pub cols: usize,
+    pub codes: DevBuf,
+    pub scales: Option<DevBuf>,
+    pub scale_codes: Option<DevBuf>,
+    pub row_global: Option<DevBuf>,
+}
+
+impl DevPacked {
+    /// Copy `p` to the device as it is (checked against the kernels' shape rules).
+    pub fn upload(gpu: &Gpu, p: &PackedRows) -> Result<Self, BackendError> {
+        check_shape(p.format, p.cols).map_err(BackendError::Device)?;
+        let opt = |v: &[f32]| if v.is_empty() { Ok(None) } else { gpu.upload(v).map(Some) };
+        Ok(DevPacked {
+            format: p.format,
+            rows: p.rows,
+            cols: p.cols,
+            codes: gpu.upload(&p.codes)?,
+            scales: opt(&p.scales)?,
+            scale_codes: if p.scale_codes.is_empty() { None } else { Some(gpu.upload(&p.scale_codes)?) },
+            row_global: opt(&p.row_global)?,
+        })
+    }
+
+    /// Bytes held on the device: codes and scales as stored (what a step reads).
+    pub fn bytes(&self) -> usize {
+        let opt = |b: &Option<DevBuf>| b.as_ref().map_or(0, DevBuf::bytes);
+        self.codes.bytes() + opt(&self.scales) + opt(&self.scale_codes) + opt(&self.row_global)
+    }
+
+    fn args(&self, x: u64, y: u64, m: usize, ldy: usize, accumulate: bool) -> QuantArgs {
+        let p = |b: &Option<DevBuf>| b.as_ref().map_or(0, DevBuf::ptr);
+        QuantArgs {
+            x,
+            codes: self.codes.ptr(),
+            scales: p(&self.scales),
+            scale_codes: p(&self.scale_codes),
+            row_global: p(&self.row_global),
+            y,
+            m: m as i32,
+            n: self.rows as i32,
+            k: self.cols as i32,
+            ldy: ldy as i32,
+            group: self.format.group() as i32,
+            accumulate: i32::from(accumulate),
+        }
+    }
+
+    /// `y[r, 0..rows] (+)= x[r, :] · Wᵀ` for `m ≤ QUANT_GEMV_MAX_ROWS` token rows (`x` in `prec`,
+    /// `y` f32 with row stride `ldy`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv(
+        &self,
+        gpu: &mut Gpu,
+        prec: Precision,
+        m: usize,
+        x: u64,
+        y: u64,
+        ldy: usize,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        if m == 0 || self.rows == 0 {
+            return Ok(());
+        }
+        debug_assert!(m <= QUANT_GEMV_MAX_ROWS);
+        let f = gpu.func("quant", &gemv_kernel_name(self.format, m, prec))?;
+        let a = self.args(x, y, m, ldy, accumulate);
+        let blocks = self.rows.div_ceil(QUANT_GEMV_COLS) as u32;
+        let mut params = [kernel_param(&a)];
+        // SAFETY: every quant_gemv kernel takes one `QuantArgs` by value; `a` outlives the call.
+        unsafe { gpu.launch_params(&f, cfg((blocks, 1), QUANT_THREADS, 0), &mut params, false) }
+    }
+
+    /// The whole matrix as `[rows, cols]` in `prec` at `out` (the tools' f32 weights, rounded to
+    /// `prec`).
+    pub fn dequantize(&self, gpu: &mut Gpu, prec: Precision, out: u64) -> Result<(), BackendError> {
+        let f = gpu.func("quant", &dequant_kernel_name(self.format, prec))?;
+        self.dequantize_with(gpu, &f, out)
+    }
+
+    /// [`dequantize`](Self::dequantize) with its kernel looked up already (`f`: the
+    /// `dequant_kernel_name` of this format and the storage precision).
+    pub fn dequantize_with(&self, gpu: &Gpu, f: &CudaFunction, out: u64) -> Result<(), BackendError> {
+        let a = self.args(0, out, 0, 0, false);
+        let chunks = self.rows * self.cols / chunk_weights(self.format);
+        let mut params = [kernel_param(&a)];
+        // SAFETY: as above (the dequantize kernels take one `QuantArgs`).
+        unsafe { gpu.launch_params(f, cfg((grid_for(chunks, QUANT_THREADS), 1), QUANT_THREADS, 0), &mut params, false) }
+    }
+}
+
+/// One projection (or several stacked by rows, sharing their input) on the device.
+pub enum LinearWeight {
+    /// `[rows, cols]` in the storage precision.
+    Dense {
+        buf: DevBuf,
+        rows: usize,
+    },
+    Packed(DevPacked),
+    /// Parts of different formats, stacked by rows: each writes its own output columns.
+    Parts(Vec<LinearWeight>),
+}
+
+impl LinearWeight {
+    pub fn rows(&self) -> usize {
+        match self {
+            LinearWeight::Dense { rows, .. } => *rows,
+            LinearWeight::Packed(p) => p.rows,
+            LinearWeight::Parts(parts) => parts.iter().map(LinearWeight::rows).sum(),
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        match self {
+            LinearWeight::Dense { buf, .. } => buf.bytes(),
+            LinearWeight::Packed(p) => p.bytes(),
+            LinearWeight::Parts(parts) => parts.iter().map(LinearWeight::bytes).sum(),
+        }
+    }
+
+    /// The dense matrix, when this is one (the fused decode GEMVs take only those).
+    pub fn dense(&self) -> Option<&DevBuf> {
+        match self {
+            LinearWeight::Dense { buf, .. } => Some(buf),
+            _ => None,
+        }
+    }
+
+    /// Elements of the largest packed matrix in it (the dequantize scratch's size), 0 if none.
+    pub fn max_packed_elems(&self) -> usize {
+        match self {
+            LinearWeight::Dense { .. } => 0,
+            LinearWeight::Packed(p) => p.rows * p.cols,
+            LinearWeight::Parts(parts) => parts.iter().map(LinearWeight::max_packed_elems).max().unwrap_or(0),
+        }
+    }
+
+    /// Stack parts by rows: one part as it is, several as [`LinearWeight::Parts`].
+    pub fn stack(mut parts: Vec<LinearWeight>) -> LinearWeight {
+        if parts.len() == 1 {
+            parts.pop().unwrap_or(LinearWeight::Parts(Vec::new()))
+        } else {
+            LinearWeight::Parts(parts)
+        }
+    }
+}
+
+/// Addresses of one [`matmul`].
+#[derive(Clone, Copy, Debug)]
+pub struct MatmulIo {
+    /// `[m, k]` in the storage precision.
+    pub x: u64,
+    /// f32 output, row stride `ldy`.
+    pub y: u64,
+    pub ldy: usize,
+    /// Scratch for one dequantized matrix (`max_packed_elems` in the storage precision); only
+    /// read for steps of more than [`QUANT_GEMV_MAX_ROWS`] rows.
+    pub dequant: u64,
+}
+
+/// `y[m, 0..w.rows()] (+)= x[m, k] · wᵀ` whatever `w`'s format (see the module doc).
+pub fn matmul(
+    gpu: &mut Gpu,
+    prec: Precision,
+    w: &LinearWeight,
+    m: usize,
+    k: usize,
+    io: MatmulIo,
+    accumulate: bool,
+) -> Result<(), BackendError> {
+    match w {
+        LinearWeight::Dense { buf, rows } => gpu.gemm_ld(prec, m, *rows, k, io.x, buf.ptr(), io.y, io.ldy, accumulate),
+        LinearWeight::Packed(p) => match packed_path(m) {
+            PackedPath::Gemv => p.gemv(gpu, prec, m, io.x, io.y, io.ldy, accumulate),
+            PackedPath::DequantGemm => {
+                if m == 0 {
+                    return Ok(());
+                }
+                p.dequantize(gpu, prec, io.dequant)?;
+                gpu.gemm_ld(prec, m, p.rows, k, io.x, io.dequant, io.y, io.ldy, accumulate)
+            }
+        },
+        LinearWeight::Parts(parts) => {
+            let mut col = 0;
+            for part in parts {
+                let io = MatmulIo { y: io.y + (col * 4) as u64, ..io };
+                matmul(gpu, prec, part, m, k, io, accumulate)?;
+                col += part.rows();
+            }
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argument_block_matches_the_kernels_layout() {
+        assert_eq!(std::mem::size_of::<QuantArgs>(), 6 * 8 + 6 * 4);
+        assert_eq!(std::mem::align_of::<QuantArgs>(), 8);
+    }
+
+    #[test]
+    fn kernel_names_pick_format_row_build_and_storage() {
+        let int4 = PackedFormat::Int4 { group: 128 };
+        assert_eq!(gemv_kernel_name(PackedFormat::Fp8Block, 1, Precision::Bf16), "quant_gemv_fp8_r1_bf16");
+        assert_eq!(gemv_kernel_name(int4, 2, Precision::F32), "quant_gemv_int4_r2_f32");
+        assert_eq!(gemv_kernel_name(PackedFormat::Nvfp4, 3, Precision::Bf16), "quant_gemv_nvfp4_r4_bf16");
+        assert_eq!(gemv_kernel_name(int4, 5, Precision::Bf16), "quant_gemv_int4_r8_bf16");
+        assert_eq!(gemv_kernel_name(int4, 8, Precision::Bf16), "quant_gemv_int4_r8_bf16");
+        assert_eq!(dequant_kernel_name(PackedFormat::Nvfp4, Precision::F32), "quant_dequant_nvfp4_f32");
+    }
+
+    #[test]
+    fn steps_up_to_eight_rows_take_the_gemv() {
+        assert_eq!(packed_path(1), PackedPath::Gemv);
+        assert_eq!(packed_path(8), PackedPath::Gemv);
+        assert_eq!(packed_path(9), PackedPath::DequantGemm);
+        assert_eq!(packed_path(4096), PackedPath::DequantGemm);
+    }
+
+    #[test]
+    fn shapes_must_be_whole_aligned_chunks() {
+        assert!(check_shape(PackedFormat::Fp8Block, 128).is_ok());
+        assert!(check_shape(PackedFormat::Fp8Block, 4096).is_ok());
+        for g in [32, 64, 128] {
+            assert!(check_shape(PackedFormat::Int4 { group: g }, 256).is_ok(), "{g}");
+        }
+        assert!(check_shape(PackedFormat::Int4 { group: 32 }, 96).is_ok());
+        assert!(check_shape(PackedFormat::Int4 { group: 64 }, 96).is_err());
+        assert!(check_shape(PackedFormat::Int4 { group: 16 }, 256).is_err(), "a 32-weight chunk, two groups");
+        assert!(check_shape(PackedFormat::Nvfp4, 64).is_ok());
+        let e = check_shape(PackedFormat::Nvfp4, 48).unwrap_err();
+        assert!(e.contains("48 columns") && e.contains("32-weight"), "{e}");
+        // A row of whole chunks is a multiple of 16 bytes: every 16-byte load is aligned.
+        for (f, cols) in
+            [(PackedFormat::Fp8Block, 384), (PackedFormat::Nvfp4, 96), (PackedFormat::Int4 { group: 32 }, 160)]
+        {
+            assert!(check_shape(f, cols).is_ok());
+            assert_eq!(f.code_bytes(cols) % CHUNK_BYTES, 0, "{f:?} {cols}");
+        }
+    }
+}
