@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use super::previous_samples::PreviousSamples;
 use super::handle::PromptImage;
+use super::previous_samples::PreviousSamples;
 use super::scheduler::SchedulerMsg;
 use super::spill::SpillMsg;
 use crate::backend::{

@@ -19,9 +19,11 @@ impl PreviousSamples {
     /// would compute from a placeholder.
     pub fn fill(&self, plan: &mut StepPlan) -> Result<(), String> {
         for s in plan.seqs.iter_mut().filter(|s| s.follows_previous) {
-            let token = self.last.get(&s.seq).copied().ok_or_else(|| {
-                format!("sequence {} continues a step that sampled nothing for it", s.seq)
-            })?;
+            let token = self
+                .last
+                .get(&s.seq)
+                .copied()
+                .ok_or_else(|| format!("sequence {} continues a step that sampled nothing for it", s.seq))?;
             match s.tokens.as_mut_slice() {
                 [only] => *only = token,
                 _ => return Err(format!("a lookahead row of sequence {} carries {} tokens", s.seq, s.tokens.len())),
@@ -80,7 +82,8 @@ mod tests {
     fn lookahead_rows_take_the_last_token_the_step_before_sampled() {
         let mut prev = PreviousSamples::default();
         prev.record(&result(vec![sampled(1, &[7]), sampled(2, &[3, 4, 9])], None));
-        let mut plan = StepPlan { step_id: 2, seqs: vec![row(1, vec![0], true), row(2, vec![0], true), row(3, vec![42], false)] };
+        let mut plan =
+            StepPlan { step_id: 2, seqs: vec![row(1, vec![0], true), row(2, vec![0], true), row(3, vec![42], false)] };
         prev.fill(&mut plan).unwrap();
         let inputs: Vec<Vec<u32>> = plan.seqs.iter().map(|s| s.tokens.clone()).collect();
         assert_eq!(inputs, vec![vec![7], vec![9], vec![42]]);

@@ -60,7 +60,8 @@ impl Planner {
             planned: Vec::with_capacity(current.len()),
             preempted: Vec::new(),
         };
-        let continued: Vec<(SeqId, usize, usize)> = current.iter().map(|p| (p.id, p.start + p.n_base, p.n_base)).collect();
+        let continued: Vec<(SeqId, usize, usize)> =
+            current.iter().map(|p| (p.id, p.start + p.n_base, p.n_base)).collect();
         let mut ops = self.take_pending();
         for (id, sampled_at, chunk) in continued {
             self.take_blocks(id, sampled_at + 1);

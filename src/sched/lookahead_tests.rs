@@ -63,10 +63,8 @@ fn drive(p: &mut Policy, overlap: bool, stop_after: impl Fn(SeqId) -> Option<usi
             sampled.push((s.id, toks));
         }
         last_sampled = now_sampled;
-        let before: Vec<(SeqId, Vec<u32>)> = sampled
-            .iter()
-            .filter_map(|(id, _)| p.seq(*id).map(|v| (*id, v.tokens.to_vec())))
-            .collect();
+        let before: Vec<(SeqId, Vec<u32>)> =
+            sampled.iter().filter_map(|(id, _)| p.seq(*id).map(|v| (*id, v.tokens.to_vec()))).collect();
         let ended = p.on_step_done(&sampled, &finished);
         for (id, mut tokens) in before {
             if ended.contains(&id) {
@@ -205,13 +203,13 @@ fn a_failed_step_and_the_lookahead_behind_it_are_planned_again() {
 fn randomized_overlapped_runs_match_serial_runs() {
     for seed in 0..8u64 {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let specs: Vec<(SeqId, usize, usize, Option<usize>)> = (1..=rng.gen_range(2..7))
+        let specs: Vec<(SeqId, usize, usize, Option<usize>)> = (1..=rng.random_range(2..7))
             .map(|id| {
-                let stop = rng.gen_bool(0.4).then(|| rng.gen_range(0..6));
-                (id, rng.gen_range(1..20), rng.gen_range(1..12), stop)
+                let stop = rng.random_bool(0.4).then(|| rng.random_range(0..6));
+                (id, rng.random_range(1..20), rng.random_range(1..12), stop)
             })
             .collect();
-        let block_size = rng.gen_range(1..6);
+        let block_size = rng.random_range(1..6);
         let runs: Vec<Run> = [false, true]
             .into_iter()
             .map(|overlap| {
