@@ -124,7 +124,7 @@ overlap)
   [ -f "$MODEL/model.safetensors.index.json" ] || make_model
   start() {  # $1 = overlap on/off, $2 = first lane port
     setsid "$HERE/shelfserve" serve --device cuda --model "$MODEL" --gpu-memory-utilization 0.45 \
-      --overlap-scheduling $1 --lane-ports $2,$(( $2 + 1 )) > "$OUTDIR/serve-overlap-$1.log" 2>&1 &
+      --overlap-scheduling $1 --lane-port voice=$2,agent=$(( $2 + 1 )) > "$OUTDIR/serve-overlap-$1.log" 2>&1 &
     echo $!
   }
   healthy() { for i in $(seq 1 1200); do curl -sf localhost:$1/health > /dev/null && return 0; sleep 0.1; done; return 1; }
