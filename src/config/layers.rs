@@ -111,7 +111,9 @@ pub fn device_defaults(device: DeviceClass) -> SchedulerKnobs {
         }),
         gpu_memory_utilization: Some(DEFAULT_GPU_MEMORY_UTILIZATION),
         lane_pacing: Some(true),
-        overlap_scheduling: Some(true),
+        // On a GPU the host time between steps idles the device; on the CPU the host is the
+        // device, and a step there lasts far longer than the planning it would hide.
+        overlap_scheduling: Some(device == DeviceClass::Cuda),
     }
 }
 
