@@ -354,7 +354,7 @@ impl Local {
             let start = Instant::now();
             loop {
                 let s = self.engine.stats().await.ok_or("the scheduler does not answer")?;
-                if s.waiting == 0 && s.running == 0 && s.blocks_used == 0 {
+                if s.waiting == 0 && s.running == 0 && s.blocks_used == 0 && s.steps_in_flight == 0 {
                     return Ok(start.elapsed());
                 }
                 if start.elapsed() > patience {

@@ -91,6 +91,10 @@ pub struct SchedulerStats {
     /// Draft tokens verified, and how many of them were accepted.
     pub drafted_tokens: u64,
     pub accepted_tokens: u64,
+    /// Steps sent to the executor whose results are not in yet. With overlapped scheduling a
+    /// finished sequence's last lookahead step may still run (its result is dropped): the engine
+    /// is idle only once this is 0 as well.
+    pub steps_in_flight: usize,
 }
 
 /// Shared with the engine handle: what admission control reads without a round trip.
@@ -964,6 +968,7 @@ impl Actor for SchedulerActor {
             },
             SchedulerMsg::Stats(reply) => {
                 let mut s = st.stats;
+                s.steps_in_flight = st.in_flight.len();
                 if let Some(p) = &st.policy {
                     s.waiting = p.num_waiting();
                     s.running = p.num_running();
