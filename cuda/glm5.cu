@@ -50,88 +50,114 @@ __device__ void glm5_embed_impl(const int* ids, const T* table, float* x, int m,
     }
 }
 
-// One block per token: the M·D stream values divided by their RMS (eps = rms_norm_eps).
-extern "C" __global__ void hc_normalize(const float* x, float* xn, int md, float eps) {
-    const float* xr = x + (i64)blockIdx.x * md;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < md; i += blockDim.x) ss += xr[i] * xr[i];
-    ss = block_sum(ss);
-    const float r = 1.0f / sqrtf(ss / (float)md + eps);
-    float* o = xn + (i64)blockIdx.x * md;
-    for (int i = threadIdx.x; i < md; i += blockDim.x) o[i] = xr[i] * r;
-}
-
+// The mHC kernels split each token's row into chunks of HC_CHUNK columns, one block per
+// (token, chunk), so a batch-1 step fills the GPU instead of one SM. An RMS over a row is the sum
+// of the chunks' partial sums of squares taken in chunk order: it depends on the row's length
+// only, never on the batch.
+#define HC_CHUNK 256
 #define HC_MAX 8
 
-// One block per token: from the projected map `mix` ((2+M)·M values) the pre weights, the post
-// weights β and the Sinkhorn-normalised comb C (spec §2.6, the CPU's op order); the collapsed
-// input Σ pre_s X_s, RMS-normalised with `norm`, goes to `u`; β and C to `hcw` ([M + M·M] per
-// token).
-extern "C" __global__ void hc_site(const float* x, const float* mix, const float* base, float s_pre, float s_post,
-                                   float s_comb, const float* norm, float* u, float* hcw, int m, int d,
-                                   float hc_eps, int iters, float eps) {
-    __shared__ float pre[HC_MAX], comb[HC_MAX * HC_MAX];
-    const int t = blockIdx.x, n = (2 + m) * m;
+// Grid (tokens, chunks): partial[t·chunks + c] = Σ x² over chunk c of row t (`len` values).
+extern "C" __global__ void rms_partial(const float* x, float* partial, int len) {
+    const int t = blockIdx.x, c0 = blockIdx.y * HC_CHUNK, c1 = min(len, c0 + HC_CHUNK);
+    const float* xr = x + (i64)t * len;
+    float ss = 0.f;
+    for (int i = c0 + threadIdx.x; i < c1; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss);
+    if (threadIdx.x == 0) partial[(i64)t * gridDim.y + blockIdx.y] = ss;
+}
+
+// Grid (tokens, chunks): out = (w ⊙) x / sqrt(Σ partials / len + eps); `w` may be null.
+extern "C" __global__ void rms_apply(const float* x, const float* partial, const float* w, float* out, int len,
+                                     float eps) {
+    const int t = blockIdx.x, c0 = blockIdx.y * HC_CHUNK, c1 = min(len, c0 + HC_CHUNK);
+    float ss = 0.f;
+    for (int c = 0; c < (int)gridDim.y; ++c) ss += partial[(i64)t * gridDim.y + c];
+    const float r = 1.0f / sqrtf(ss / (float)len + eps);
+    const float* xr = x + (i64)t * len;
+    float* o = out + (i64)t * len;
+    for (int i = c0 + threadIdx.x; i < c1; i += blockDim.x) o[i] = w ? w[i] * (xr[i] * r) : xr[i] * r;
+}
+
+// One block of HC_MAX² threads per token: from the projected map `mix` ((2+M)·M values) the pre
+// weights (to `pre`, [M] per token), the post weights β and the Sinkhorn-normalised comb C (spec
+// §2.6, the CPU's op order: each row and column sum runs in index order) to `hcw` ([M + M·M] per
+// token). Thread i·M + j owns C_ij.
+extern "C" __global__ void hc_maps(const float* mix, const float* base, float s_pre, float s_post, float s_comb,
+                                   float* pre, float* hcw, int m, float hc_eps, int iters) {
+    __shared__ float comb[HC_MAX * HC_MAX];
+    const int t = blockIdx.x, n = (2 + m) * m, tid = threadIdx.x;
     const float* mx = mix + (i64)t * n;
     float* w = hcw + (i64)t * (m + m * m);
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < m; ++i) pre[i] = sigmoidf_(mx[i] * s_pre + base[i]) + hc_eps;
-        for (int i = 0; i < m; ++i) w[i] = 2.0f * sigmoidf_(mx[m + i] * s_post + base[m + i]);
-        for (int k = 0; k < m * m; ++k) comb[k] = mx[2 * m + k] * s_comb + base[2 * m + k];
-        for (int i = 0; i < m; ++i) {
-            float* row = comb + i * m;
-            float mxv = -INFINITY;
-            for (int j = 0; j < m; ++j) mxv = fmaxf(mxv, row[j]);
-            float sum = 0.f;
-            for (int j = 0; j < m; ++j) {
-                row[j] = expf(row[j] - mxv);
-                sum += row[j];
-            }
-            for (int j = 0; j < m; ++j) row[j] = row[j] / sum + hc_eps;
-        }
-        // One column normalisation, then (iters − 1) row + column rounds, as the CPU.
-        const int rounds = iters > 1 ? iters : 1;
-        for (int it = 0; it < rounds; ++it) {
-            if (it > 0) {
-                for (int i = 0; i < m; ++i) {
-                    float s = 0.f;
-                    for (int j = 0; j < m; ++j) s += comb[i * m + j];
-                    s += hc_eps;
-                    for (int j = 0; j < m; ++j) comb[i * m + j] /= s;
-                }
-            }
-            for (int j = 0; j < m; ++j) {
-                float s = 0.f;
-                for (int i = 0; i < m; ++i) s += comb[i * m + j];
-                s += hc_eps;
-                for (int i = 0; i < m; ++i) comb[i * m + j] /= s;
-            }
-        }
-        for (int k = 0; k < m * m; ++k) w[m + k] = comb[k];
+    if (tid < m) {
+        pre[(i64)t * m + tid] = sigmoidf_(mx[tid] * s_pre + base[tid]) + hc_eps;
+        w[tid] = 2.0f * sigmoidf_(mx[m + tid] * s_post + base[m + tid]);
+    }
+    const bool own = tid < m * m;
+    const int i = own ? tid / m : 0, j = own ? tid % m : 0;
+    if (own) comb[tid] = mx[2 * m + tid] * s_comb + base[2 * m + tid];
+    __syncthreads();
+    float v = 0.f, sum = 0.f;
+    if (own) {
+        float mxv = -INFINITY;
+        for (int jj = 0; jj < m; ++jj) mxv = fmaxf(mxv, comb[i * m + jj]);
+        for (int jj = 0; jj < m; ++jj) sum += expf(comb[i * m + jj] - mxv);
+        v = expf(comb[tid] - mxv);
     }
     __syncthreads();
+    if (own) comb[tid] = v / sum + hc_eps;
+    __syncthreads();
+    // One column normalisation, then (iters − 1) row + column rounds, as the CPU.
+    const int rounds = iters > 1 ? iters : 1;
+    for (int it = 0; it < rounds; ++it) {
+        if (it > 0) {
+            float rs = 0.f;
+            if (own) {
+                for (int jj = 0; jj < m; ++jj) rs += comb[i * m + jj];
+                rs += hc_eps;
+            }
+            __syncthreads();
+            if (own) comb[tid] /= rs;
+            __syncthreads();
+        }
+        float cs = 0.f;
+        if (own) {
+            for (int ii = 0; ii < m; ++ii) cs += comb[ii * m + j];
+            cs += hc_eps;
+        }
+        __syncthreads();
+        if (own) comb[tid] /= cs;
+        __syncthreads();
+    }
+    if (own) w[m + tid] = comb[tid];
+}
+
+// Grid (tokens, chunks of d): u = Σ_s pre_s X_s over the chunk (the collapsed block input, still
+// to be RMS-normalised by rms_apply) and the chunk's Σ u² to `partial`.
+extern "C" __global__ void hc_collapse(const float* x, const float* pre, float* u, float* partial, int m, int d) {
+    const int t = blockIdx.x, c0 = blockIdx.y * HC_CHUNK, c1 = min(d, c0 + HC_CHUNK);
     const float* xr = x + (i64)t * m * d;
+    const float* p = pre + (i64)t * m;
     float* ur = u + (i64)t * d;
     float ss = 0.f;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
         float v = 0.f;
-        for (int s = 0; s < m; ++s) v += pre[s] * xr[(i64)s * d + c];
+        for (int s = 0; s < m; ++s) v += p[s] * xr[(i64)s * d + c];
         ur[c] = v;
         ss += v * v;
     }
     ss = block_sum(ss);
-    const float r = 1.0f / sqrtf(ss / (float)d + eps);
-    for (int c = threadIdx.x; c < d; c += blockDim.x) ur[c] = norm[c] * (ur[c] * r);
+    if (threadIdx.x == 0) partial[(i64)t * gridDim.y + blockIdx.y] = ss;
 }
 
-// One block per token: X'_j = β_j·y + Σ_i C_ij X_i (out must not alias x).
+// Grid (tokens, chunks of d): X'_j = β_j·y + Σ_i C_ij X_i (out must not alias x).
 extern "C" __global__ void hc_expand(const float* x, const float* y, const float* hcw, float* out, int m, int d) {
-    const int t = blockIdx.x;
+    const int t = blockIdx.x, c0 = blockIdx.y * HC_CHUNK, c1 = min(d, c0 + HC_CHUNK);
     const float* w = hcw + (i64)t * (m + m * m);
     const float* xr = x + (i64)t * m * d;
     const float* yr = y + (i64)t * d;
     float* o = out + (i64)t * m * d;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
         for (int j = 0; j < m; ++j) {
             float mixed = 0.f;
             for (int i = 0; i < m; ++i) mixed += w[m + i * m + j] * xr[(i64)i * d + c];
@@ -298,6 +324,80 @@ extern "C" __global__ void kda_recurrent(const float* conv, const float* f, cons
     }
 }
 
+// kda_recurrent with the head dim fixed at compile time: thread j keeps column j of the state in
+// registers for all of the sequence's tokens (one read and one write of the state per step, not
+// four passes per token), and the decays e^g are taken once per token. Same formula and op order
+// as kda_recurrent, so the same results. blockDim = HD rounded up to a multiple of 32.
+template <int HD>
+__device__ void kda_recurrent_reg(const float* conv, const float* f, const float* b, const float* z,
+                                  const float* dt_bias, const float* a_log, const float* o_norm, float* state,
+                                  float* ckpt, const KdaSeq* seqs, float* core, int q, int heads, i64 slot_stride,
+                                  i64 state_off, int has_lb, float lb, float eps) {
+    __shared__ float sq[HD], sk[HD], sdec[HD];
+    const int h = blockIdx.x, j = threadIdx.x;
+    const bool live = j < HD;
+    const KdaSeq s = seqs[blockIdx.y];
+    float* S = state + (i64)s.slot * slot_stride + state_off + (i64)h * HD * HD;
+    const float scale = 1.0f / sqrtf((float)HD);
+    const int q3 = 3 * q;
+    float col[HD];
+#pragma unroll
+    for (int i = 0; i < HD; ++i) col[i] = live ? S[(i64)i * HD + j] : 0.f;
+    for (int t = 0; t < s.n; ++t) {
+        const i64 row = s.row0 + t;
+        const float* cv = conv + row * q3;
+        const int ch = h * HD + j;
+        const float qv = live ? cv[ch] : 0.f, kv = live ? cv[q + ch] : 0.f, vv = live ? cv[2 * q + ch] : 0.f;
+        const float qn = 1.0f / sqrtf(block_sum(qv * qv) + 1e-6f);
+        const float kn = 1.0f / sqrtf(block_sum(kv * kv) + 1e-6f);
+        if (live) {
+            sq[j] = qv * qn * scale;
+            sk[j] = kv * kn;
+            sdec[j] = expf(kda_forget(f[row * q + ch] + dt_bias[ch], a_log[h], has_lb, lb));
+        }
+        const float beta = sigmoidf_(b[row * heads + h]);
+        __syncthreads();
+        float err = vv;
+        float o = 0.f;
+        if (live) {
+#pragma unroll
+            for (int i = 0; i < HD; ++i) col[i] = col[i] * sdec[i];
+#pragma unroll
+            for (int i = 0; i < HD; ++i) err -= col[i] * sk[i];
+            err *= beta;
+#pragma unroll
+            for (int i = 0; i < HD; ++i) col[i] = col[i] + sk[i] * err;
+#pragma unroll
+            for (int i = 0; i < HD; ++i) o += col[i] * sq[i];
+        }
+        const float r = 1.0f / sqrtf(block_sum(o * o) / (float)HD + eps);
+        if (live) core[row * q + ch] = o_norm[j] * (o * r) * sigmoidf_(z[row * q + ch]);
+        if (live && s.checkpoints >= 0 && t + 1 < s.n) {
+            float* img = ckpt + s.checkpoints + (i64)t * slot_stride + state_off + (i64)h * HD * HD;
+#pragma unroll
+            for (int i = 0; i < HD; ++i) img[(i64)i * HD + j] = col[i];
+        }
+        __syncthreads();
+    }
+    if (live) {
+#pragma unroll
+        for (int i = 0; i < HD; ++i) S[(i64)i * HD + j] = col[i];
+    }
+}
+
+#define KDA_REG(HD)                                                                                          \
+    extern "C" __global__ void kda_recurrent_r##HD(                                                          \
+        const float* conv, const float* f, const float* b, const float* z, const float* dt_bias,             \
+        const float* a_log, const float* o_norm, float* state, float* ckpt, const KdaSeq* seqs, float* core, \
+        int q, int heads, i64 slot_stride, i64 state_off, int has_lb, float lb, float eps, int hd) {         \
+        kda_recurrent_reg<HD>(conv, f, b, z, dt_bias, a_log, o_norm, state, ckpt, seqs, core, q, heads,      \
+                              slot_stride, state_off, has_lb, lb, eps);                                      \
+    }
+KDA_REG(16)
+KDA_REG(32)
+KDA_REG(64)
+KDA_REG(128)
+
 // ---------------------------------------------------------------------------------------------
 // MLA + DSA
 
@@ -404,67 +504,112 @@ extern "C" __global__ void dsa_select(const float* qi, const float* kgw, const f
     }
 }
 
-// Grid (heads, batch rows), 256 threads: attention in the absorbed form over the selected
-// latents. q̃ = W^Kᵀ q_h (r values, shared), scores q̃·c_τ / sqrt(d_n) per selected position (one
-// warp each, in shared memory), softmax, ĉ = Σ_τ p_τ c_τ in ascending position order, o = W^V ĉ.
-// Dynamic shared memory: 2·r + max_sel floats.
+// Absorbed MLA attention over the selected latents, split over positions so a batch-1 decode
+// step fills the GPU (flash-decoding): q̃ = W^Kᵀ q_h (mla_qt), then per (head, row, split of
+// MLA_SPLIT selected positions) the scores q̃·c_τ / sqrt(d_n), their max, Σ exp and the
+// exp-weighted latent sum (mla_attend_part), then per (head, row) the splits merged in split order
+// and o = W^V ĉ (mla_attend_combine). The splits depend on the row's selection only, never on the
+// batch. Rows are `row0 + blockIdx.y`: a step's rows may be taken in tiles.
+#define MLA_SPLIT 64
+
+// Grid (heads, rows): qt[b, h, :] = W^K_hᵀ q[b, h, :d_n] (r values).
+// Grid (heads, rows, column groups of blockDim): each thread one of the r values.
 template <typename T>
-__device__ void mla_attend_impl(const float* q, const T* kv_b, const float* kv, const DsaRow* rows,
-                                const int* tables, const int* sel, const int* sel_count, float* out, int block_size,
-                                int token_stride, int latent_off, int h, int dn, int dv, int r, int max_sel) {
+__device__ void mla_qt_impl(const float* q, const T* kv_b, float* qt, int row0, int h, int dn, int dv, int r) {
+    const int hh = blockIdx.x, b = row0 + blockIdx.y, a = blockIdx.z * blockDim.x + threadIdx.x;
+    if (a >= r) return;
+    const T* wk = kv_b + (i64)hh * (dn + dv) * r;
+    const float* qh = q + (i64)b * h * dn + (i64)hh * dn;
+    float v = 0.f;
+#pragma unroll 8
+    for (int i = 0; i < dn; ++i) v += qh[i] * to_f(wk[(i64)i * r + a]);
+    qt[((i64)b * h + hh) * r + a] = v;
+}
+
+// Grid (heads, rows of the tile, splits): for selected positions [s·MLA_SPLIT, …) of the row,
+// part = (max score, Σ exp(score − max), Σ exp(score − max)·c_τ[0..r)) at
+// part + ((y·h + head)·splits + s)·(r + 2); scale = 1/sqrt(d_n). Dynamic shared memory: r + MLA_SPLIT floats
+// (rounded up to an even count) and MLA_SPLIT record offsets.
+extern "C" __global__ void mla_attend_part(const float* qt, const float* kv, const DsaRow* rows, const int* tables,
+                                           const int* sel, const int* sel_count, float* part, int row0, int block_size,
+                                           int token_stride, int latent_off, int h, int r, int max_sel, int splits,
+                                           float scale) {
     extern __shared__ float sh[];
-    float* qt = sh;
-    float* ctx = sh + r;
-    float* sc = sh + 2 * r;
-    const int hh = blockIdx.x, b = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5,
-              nwarps = blockDim.x >> 5;
+    float* q = sh;
+    float* sc = sh + r;
+    i64* rec = reinterpret_cast<i64*>(sh + ((r + MLA_SPLIT + 1) & ~1));
+    const int hh = blockIdx.x, b = row0 + blockIdx.y, s = blockIdx.z, lane = threadIdx.x & 31,
+              warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const int n = sel_count[b], x0 = s * MLA_SPLIT;
+    if (x0 >= n) return;  // the combine reads only the splits the row has
+    const int cnt = min(MLA_SPLIT, n - x0);
     const DsaRow row = rows[b];
     const int* table = tables + row.table;
-    const int n = sel_count[b];
-    const int* ps = sel + (i64)b * max_sel;
-    float* o = out + (i64)b * h * dv + (i64)hh * dv;
-    if (n == 0) {
-        for (int jj = threadIdx.x; jj < dv; jj += blockDim.x) o[jj] = 0.f;
-        return;
-    }
-    const T* wk = kv_b + (i64)hh * (dn + dv) * r;
-    const T* wv = wk + (i64)dn * r;
-    const float* qh = q + (i64)b * h * dn + (i64)hh * dn;
-    for (int a = threadIdx.x; a < r; a += blockDim.x) {
-        float v = 0.f;
-        for (int i = 0; i < dn; ++i) v += qh[i] * to_f(wk[(i64)i * r + a]);
-        qt[a] = v;
-    }
+    const int* ps = sel + (i64)b * max_sel + x0;
+    const float* qs = qt + ((i64)b * h + hh) * r;
+    for (int a = threadIdx.x; a < r; a += blockDim.x) q[a] = qs[a];
+    for (int x = threadIdx.x; x < cnt; x += blockDim.x) rec[x] = record_offset(table, ps[x], block_size, token_stride) + latent_off;
     __syncthreads();
-    const float scale = 1.0f / sqrtf((float)dn);
-    for (int x = warp; x < n; x += nwarps) {
-        const float* c = kv + record_offset(table, ps[x], block_size, token_stride) + latent_off;
+    for (int x = warp; x < cnt; x += nwarps) {
+        const float* c = kv + rec[x];
         float dot = 0.f;
-        for (int a = lane; a < r; a += 32) dot += c[a] * qt[a];
+        for (int a = lane; a < r; a += 32) dot += c[a] * q[a];
         dot = warp_sum(dot);
         if (lane == 0) sc[x] = dot * scale;
     }
     __syncthreads();
     float mx = -INFINITY;
-    for (int x = threadIdx.x; x < n; x += blockDim.x) mx = fmaxf(mx, sc[x]);
+    for (int x = threadIdx.x; x < cnt; x += blockDim.x) mx = fmaxf(mx, sc[x]);
     mx = block_max(mx);
-    float part = 0.f;
-    for (int x = threadIdx.x; x < n; x += blockDim.x) {
+    float e_part = 0.f;
+    for (int x = threadIdx.x; x < cnt; x += blockDim.x) {
         const float e = expf(sc[x] - mx);
         sc[x] = e;
-        part += e;
+        e_part += e;
     }
-    const float sum = block_sum(part);
+    const float sum = block_sum(e_part);
+    float* out = part + (((i64)blockIdx.y * h + hh) * splits + s) * (r + 2);
     for (int a = threadIdx.x; a < r; a += blockDim.x) {
         float v = 0.f;
-        for (int x = 0; x < n; ++x) {
-            const float* c = kv + record_offset(table, ps[x], block_size, token_stride) + latent_off;
-            v += sc[x] / sum * c[a];
-        }
-        ctx[a] = v;
+        for (int x = 0; x < cnt; ++x) v += sc[x] * kv[rec[x] + a];
+        out[2 + a] = v;
+    }
+    if (threadIdx.x == 0) {
+        out[0] = mx;
+        out[1] = sum;
+    }
+}
+
+// Grid (heads, rows of the tile, groups of output channels): the row's splits merged in split
+// order into ĉ (each block of the row the same way), then its channels of o = W^V_h ĉ. Dynamic
+// shared memory: r floats.
+template <typename T>
+__device__ void mla_attend_combine_impl(const float* part, const T* kv_b, const int* sel_count, float* out, int row0,
+                                        int h, int dn, int dv, int r, int splits) {
+    extern __shared__ float ctx[];
+    const int hh = blockIdx.x, b = row0 + blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5,
+              nwarps = blockDim.x >> 5;
+    float* o = out + (i64)b * h * dv + (i64)hh * dv;
+    const int n = sel_count[b];
+    const int per = (dv + gridDim.z - 1) / gridDim.z, j0 = blockIdx.z * per, j1 = min(dv, j0 + per);
+    if (n == 0) {
+        for (int jj = j0 + threadIdx.x; jj < j1; jj += blockDim.x) o[jj] = 0.f;
+        return;
+    }
+    const int used = (n + MLA_SPLIT - 1) / MLA_SPLIT;
+    const float* pr = part + ((i64)blockIdx.y * h + hh) * splits * (r + 2);
+    float mx = -INFINITY;
+    for (int s = 0; s < used; ++s) mx = fmaxf(mx, pr[(i64)s * (r + 2)]);
+    float total = 0.f;
+    for (int s = 0; s < used; ++s) total += pr[(i64)s * (r + 2) + 1] * expf(pr[(i64)s * (r + 2)] - mx);
+    for (int a = threadIdx.x; a < r; a += blockDim.x) {
+        float v = 0.f;
+        for (int s = 0; s < used; ++s) v += expf(pr[(i64)s * (r + 2)] - mx) * pr[(i64)s * (r + 2) + 2 + a];
+        ctx[a] = v / total;
     }
     __syncthreads();
-    for (int jj = warp; jj < dv; jj += nwarps) {
+    const T* wv = kv_b + (i64)hh * (dn + dv) * r + (i64)dn * r;
+    for (int jj = j0 + warp; jj < j1; jj += nwarps) {
         float v = 0.f;
         for (int a = lane; a < r; a += 32) v += to_f(wv[(i64)jj * r + a]) * ctx[a];
         v = warp_sum(v);
@@ -475,25 +620,28 @@ __device__ void mla_attend_impl(const float* q, const T* kv_b, const float* kv, 
 // ---------------------------------------------------------------------------------------------
 // MoE
 
-// One block per token (thread 0 does the work; dynamic shared memory 3·E floats): sigmoid scores,
-// selection by score + correction bias, groups ranked by the sum of their two best, the best
-// `topk_group` groups kept, the top k experts of those (ties to the lower index), sorted by
-// expert; weights normalised over the chosen scores (when `norm`) and scaled. Writes the chosen
-// experts and weights ([rows, k] each).
+// One block per token (dynamic shared memory 3·E floats + E ints): sigmoid scores, selection by
+// score + correction bias, groups ranked by the sum of their two best, the best `topk_group`
+// groups kept, the top k experts of those (ties to the lower index), sorted by expert; weights
+// normalised over the chosen scores (when `norm`) and scaled. Writes the chosen experts and
+// weights ([rows, k] each). Threads rank experts in parallel; every comparison is the serial
+// definition's, so the choice is the same.
 extern "C" __global__ void moe_route(const float* logits, const float* bias, int* experts, float* weights, int e,
                                      int n_group, int topk_group, int k, int norm, float scaling) {
-    if (threadIdx.x != 0) return;
     extern __shared__ float sh[];
     float* score = sh;
     float* choice = sh + e;
     float* gscore = sh + 2 * e;  // n_group ≤ e
+    int* rank = reinterpret_cast<int*>(sh + 3 * e);
     const float* l = logits + (i64)blockIdx.x * e;
-    for (int i = 0; i < e; ++i) {
+    for (int i = threadIdx.x; i < e; i += blockDim.x) {
         score[i] = sigmoidf_(l[i]);
         choice[i] = score[i] + bias[i];
     }
+    __syncthreads();
     const int per = e / n_group;
-    for (int g = 0; g < n_group; ++g) {
+    // With n_group ≤ topk_group every group is kept: nothing to rank.
+    for (int g = threadIdx.x; g < n_group && n_group > topk_group; g += blockDim.x) {
         // Two best of the group, the first maximum winning ties.
         int b1 = -1;
         for (int i = 0; i < per; ++i)
@@ -503,21 +651,39 @@ extern "C" __global__ void moe_route(const float* logits, const float* bias, int
             if (i != b1 && (b2 < 0 || choice[g * per + i] > choice[g * per + b2])) b2 = i;
         gscore[g] = choice[g * per + b1] + (b2 >= 0 ? choice[g * per + b2] : 0.f);
     }
-    // Keep the best topk_group groups: mark dropped groups' experts with −inf in `choice`.
-    for (int g = 0; g < n_group; ++g) {
-        int rank = 0;
-        for (int o = 0; o < n_group; ++o) rank += (gscore[o] > gscore[g] || (gscore[o] == gscore[g] && o < g));
-        if (rank >= topk_group)
-            for (int i = 0; i < per; ++i) choice[g * per + i] = -INFINITY;
+    __syncthreads();
+    // Keep the best topk_group groups: dropped groups' experts get −inf.
+    for (int i = threadIdx.x; i < e && n_group > topk_group; i += blockDim.x) {
+        const int g = i / per;
+        int gr = 0;
+        for (int o = 0; o < n_group; ++o) gr += (gscore[o] > gscore[g] || (gscore[o] == gscore[g] && o < g));
+        if (gr >= topk_group) choice[i] = -INFINITY;
     }
+    __syncthreads();
+    for (int i = threadIdx.x; i < e; i += blockDim.x) {
+        const float v = choice[i];
+        int r = 0;
+        for (int o = 0; o < e && r < k; ++o) r += (choice[o] > v || (choice[o] == v && o < i));
+        rank[i] = r;
+    }
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    // The first k experts of rank < k in ascending order, as the serial scan takes them.
     int* ex = experts + (i64)blockIdx.x * k;
     float* wt = weights + (i64)blockIdx.x * k;
+    const int lane = threadIdx.x;
     int chosen = 0;
-    for (int i = 0; i < e && chosen < k; ++i) {
-        int rank = 0;
-        for (int o = 0; o < e && rank < k; ++o) rank += (choice[o] > choice[i] || (choice[o] == choice[i] && o < i));
-        if (rank < k) ex[chosen++] = i;  // ascending expert order
+    for (int base = 0; base < e && chosen < k; base += 32) {
+        const int i = base + lane;
+        const bool take = i < e && rank[i] < k;
+        const unsigned ballot = __ballot_sync(0xffffffffu, take);
+        const int pos = chosen + __popc(ballot & ((1u << lane) - 1u));
+        if (take && pos < k) ex[pos] = i;
+        chosen += __popc(ballot);
     }
+    chosen = min(chosen, k);
+    __syncwarp();
+    if (lane != 0) return;
     float denom = 1.f;
     if (norm) {
         denom = 0.f;
@@ -527,63 +693,106 @@ extern "C" __global__ void moe_route(const float* logits, const float* bias, int
     for (int s = 0; s < chosen; ++s) wt[s] = score[ex[s]] / denom * scaling;
 }
 
-// Routed-expert GEMV for small batches, reading only the chosen experts' rows. Grid
-// (output chunks, pairs); pair p = row·k + slot uses expert experts[p] and input row p / x_div
-// of `x` (x_div = k: the token's input for gate/up; 1: the pair's activation for down). One warp
-// per output element, each lane over 16-byte pieces of the row, f32 accumulation.
-template <typename T>
-__device__ void moe_gemv_impl(const float* x, int x_div, const int* experts, const T* w, i64 expert_stride,
-                              float* y, int n_out, int k_in) {
-    const int p = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    const T* we = w + (i64)experts[p] * expert_stride;
-    const float* xr = x + (i64)(p / x_div) * k_in;
-    // 16-byte loads (8 bf16 or 4 f32 per lane) when rows allow it: a warp then reads 512 B of a
-    // row per load instead of 64, which the scalar loop left latency-bound at ~13 % of bandwidth.
-    constexpr int V = 16 / sizeof(T);
-    const bool vec = k_in % (32 * V) == 0 && ((unsigned long long)we & 15) == 0 && ((unsigned long long)xr & 15) == 0;
-    for (int o = blockIdx.x * nwarps + warp; o < n_out; o += gridDim.x * nwarps) {
-        const T* wr = we + (i64)o * k_in;
-        float acc = 0.f;
-        if (vec) {
-#pragma unroll 4
-            for (int i = lane * V; i < k_in; i += 32 * V) {
-                const uint4 raw = *reinterpret_cast<const uint4*>(wr + i);
-                float wf[V];
-                if constexpr (sizeof(T) == 2) {
-                    const unsigned u[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        wf[2 * j] = __uint_as_float(u[j] << 16);
-                        wf[2 * j + 1] = __uint_as_float(u[j] & 0xffff0000u);
-                    }
-                } else {
-                    wf[0] = __uint_as_float(raw.x);
-                    wf[1] = __uint_as_float(raw.y);
-                    wf[2] = __uint_as_float(raw.z);
-                    wf[3] = __uint_as_float(raw.w);
-                }
-#pragma unroll
-                for (int j = 0; j < V; j += 4) {
-                    const float4 xv = *reinterpret_cast<const float4*>(xr + i + j);
-                    acc = fmaf(wf[j], xv.x, acc);
-                    acc = fmaf(wf[j + 1], xv.y, acc);
-                    acc = fmaf(wf[j + 2], xv.z, acc);
-                    acc = fmaf(wf[j + 3], xv.w, acc);
-                }
-            }
-        } else {
-            for (int i = lane; i < k_in; i += 32) acc += to_f(wr[i]) * xr[i];
+// Routed experts for decode-sized steps without a host round trip: moe_sort groups the step's
+// (token, slot) pairs by expert on the device, then moe_gemv_grouped reads each used expert's
+// rows once for all of its pairs (a weight row stays in L1 while the expert's pairs use it).
+// A pair's dot product is the same whatever else the step routes (fixed lane order, warp tree):
+// a row's result never depends on the batch.
+
+// One block: for pairs [0, pairs) with experts[p], order = the pairs grouped by ascending expert,
+// ascending pair within an expert; groups[u] = (expert, first index in order, count) for the
+// used experts in ascending order, n_used[0] their number. Shared memory: 2·e ints.
+extern "C" __global__ void moe_sort(const int* experts, int pairs, int e, int* order, int3* groups, int* n_used) {
+    extern __shared__ int cnt[];
+    int* start = cnt + e;
+    for (int i = threadIdx.x; i < e; i += blockDim.x) cnt[i] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) atomicAdd(&cnt[experts[p]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int at = 0, used = 0;
+        for (int i = 0; i < e; ++i) {
+            start[i] = at;
+            if (cnt[i] > 0) groups[used++] = make_int3(i, at, cnt[i]);
+            at += cnt[i];
         }
-        acc = warp_sum(acc);
-        if (lane == 0) y[(i64)p * n_out + o] = acc;
+        n_used[0] = used;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const int ex = experts[p];
+        int before = 0;
+        for (int q = 0; q < p; ++q) before += experts[q] == ex;
+        order[start[ex] + before] = p;
     }
 }
 
-// y[row] += Σ_slot weight·expert_out in slot (ascending expert) order; y holds the shared
-// expert's output.
+// One warp's dot product of a weight row with an f32 input row (16-byte weight loads where the
+// row allows it), f32 accumulation in a fixed order; every lane gets the sum.
+template <typename T>
+__device__ __forceinline__ float warp_row_dot(const T* wr, const float* xr, int k_in, bool vec, int lane) {
+    constexpr int V = 16 / sizeof(T);
+    float acc = 0.f;
+    if (vec) {
+#pragma unroll 4
+        for (int i = lane * V; i < k_in; i += 32 * V) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(wr + i);
+            float wf[V];
+            if constexpr (sizeof(T) == 2) {
+                const unsigned u[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    wf[2 * j] = __uint_as_float(u[j] << 16);
+                    wf[2 * j + 1] = __uint_as_float(u[j] & 0xffff0000u);
+                }
+            } else {
+                wf[0] = __uint_as_float(raw.x);
+                wf[1] = __uint_as_float(raw.y);
+                wf[2] = __uint_as_float(raw.z);
+                wf[3] = __uint_as_float(raw.w);
+            }
+#pragma unroll
+            for (int j = 0; j < V; j += 4) {
+                const float4 xv = *reinterpret_cast<const float4*>(xr + i + j);
+                acc = fmaf(wf[j], xv.x, acc);
+                acc = fmaf(wf[j + 1], xv.y, acc);
+                acc = fmaf(wf[j + 2], xv.z, acc);
+                acc = fmaf(wf[j + 3], xv.w, acc);
+            }
+        }
+    } else {
+        for (int i = lane; i < k_in; i += 32) acc += to_f(wr[i]) * xr[i];
+    }
+    return warp_sum(acc);
+}
+
+// Grid (output chunks, used-expert slots ≥ n_used): for used expert u, every output row o of
+// its matrix (one warp per row) against each of its pairs p: y[p·n_out + o] = W_e[o] · x[p / x_div]
+// (x_div = k: the token's input for gate/up; 1: the pair's own activation for down).
+template <typename T>
+__device__ void moe_gemv_grouped_impl(const float* x, int x_div, const int* order, const int3* groups,
+                                      const int* n_used, const T* w, i64 expert_stride, float* y, int n_out, int k_in) {
+    if ((int)blockIdx.y >= n_used[0]) return;
+    const int3 g = groups[blockIdx.y];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const T* we = w + (i64)g.x * expert_stride;
+    constexpr int V = 16 / sizeof(T);
+    const bool vec = k_in % (32 * V) == 0 && ((unsigned long long)we & 15) == 0 && ((unsigned long long)x & 15) == 0;
+    for (int o = blockIdx.x * nwarps + warp; o < n_out; o += gridDim.x * nwarps) {
+        const T* wr = we + (i64)o * k_in;
+        for (int j = 0; j < g.z; ++j) {
+            const int p = order[g.y + j];
+            const float acc = warp_row_dot<T>(wr, x + (i64)(p / x_div) * k_in, k_in, vec, lane);
+            if (lane == 0) y[(i64)p * n_out + o] = acc;
+        }
+    }
+}
+
+// Grid (tokens, chunks of d): y[row] += Σ_slot weight·expert_out in slot (ascending expert)
+// order; y holds the shared expert's output.
 extern "C" __global__ void moe_combine(const float* slot_out, const float* weights, float* y, int k, int d) {
-    const int row = blockIdx.x;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    const int row = blockIdx.x, c0 = blockIdx.y * HC_CHUNK, c1 = min(d, c0 + HC_CHUNK);
+    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
         float acc = 0.f;
         for (int s = 0; s < k; ++s) acc += weights[(i64)row * k + s] * slot_out[((i64)row * k + s) * d + c];
         y[(i64)row * d + c] += acc;
@@ -618,17 +827,19 @@ extern "C" __global__ void scatter_rows(const float* src, const int* idx, float*
     extern "C" __global__ void swiglu_clamped_##S(const float* gu, T* out, int inter, int rows, float limit) { \
         swiglu_clamped_impl<T>(gu, out, inter, rows, limit);                                                 \
     }                                                                                                        \
-    extern "C" __global__ void mla_attend_##S(const float* q, const T* kv_b, const float* kv,                \
-                                              const DsaRow* rows, const int* tables, const int* sel,         \
-                                              const int* sel_count, float* out, int block_size,              \
-                                              int token_stride, int latent_off, int h, int dn, int dv, int r, \
-                                              int max_sel) {                                                 \
-        mla_attend_impl<T>(q, kv_b, kv, rows, tables, sel, sel_count, out, block_size, token_stride,         \
-                           latent_off, h, dn, dv, r, max_sel);                                               \
+    extern "C" __global__ void mla_qt_##S(const float* q, const T* kv_b, float* qt, int row0, int h, int dn,  \
+                                          int dv, int r) {                                                   \
+        mla_qt_impl<T>(q, kv_b, qt, row0, h, dn, dv, r);                                                     \
     }                                                                                                        \
-    extern "C" __global__ void moe_gemv_##S(const float* x, int x_div, const int* experts, const T* w,       \
-                                            i64 expert_stride, float* y, int n_out, int k_in) {              \
-        moe_gemv_impl<T>(x, x_div, experts, w, expert_stride, y, n_out, k_in);                               \
+    extern "C" __global__ void mla_attend_combine_##S(const float* part, const T* kv_b, const int* sel_count, \
+                                                      float* out, int row0, int h, int dn, int dv, int r,    \
+                                                      int splits) {                                          \
+        mla_attend_combine_impl<T>(part, kv_b, sel_count, out, row0, h, dn, dv, r, splits);                  \
+    }                                                                                                        \
+    extern "C" __global__ void moe_gemv_grouped_##S(const float* x, int x_div, const int* order,              \
+                                                    const int3* groups, const int* n_used, const T* w,          \
+                                                    i64 expert_stride, float* y, int n_out, int k_in) {         \
+        moe_gemv_grouped_impl<T>(x, x_div, order, groups, n_used, w, expert_stride, y, n_out, k_in);           \
     }                                                                                                        \
     extern "C" __global__ void gather_rows_##S(const float* x, const int* idx, T* out, int n) {              \
         gather_rows_impl<T>(x, idx, out, n);                                                                 \

@@ -13,7 +13,7 @@ use super::bench::BenchArgs;
 use super::CliError;
 use crate::backend::cuda::glm5_next::{Glm5CudaBackend, StepProfile};
 use crate::backend::cuda::{device_memory, Precision};
-use crate::backend::{Backend, BackendError, KvGeometry, SeqStep};
+use crate::backend::{Backend, BackendError, DeviceSampleSpec, KvGeometry, SeqStep};
 use crate::model::glm5_next::accounting::decode_cost;
 use crate::model::glm5_next::cache_layout::CacheLayout;
 use crate::model::glm5_next::config::{FfnKind, MixerKind};
@@ -185,6 +185,7 @@ pub fn run_glm5_bench(args: &BenchArgs, cfg: Glm5Config) -> Result<(), CliError>
             let tables: Vec<Vec<u32>> =
                 (0..batch).map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect()).collect();
             let mut pos = ctx;
+            let greedy = crate::sampling::SamplingParams { temperature: 0.0, ..Default::default() };
             let step = |b: &mut Glm5CudaBackend, pos: usize| -> Result<(), BackendError> {
                 let ids: Vec<u32> = (0..batch).map(|i| ((i * 7919 + pos * 31 + 11) % vocab as usize) as u32).collect();
                 let steps: Vec<SeqStep<'_>> = ids
@@ -199,7 +200,13 @@ pub fn run_glm5_bench(args: &BenchArgs, cfg: Glm5Config) -> Result<(), CliError>
                         state_slot: s as u32,
                     })
                     .collect();
-                b.forward(&steps).map(|_| ())
+                // Greedy on the device, as a served greedy step runs (the host path when device
+                // sampling is off).
+                let specs = vec![Some(DeviceSampleSpec { params: &greedy, penalties: None, step: 0 }); steps.len()];
+                match b.forward_sampled(&steps, &specs)? {
+                    Some(_) => Ok(()),
+                    None => b.forward(&steps).map(|_| ()),
+                }
             };
             for _ in 0..3 {
                 step(&mut b, pos).map_err(device)?;

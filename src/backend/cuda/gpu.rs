@@ -181,6 +181,15 @@ pub fn cfg(grid: (u32, u32), block: u32, smem: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: (grid.0.max(1), grid.1.max(1), 1), block_dim: (block, 1, 1), shared_mem_bytes: smem }
 }
 
+/// Launch dimensions with a three-dimensional grid.
+pub fn cfg3(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0.max(1), grid.1.max(1), grid.2.max(1)),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: smem,
+    }
+}
+
 /// Grid size for a grid-stride loop over `n` elements.
 pub fn grid_for(n: usize, block: u32) -> u32 {
     (n.div_ceil(block as usize)).clamp(1, 65_535) as u32

@@ -244,18 +244,7 @@ impl CudaBackend {
                 return Ok(specs
                     .iter()
                     .enumerate()
-                    .map(|(i, s)| {
-                        s.map(|_| {
-                            let id = ids[offsets[i + 1] - 1];
-                            // A row with no number at all (every logit NaN) has no argmax: token 0,
-                            // as the host sampler gives for a row with nothing to choose.
-                            Sampled {
-                                token: if (id as usize) < vocab { id } else { 0 },
-                                logprob: f32::NAN,
-                                top_logprobs: Vec::new(),
-                            }
-                        })
-                    })
+                    .map(|(i, s)| s.map(|_| sample::greedy_pick(ids[offsets[i + 1] - 1], vocab)))
                     .collect());
             }
             let rows: Vec<(usize, DeviceSampleSpec<'_>)> =

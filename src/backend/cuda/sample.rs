@@ -119,6 +119,12 @@ fn unpack_row(token: i32, logprob: f32, top: &[(i32, f32)], wants_logprobs: Opti
     }
 }
 
+/// The greedy draw for an argmax result: a row with no number at all (every logit NaN) has no
+/// argmax and gives token 0, as the host sampler does for a row with nothing to choose.
+pub fn greedy_pick(id: u32, vocab: usize) -> Sampled {
+    Sampled { token: if (id as usize) < vocab { id } else { 0 }, logprob: f32::NAN, top_logprobs: Vec::new() }
+}
+
 /// The sampler's device buffers, grown on demand and reused across steps.
 #[derive(Default)]
 pub struct DeviceSampler {
@@ -136,6 +142,21 @@ fn ensure(gpu: &Gpu, buf: &mut Option<DevBuf>, bytes: usize) -> Result<u64, Back
 }
 
 impl DeviceSampler {
+    /// The greedy token of each of the `rows` consecutive f32 logits rows at `logits` (`vocab`
+    /// per row): the lowest id among equal maxima, never a NaN; one pass over each row.
+    pub fn argmax(&mut self, gpu: &mut Gpu, logits: u64, vocab: usize, rows: usize) -> Result<Vec<u32>, BackendError> {
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let out = ensure(gpu, &mut self.outputs, rows * 4)?;
+        let f = gpu.func("sampling", "argmax_rows")?;
+        let vocab_i = vocab as i32;
+        launch!(gpu, f, cfg((rows as u32, 1), 1024, 0), &logits, &vocab_i, &out)?;
+        let mut ids = vec![0i32; rows];
+        gpu.copy_dtoh(&mut ids, out)?;
+        Ok(ids.into_iter().map(|i| i as u32).collect())
+    }
+
     /// Sample `rows` (logits row index, spec) from the f32 logits at `logits` (`vocab` per row),
     /// on the device's stream; one result per entry of `rows`, in order.
     pub fn sample(

@@ -3,15 +3,20 @@
 //! mean + norm and the LM head over the rows that need logits. Dense projections are cuBLAS GEMMs
 //! (activations cast to the storage type first in bf16); everything else is `cuda/glm5.cu`.
 //!
-//! MoE: steps of at most `GEMV_MAX_ROWS` token rows run the routed experts as GEMVs that read
-//! only the chosen experts' rows, with the routes staying on the device; larger steps read the
-//! routes back, sort the (token, slot) pairs by expert and run one cuBLAS GEMM pair per expert
-//! that has tokens (a grouped GEMM done as a loop of GEMMs). Both write each pair's output to its
-//! own row, and the combine sums a token's routed outputs in ascending expert order.
+//! MoE: steps of at most `MOE_GEMV_MAX_ROWS` token rows group their (token, slot) pairs by expert
+//! on the device and run grouped GEMVs that read each used expert's rows once for all its pairs,
+//! with no host round trip; larger steps read the routes back, sort the pairs by expert and run
+//! one cuBLAS GEMM pair per expert that has tokens (a grouped GEMM done as a loop of GEMMs). Both
+//! write each pair's output to its own row, and the combine sums a token's routed outputs in
+//! ascending expert order.
+//!
+//! The mHC kernels, the MoE combine and the MLA attention split each row into fixed pieces (column
+//! chunks, `MLA_SPLIT` selected positions) so that a batch-1 step fills the GPU; the pieces depend
+//! on a row's own sizes only, never on the batch.
 
 use super::weights::{DevLinear, Ffn, HyperConnection, Kda, Mixer, Mla, Mlp, Moe};
 use super::{DeviceCheckpoints, Glm5CudaBackend};
-use crate::backend::cuda::gpu::{cfg, grid_for, Precision, GEMV_MAX_ROWS};
+use crate::backend::cuda::gpu::{cfg, cfg3, grid_for, Precision};
 use crate::backend::glm5_steps::{logits_rows, plan_rows, SeqRows};
 use crate::backend::{BackendError, EmbeddedRows, SeqStep, StepLogits};
 use crate::launch;
@@ -24,7 +29,7 @@ use std::sync::Arc;
 /// Shapes the kernels require, checked once at load; `Err` says which and why.
 pub fn check_shapes(c: &Glm5Config) -> Result<(), String> {
     let bad = |msg: String| format!("glm5_next on CUDA: {msg}");
-    if c.hc_mult == 0 || c.hc_mult > 8 {
+    if c.hc_mult == 0 || c.hc_mult > HC_MAX {
         return Err(bad(format!("hc_mult {} is outside the kernels' 1..=8", c.hc_mult)));
     }
     let kda = c.layer_types.contains(&MixerKind::Kda);
@@ -93,6 +98,15 @@ struct DsaRow {
     table: i32,
 }
 
+/// A step's logits rows left on the device: `rows` rows of the vocabulary at `ptr`, sequence `i`'s
+/// rows `offsets[i]..offsets[i + 1]`, and the profiling lap still running.
+pub(super) struct DeviceLogits {
+    pub ptr: u64,
+    pub rows: usize,
+    pub offsets: Vec<usize>,
+    pub lap: std::time::Instant,
+}
+
 /// Per-step inputs every layer reads.
 struct StepInputs {
     n_rows: usize,
@@ -109,6 +123,23 @@ struct StepInputs {
 }
 
 const BLOCK: u32 = 256;
+/// Steps of at most this many token rows run the routed experts as grouped GEMVs (each used
+/// expert read once, pairs grouped on the device); larger steps take one cuBLAS GEMM pair per
+/// used expert. Up to here a row's result does not depend on the batch.
+const MOE_GEMV_MAX_ROWS: usize = 64;
+/// Columns per block of the row-chunked kernels (`HC_CHUNK` in cuda/glm5.cu).
+const HC_CHUNK: usize = 256;
+/// Most mHC streams the kernels take (`HC_MAX` in cuda/glm5.cu).
+const HC_MAX: usize = 8;
+/// Selected positions per block of the split MLA attention (`MLA_SPLIT` in cuda/glm5.cu).
+const MLA_SPLIT: usize = 64;
+/// Threads (and latent values) per block of the absorbed query `q̃ = W^Kᵀ q`.
+const MLA_QT_THREADS: usize = 128;
+/// Blocks per (head, row) that share the MLA output projection `W^V ĉ`.
+const MLA_COMBINE_GROUPS: u32 = 4;
+/// Most bytes of split partials one MLA attention launch may use; a step with more rows runs in
+/// row tiles (the result of a row does not depend on its tile).
+const MLA_PART_BYTES: usize = 256 << 20;
 
 impl Glm5CudaBackend {
     fn i32_of(v: usize) -> Result<i32, BackendError> {
@@ -132,14 +163,43 @@ impl Glm5CudaBackend {
         self.gpu.gemm(l.prec, rows, l.rows, l.cols, input, l.buf.ptr(), y, false)
     }
 
-    /// Run one step (the batch already validated); the rows `embeds[i]` of sequence `i` (checked
-    /// by the caller) take the given embeddings instead of their token's.
+    /// Run one step (the batch already validated) and copy its logits rows to the host; the rows
+    /// `embeds[i]` of sequence `i` (checked by the caller) take the given embeddings instead of
+    /// their token's.
     pub(super) fn step(
         &mut self,
         batch: &[SeqStep<'_>],
         verify: &[bool],
         embeds: &[Vec<EmbeddedRows<'_>>],
     ) -> Result<StepLogits, BackendError> {
+        let out = self.step_device(batch, verify, embeds)?;
+        let mut data = vec![0f32; out.rows * self.cfg.vocab_size];
+        if out.rows > 0 {
+            self.gpu.copy_dtoh(&mut data, out.ptr)?;
+        } else {
+            self.gpu.sync()?;
+        }
+        self.end_profile(out.lap)?;
+        Ok(StepLogits { vocab: self.cfg.vocab_size, data, offsets: out.offsets })
+    }
+
+    /// While profiling, count the time since `lap` (the logits and their use) and the step.
+    pub(super) fn end_profile(&mut self, mut lap: std::time::Instant) -> Result<(), BackendError> {
+        let dt = self.profile_lap(&mut lap)?;
+        if let Some(p) = self.profile.as_mut() {
+            p.rest_secs += dt;
+            p.steps += 1;
+        }
+        Ok(())
+    }
+
+    /// Run one step and leave its logits rows on the device (queued, not waited for).
+    pub(super) fn step_device(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        verify: &[bool],
+        embeds: &[Vec<EmbeddedRows<'_>>],
+    ) -> Result<DeviceLogits, BackendError> {
         let seqs = plan_rows(batch, verify, &self.slot_pos, self.cfg.vocab_size)?;
         let inputs = self.prepare(batch, &seqs)?;
         let c = self.cfg.clone();
@@ -205,13 +265,8 @@ impl Glm5CudaBackend {
         self.weights.layers = layers;
         out?;
         let (rows, offsets) = logits_rows(batch, &seqs);
-        let data = self.logits(&c, x, &rows)?;
-        let dt = self.profile_lap(&mut lap)?;
-        if let Some(p) = self.profile.as_mut() {
-            p.rest_secs += dt;
-            p.steps += 1;
-        }
-        Ok(StepLogits { vocab: c.vocab_size, data, offsets })
+        let ptr = self.logits(&c, x, &rows)?;
+        Ok(DeviceLogits { ptr, rows: rows.len(), offsets, lap })
     }
 
     /// While profiling: wait for the queued work and return the seconds since `lap` (then reset
@@ -320,37 +375,44 @@ impl Glm5CudaBackend {
         n: usize,
     ) -> Result<(u64, u64), BackendError> {
         let (m, d) = (c.hc_mult, c.hidden_size);
-        let md = (m * d) as i32;
+        let (md, di) = ((m * d) as i32, d as i32);
+        // RMS of the M·D stream values, chunk by chunk (`HC_CHUNK` in cuda/glm5.cu).
+        let (md_chunks, d_chunks) = ((m * d).div_ceil(HC_CHUNK) as u32, d.div_ceil(HC_CHUNK) as u32);
+        let partial = self.scratch.get(&self.gpu, "hc_partial", 4 * n * md_chunks as usize)?;
+        let f = self.gpu.func("glm5", "rms_partial")?;
+        launch!(self.gpu, f, cfg((n as u32, md_chunks), BLOCK, 0), &x, &partial, &md)?;
         let xn = self.scratch.get(&self.gpu, "hc_xn", 4 * n * m * d)?;
-        let f = self.gpu.func("glm5", "hc_normalize")?;
-        launch!(self.gpu, f, cfg((n as u32, 1), BLOCK, 0), &x, &xn, &md, &c.rms_norm_eps)?;
+        let apply = self.gpu.func("glm5", "rms_apply")?;
+        let none = 0u64;
+        let eps = c.rms_norm_eps;
+        launch!(self.gpu, apply.clone(), cfg((n as u32, md_chunks), BLOCK, 0), &x, &partial, &none, &xn, &md, &eps)?;
         let width = (2 + m) * m;
         let mix = self.scratch.get(&self.gpu, "hc_mix", 4 * n * width)?;
         self.gpu.gemm(Precision::F32, n, width, m * d, xn, hc.proj.buf.ptr(), mix, false)?;
-        let u = self.scratch.get(&self.gpu, "hc_u", 4 * n * d)?;
+        let pre = self.scratch.get(&self.gpu, "hc_pre", 4 * n * m)?;
         let hcw = self.scratch.get(&self.gpu, "hc_w", 4 * n * (m + m * m))?;
-        let f = self.gpu.func("glm5", "hc_site")?;
-        let (base, mi, di, iters) = (hc.base.ptr(), m as i32, d as i32, c.hc_sinkhorn_iters as i32);
+        let f = self.gpu.func("glm5", "hc_maps")?;
+        let (base, mi, iters) = (hc.base.ptr(), m as i32, c.hc_sinkhorn_iters as i32);
         let [s_pre, s_post, s_comb] = hc.scale;
         launch!(
             self.gpu,
             f,
-            cfg((n as u32, 1), BLOCK, 0),
-            &x,
+            cfg((n as u32, 1), (HC_MAX * HC_MAX) as u32, 0),
             &mix,
             &base,
             &s_pre,
             &s_post,
             &s_comb,
-            &norm,
-            &u,
+            &pre,
             &hcw,
             &mi,
-            &di,
             &c.hc_eps,
-            &iters,
-            &c.rms_norm_eps
+            &iters
         )?;
+        let u = self.scratch.get(&self.gpu, "hc_u", 4 * n * d)?;
+        let f = self.gpu.func("glm5", "hc_collapse")?;
+        launch!(self.gpu, f, cfg((n as u32, d_chunks), BLOCK, 0), &x, &pre, &u, &partial, &mi, &di)?;
+        launch!(self.gpu, apply, cfg((n as u32, d_chunks), BLOCK, 0), &u, &partial, &norm, &u, &di, &eps)?;
         Ok((u, hcw))
     }
 
@@ -358,7 +420,7 @@ impl Glm5CudaBackend {
     fn expand(&mut self, x: u64, y: u64, hcw: u64, out: u64, m: usize, d: usize, n: usize) -> Result<(), BackendError> {
         let f = self.gpu.func("glm5", "hc_expand")?;
         let (mi, di) = (m as i32, d as i32);
-        launch!(self.gpu, f, cfg((n as u32, 1), BLOCK, 0), &x, &y, &hcw, &out, &mi, &di)
+        launch!(self.gpu, f, cfg((n as u32, d.div_ceil(HC_CHUNK) as u32), BLOCK, 0), &x, &y, &hcw, &out, &mi, &di)
     }
 
     fn kda(&mut self, c: &Glm5Config, w: &Kda, l: usize, u: u64, inp: &StepInputs) -> Result<u64, BackendError> {
@@ -400,7 +462,9 @@ impl Glm5CudaBackend {
             &conv_off
         )?;
         let core = self.scratch.get(&self.gpu, "kda_core", 4 * n * q)?;
-        let f = self.gpu.func("glm5", "kda_recurrent")?;
+        // Head dims with a register-resident build keep the state in registers for the step.
+        let name = if matches!(hd, 16 | 32 | 64 | 128) { format!("kda_recurrent_r{hd}") } else { "kda_recurrent".into() };
+        let f = self.gpu.func("glm5", &name)?;
         let (qi, hi, hd_i) = (q as i32, heads as i32, hd as i32);
         let (has_lb, lb) = match c.linear_lower_bound {
             Some(lb) => (1i32, lb),
@@ -535,37 +599,62 @@ impl Glm5CudaBackend {
                 &ms
             )?;
         }
-        let smem = 4 * (2 * r + max_sel);
-        if smem > 48 * 1024 {
-            return Err(BackendError::InvalidStep(format!(
-                "MLA attention over {max_sel} selected positions with kv_lora_rank {r} needs {smem} bytes of shared \
-                 memory, more than the kernel's 48 KiB"
-            )));
-        }
         let attn = self.scratch.get(&self.gpu, "mla_attn", 4 * n * h * dv)?;
-        let f = self.gpu.func("glm5", &format!("mla_attend_{}", self.prec.suffix()))?;
-        let (kvb, hh, dni, dvi, ms) = (w.kv_b.ptr(), h as i32, dn as i32, dv as i32, max_sel as i32);
-        launch!(
-            self.gpu,
-            f,
-            cfg((h as u32, n as u32), BLOCK, smem as u32),
-            &q,
-            &kvb,
-            &kv,
-            &inp.dsa_rows,
-            &inp.tables,
-            &sel,
-            &sel_count,
-            &attn,
-            &bs,
-            &ts,
-            &lat_off,
-            &hh,
-            &dni,
-            &dvi,
-            &ri,
-            &ms
-        )?;
+        let qt = self.scratch.get(&self.gpu, "mla_qt", 4 * n * h * r)?;
+        let splits = max_sel.div_ceil(MLA_SPLIT).max(1);
+        let part_row = 4 * h * splits * (r + 2);
+        let tile = (MLA_PART_BYTES / part_row).clamp(1, n);
+        let part = self.scratch.get(&self.gpu, "mla_part", part_row * tile)?;
+        let qt_f = self.gpu.func("glm5", &format!("mla_qt_{}", self.prec.suffix()))?;
+        let part_f = self.gpu.func("glm5", "mla_attend_part")?;
+        let comb_f = self.gpu.func("glm5", &format!("mla_attend_combine_{}", self.prec.suffix()))?;
+        let (kvb, hh, dni, dvi, ms, si) = (w.kv_b.ptr(), h as i32, dn as i32, dv as i32, max_sel as i32, splits as i32);
+        let scale = 1.0f32 / (dn as f32).sqrt();
+        let part_smem = (4 * (r + MLA_SPLIT).next_multiple_of(2) + 8 * MLA_SPLIT) as u32;
+        let mut row0 = 0usize;
+        while row0 < n {
+            let rows = tile.min(n - row0) as u32;
+            let r0 = row0 as i32;
+            let qt_cfg = cfg3((h as u32, rows, r.div_ceil(MLA_QT_THREADS) as u32), MLA_QT_THREADS as u32, 0);
+            launch!(self.gpu, qt_f.clone(), qt_cfg, &q, &kvb, &qt, &r0, &hh, &dni, &dvi, &ri)?;
+            launch!(
+                self.gpu,
+                part_f.clone(),
+                cfg3((h as u32, rows, splits as u32), BLOCK, part_smem),
+                &qt,
+                &kv,
+                &inp.dsa_rows,
+                &inp.tables,
+                &sel,
+                &sel_count,
+                &part,
+                &r0,
+                &bs,
+                &ts,
+                &lat_off,
+                &hh,
+                &ri,
+                &ms,
+                &si,
+                &scale
+            )?;
+            launch!(
+                self.gpu,
+                comb_f.clone(),
+                cfg3((h as u32, rows, MLA_COMBINE_GROUPS), BLOCK, (4 * r) as u32),
+                &part,
+                &kvb,
+                &sel_count,
+                &attn,
+                &r0,
+                &hh,
+                &dni,
+                &dvi,
+                &ri,
+                &si
+            )?;
+            row0 += rows as usize;
+        }
         let y = self.scratch.get(&self.gpu, "mixer_out", 4 * n * c.hidden_size)?;
         self.linear(attn, n, &w.o_proj, y)?;
         Ok(y)
@@ -612,7 +701,7 @@ impl Glm5CudaBackend {
         launch!(
             self.gpu,
             f,
-            cfg((n as u32, 1), 32, (3 * e * 4) as u32),
+            cfg((n as u32, 1), BLOCK, (4 * e * 4) as u32),
             &logits,
             &bias,
             &experts,
@@ -627,25 +716,35 @@ impl Glm5CudaBackend {
         let pairs = n * k;
         let slot_out = self.scratch.get(&self.gpu, "moe_slot_out", 4 * pairs * d)?;
         let (gu_stride, down_stride) = (2 * inter * d, d * inter);
-        if n <= GEMV_MAX_ROWS {
+        if n <= MOE_GEMV_MAX_ROWS {
             if self.profile.is_some() {
                 let mut routes = vec![0i32; n * k];
                 self.gpu.copy_dtoh(&mut routes, experts)?;
                 self.profile_experts(l, &routes);
             }
+            // Pairs grouped by expert on the device: no host round trip, each expert read once.
+            let order = self.scratch.get(&self.gpu, "moe_order", 4 * pairs)?;
+            let groups = self.scratch.get(&self.gpu, "moe_groups", 12 * e.min(pairs))?;
+            let n_used = self.scratch.get(&self.gpu, "moe_n_used", 4)?;
+            let sort = self.gpu.func("glm5", "moe_sort")?;
+            let (pi, ei) = (pairs as i32, e as i32);
+            launch!(self.gpu, sort, cfg((1, 1), 1024, (8 * e) as u32), &experts, &pi, &ei, &order, &groups, &n_used)?;
             let gu = self.scratch.get(&self.gpu, "moe_gu", 4 * pairs * 2 * inter)?;
-            let gemv = self.gpu.func("glm5", &format!("moe_gemv_{}", self.prec.suffix()))?;
+            let gemv = self.gpu.func("glm5", &format!("moe_gemv_grouped_{}", self.prec.suffix()))?;
             let (wgu, wd) = (w.experts_gate_up.ptr(), w.experts_down.ptr());
             let (ki, one, gus, ds) = (k as i32, 1i32, gu_stride as i64, down_stride as i64);
             let (n_gu, n_d, di, ii) = ((2 * inter) as i32, d as i32, d as i32, inter as i32);
+            let slots = e.min(pairs) as u32;
             let chunks = |outs: usize| (outs.div_ceil(8) as u32).min(1024);
             launch!(
                 self.gpu,
                 gemv.clone(),
-                cfg((chunks(2 * inter), pairs as u32), BLOCK, 0),
+                cfg((chunks(2 * inter), slots), BLOCK, 0),
                 &u,
                 &ki,
-                &experts,
+                &order,
+                &groups,
+                &n_used,
                 &wgu,
                 &gus,
                 &gu,
@@ -668,10 +767,12 @@ impl Glm5CudaBackend {
             launch!(
                 self.gpu,
                 gemv,
-                cfg((chunks(d), pairs as u32), BLOCK, 0),
+                cfg((chunks(d), slots), BLOCK, 0),
                 &act,
                 &one,
-                &experts,
+                &order,
+                &groups,
+                &n_used,
                 &wd,
                 &ds,
                 &slot_out,
@@ -684,7 +785,8 @@ impl Glm5CudaBackend {
         let y = self.mlp(c, &w.shared, u, n, "ffn_out")?;
         let f = self.gpu.func("glm5", "moe_combine")?;
         let (ki, di) = (k as i32, d as i32);
-        launch!(self.gpu, f, cfg((n as u32, 1), BLOCK, 0), &slot_out, &weights, &y, &ki, &di)?;
+        let chunks = d.div_ceil(HC_CHUNK) as u32;
+        launch!(self.gpu, f, cfg((n as u32, chunks), BLOCK, 0), &slot_out, &weights, &y, &ki, &di)?;
         Ok(y)
     }
 
@@ -754,12 +856,12 @@ impl Glm5CudaBackend {
         launch!(self.gpu, scatter, cfg((pairs as u32, 1), BLOCK, 0), &out, &pair_p, &slot_out, &di)
     }
 
-    /// Final stream mean + norm and the LM head over `rows`; the logits come back to the host.
-    fn logits(&mut self, c: &Glm5Config, x: u64, rows: &[usize]) -> Result<Vec<f32>, BackendError> {
+    /// Final stream mean + norm and the LM head over `rows`, into a device buffer ([rows, vocab]
+    /// f32; 0 when there are no rows).
+    fn logits(&mut self, c: &Glm5Config, x: u64, rows: &[usize]) -> Result<u64, BackendError> {
         let r = rows.len();
         if r == 0 {
-            self.gpu.sync()?;
-            return Ok(Vec::new());
+            return Ok(0);
         }
         let d = c.hidden_size;
         let rows_i: Vec<i32> = rows.iter().map(|&x| x as i32).collect();
@@ -782,8 +884,6 @@ impl Glm5CudaBackend {
         let logits = self.scratch.get(&self.gpu, "logits", 4 * r * c.vocab_size)?;
         let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed);
         self.gpu.gemm(head.prec, r, head.rows, head.cols, h, head.buf.ptr(), logits, false)?;
-        let mut out = vec![0f32; r * c.vocab_size];
-        self.gpu.copy_dtoh(&mut out, logits)?;
-        Ok(out)
+        Ok(logits)
     }
 }

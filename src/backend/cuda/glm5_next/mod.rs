@@ -21,9 +21,10 @@ use std::sync::Arc;
 
 use super::gpu::{DevBuf, Gpu, Precision};
 use crate::backend::{
-    validate_batch, validate_kv_image, Backend, BackendError, EmbeddedRows, ImageEmbedding, KvGeometry, SeqStep,
-    StepLogits,
+    validate_batch, validate_kv_image, Backend, BackendError, DeviceSampleSpec, EmbeddedRows, ImageEmbedding,
+    KvGeometry, SeqStep, StepLogits,
 };
+use crate::sampling::Sampled;
 use crate::model::glm5_next::cache_layout::CacheLayout;
 use crate::model::glm5_next::Glm5Config;
 use crate::model::{ModelError, WeightSource};
@@ -56,6 +57,10 @@ pub struct Glm5CudaBackend {
     scratch: forward::Scratch,
     /// Per-layer timings and expert counts of the steps run while profiling (`bench`).
     profile: Option<StepProfile>,
+    /// Sample on the device (`forward_sampled`) so only token ids cross to the host; off with
+    /// `SHELFSERVE_CUDA_SAMPLING=0`, as for llama.
+    device_sampling: bool,
+    sampler: super::sample::DeviceSampler,
 }
 
 /// What profiled steps measured, summed over the steps since `start_profile`: each layer's
@@ -152,6 +157,8 @@ impl Glm5CudaBackend {
             checkpoints: (0..kv.state_slots).map(|_| None).collect(),
             scratch: forward::Scratch::default(),
             profile: None,
+            device_sampling: std::env::var("SHELFSERVE_CUDA_SAMPLING").map_or(true, |v| v != "0"),
+            sampler: super::sample::DeviceSampler::default(),
         })
     }
 
@@ -258,6 +265,37 @@ impl Backend for Glm5CudaBackend {
         validate_batch(batch, self.geom)?;
         self.gpu.bind()?;
         self.step(batch, verify, &[])
+    }
+
+    /// The step with its logits kept on the device and sampled there: a greedy step takes the
+    /// one-pass argmax, anything else the full sampling pipeline (`backend::cuda::sample`).
+    fn forward_sampled(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        specs: &[Option<DeviceSampleSpec<'_>>],
+    ) -> Result<Option<Vec<Option<Sampled>>>, BackendError> {
+        if !self.device_sampling {
+            return Ok(None);
+        }
+        validate_batch(batch, self.geom)?;
+        super::check_sample_specs(batch, specs)?;
+        self.gpu.bind()?;
+        let out = self.step_device(batch, &[], &[])?;
+        let vocab = self.cfg.vocab_size;
+        let rows: Vec<(usize, DeviceSampleSpec<'_>)> =
+            specs.iter().enumerate().filter_map(|(i, s)| s.map(|s| (out.offsets[i + 1] - 1, s))).collect();
+        let drawn = if rows.is_empty() {
+            self.gpu.sync()?;
+            Vec::new()
+        } else if specs.iter().flatten().all(super::is_plain_greedy) {
+            let ids = self.sampler.argmax(&mut self.gpu, out.ptr, vocab, out.rows)?;
+            rows.iter().map(|&(row, _)| super::sample::greedy_pick(ids[row], vocab)).collect()
+        } else {
+            self.sampler.sample(&mut self.gpu, out.ptr, vocab, &rows)?
+        };
+        self.end_profile(out.lap)?;
+        let mut drawn = drawn.into_iter();
+        Ok(Some(specs.iter().map(|s| s.and_then(|_| drawn.next())).collect()))
     }
 
     fn image_token_id(&self) -> Option<u32> {
