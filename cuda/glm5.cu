@@ -225,17 +225,21 @@ __device__ void swiglu_clamped_impl(const float* gu, T* out, int inter, int rows
 // KDA
 
 // Per sequence of the step: its first batch row, its token count, its state slot and where its
-// verification checkpoints start (element offset into the checkpoint buffer, or -1).
+// slot images start (element offset into the checkpoint buffer, or -1 for none). `ckpt_map[row]`
+// says which of the sequence's images the state after that row's token goes to (-1: none): after
+// every token but the last of a verified sequence (rollback), or after the tokens that end a
+// prefix-cache page inside the step (snapshots).
 struct KdaSeq {
     int row0, n, slot;
     i64 checkpoints;
 };
 
 // Grid (channel blocks, sequences). Each thread owns one of the 3Q channels: the causal conv over
-// the slot's window of K−1 raw projections plus the token's own, SiLU, then the window shifts.
-// During verification the window after every token but the last goes to the checkpoints.
-extern "C" __global__ void kda_conv(const float* raw, float* conv, float* state, float* ckpt, const KdaSeq* seqs,
-                                   const float* taps, int q3, int kw, i64 slot_stride, i64 conv_off) {
+// the slot's window of K−1 raw projections plus the token's own, SiLU, then the window shifts;
+// the window goes to the slot images `ckpt_map` names.
+extern "C" __global__ void kda_conv(const float* raw, float* conv, float* state, float* ckpt, const int* ckpt_map,
+                                   const KdaSeq* seqs, const float* taps, int q3, int kw, i64 slot_stride,
+                                   i64 conv_off) {
     const KdaSeq s = seqs[blockIdx.y];
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= q3) return;
@@ -251,8 +255,9 @@ extern "C" __global__ void kda_conv(const float* raw, float* conv, float* state,
             for (int j = 0; j + 1 < kw - 1; ++j) window[(i64)j * q3 + ch] = window[(i64)(j + 1) * q3 + ch];
             window[(i64)(kw - 2) * q3 + ch] = r;
         }
-        if (s.checkpoints >= 0 && t + 1 < s.n) {
-            float* img = ckpt + s.checkpoints + (i64)t * slot_stride + conv_off;
+        const int image = s.checkpoints >= 0 ? ckpt_map[s.row0 + t] : -1;
+        if (image >= 0) {
+            float* img = ckpt + s.checkpoints + (i64)image * slot_stride + conv_off;
             for (int j = 0; j < kw - 1; ++j) img[(i64)j * q3 + ch] = window[(i64)j * q3 + ch];
         }
     }
@@ -273,8 +278,9 @@ __device__ __forceinline__ float kda_forget(float f, float a_log, int has_lb, fl
 // S ← S + k eᵀ; o = Sᵀq; then the gated output RMSNorm with σ(z). Same order as the CPU.
 extern "C" __global__ void kda_recurrent(const float* conv, const float* f, const float* b, const float* z,
                                         const float* dt_bias, const float* a_log, const float* o_norm, float* state,
-                                        float* ckpt, const KdaSeq* seqs, float* core, int q, int heads,
-                                        i64 slot_stride, i64 state_off, int has_lb, float lb, float eps, int hd) {
+                                        float* ckpt, const int* ckpt_map, const KdaSeq* seqs, float* core, int q,
+                                        int heads, i64 slot_stride, i64 state_off, int has_lb, float lb, float eps,
+                                        int hd) {
     extern __shared__ float sh[];
     const int h = blockIdx.x, j = threadIdx.x;
     const bool live = j < hd;
@@ -316,8 +322,9 @@ extern "C" __global__ void kda_recurrent(const float* conv, const float* f, cons
         }
         const float r = 1.0f / sqrtf(block_sum(o * o) / (float)hd + eps);
         if (live) core[row * q + ch] = o_norm[j] * (o * r) * sigmoidf_(z[row * q + ch]);
-        if (live && s.checkpoints >= 0 && t + 1 < s.n) {
-            float* img = ckpt + s.checkpoints + (i64)t * slot_stride + state_off + (i64)h * hd * hd;
+        const int image = s.checkpoints >= 0 ? ckpt_map[row] : -1;
+        if (live && image >= 0) {
+            float* img = ckpt + s.checkpoints + (i64)image * slot_stride + state_off + (i64)h * hd * hd;
             for (int i = 0; i < hd; ++i) img[(i64)i * hd + j] = S[(i64)i * hd + j];
         }
         __syncthreads();
@@ -331,8 +338,8 @@ extern "C" __global__ void kda_recurrent(const float* conv, const float* f, cons
 template <int HD>
 __device__ void kda_recurrent_reg(const float* conv, const float* f, const float* b, const float* z,
                                   const float* dt_bias, const float* a_log, const float* o_norm, float* state,
-                                  float* ckpt, const KdaSeq* seqs, float* core, int q, int heads, i64 slot_stride,
-                                  i64 state_off, int has_lb, float lb, float eps) {
+                                  float* ckpt, const int* ckpt_map, const KdaSeq* seqs, float* core, int q, int heads,
+                                  i64 slot_stride, i64 state_off, int has_lb, float lb, float eps) {
     __shared__ float sq[HD], sk[HD], sdec[HD];
     const int h = blockIdx.x, j = threadIdx.x;
     const bool live = j < HD;
@@ -372,8 +379,9 @@ __device__ void kda_recurrent_reg(const float* conv, const float* f, const float
         }
         const float r = 1.0f / sqrtf(block_sum(o * o) / (float)HD + eps);
         if (live) core[row * q + ch] = o_norm[j] * (o * r) * sigmoidf_(z[row * q + ch]);
-        if (live && s.checkpoints >= 0 && t + 1 < s.n) {
-            float* img = ckpt + s.checkpoints + (i64)t * slot_stride + state_off + (i64)h * HD * HD;
+        const int image = s.checkpoints >= 0 ? ckpt_map[row] : -1;
+        if (live && image >= 0) {
+            float* img = ckpt + s.checkpoints + (i64)image * slot_stride + state_off + (i64)h * HD * HD;
 #pragma unroll
             for (int i = 0; i < HD; ++i) img[(i64)i * HD + j] = col[i];
         }
@@ -388,10 +396,11 @@ __device__ void kda_recurrent_reg(const float* conv, const float* f, const float
 #define KDA_REG(HD)                                                                                          \
     extern "C" __global__ void kda_recurrent_r##HD(                                                          \
         const float* conv, const float* f, const float* b, const float* z, const float* dt_bias,             \
-        const float* a_log, const float* o_norm, float* state, float* ckpt, const KdaSeq* seqs, float* core, \
-        int q, int heads, i64 slot_stride, i64 state_off, int has_lb, float lb, float eps, int hd) {         \
-        kda_recurrent_reg<HD>(conv, f, b, z, dt_bias, a_log, o_norm, state, ckpt, seqs, core, q, heads,      \
-                              slot_stride, state_off, has_lb, lb, eps);                                      \
+        const float* a_log, const float* o_norm, float* state, float* ckpt, const int* ckpt_map,             \
+        const KdaSeq* seqs, float* core, int q, int heads, i64 slot_stride, i64 state_off, int has_lb,       \
+        float lb, float eps, int hd) {                                                                       \
+        kda_recurrent_reg<HD>(conv, f, b, z, dt_bias, a_log, o_norm, state, ckpt, ckpt_map, seqs, core, q,   \
+                              heads, slot_stride, state_off, has_lb, lb, eps);                               \
     }
 KDA_REG(16)
 KDA_REG(32)
@@ -467,6 +476,9 @@ extern "C" __global__ void dsa_select(const float* qi, const float* kgw, const f
     const float* wraw = kgw + (i64)blockIdx.x * kgw_width + 2 * di;
     const float wscale = 1.0f / sqrtf((float)hi), qscale = 1.0f / sqrtf((float)di);
     const bool sparse = complete > budget;
+    // Threads work on pools in parallel (score, rank, placement); each pool's score is one
+    // thread's sequential sum, as before, so the ranking is the same.
+    int kept_pools = 0;
     if (sparse) {
         for (int p = threadIdx.x; p < complete; p += blockDim.x) {
             const float* key =
@@ -481,27 +493,31 @@ extern "C" __global__ void dsa_select(const float* qi, const float* kgw, const f
         }
         __syncthreads();
         // Rank of each pool under (score descending, index ascending); keep ranks < budget.
+        float mine = 0.f;
         for (int p = threadIdx.x; p < complete; p += blockDim.x) {
             const float v = sc[p];
             int rank = 0;
             for (int o = 0; o < complete && rank < budget; ++o) rank += (sc[o] > v || (sc[o] == v && o < p));
             kept[p] = rank < budget ? 1.f : 0.f;
+            mine += kept[p];
         }
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) {
-        int n = 0;
-        if (sparse) {
-            for (int p = 0; p < complete; ++p)
-                if (kept[p] != 0.f)
-                    for (int x = 0; x < pool; ++x) out[n++] = p * pool + x;
-        } else {
-            for (int x = 0; x < complete * pool; ++x) out[n++] = x;
+        kept_pools = (int)block_sum(mine);
+        // Kept pools in ascending order: pool p's positions go after those of the kept pools
+        // before it.
+        for (int p = threadIdx.x; p < complete; p += blockDim.x) {
+            if (kept[p] == 0.f) continue;
+            int before = 0;
+            for (int o = 0; o < p; ++o) before += kept[o] != 0.f;
+            for (int x = 0; x < pool; ++x) out[before * pool + x] = p * pool + x;
         }
-        if (tail)
-            for (int x = complete * pool; x <= row.pos; ++x) out[n++] = x;
-        sel_count[blockIdx.x] = n;
+    } else {
+        kept_pools = complete;
+        for (int x = threadIdx.x; x < complete * pool; x += blockDim.x) out[x] = x;
     }
+    const int n0 = kept_pools * pool;
+    const int tail_len = tail ? row.pos + 1 - complete * pool : 0;
+    for (int i = threadIdx.x; i < tail_len; i += blockDim.x) out[n0 + i] = complete * pool + i;
+    if (threadIdx.x == 0) sel_count[blockIdx.x] = n0 + tail_len;
 }
 
 // Absorbed MLA attention over the selected latents, split over positions so a batch-1 decode
@@ -512,7 +528,6 @@ extern "C" __global__ void dsa_select(const float* qi, const float* kgw, const f
 // batch. Rows are `row0 + blockIdx.y`: a step's rows may be taken in tiles.
 #define MLA_SPLIT 64
 
-// Grid (heads, rows): qt[b, h, :] = W^K_hᵀ q[b, h, :d_n] (r values).
 // Grid (heads, rows, column groups of blockDim): each thread one of the r values.
 template <typename T>
 __device__ void mla_qt_impl(const float* q, const T* kv_b, float* qt, int row0, int h, int dn, int dv, int r) {

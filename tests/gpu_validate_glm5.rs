@@ -275,6 +275,64 @@ fn glm5_cache_images_company_and_rollback_on_cuda() {
     assert!(drafted.commit_verified(1, 1).is_err(), "a second commit has no step to commit");
 }
 
+/// Page-end snapshots taken inside one prefill step (`mark_state_snapshots`, what lets prefill
+/// chunks cross prefix-cache pages) equal the state of steps that end exactly there, and the CPU
+/// takes the same snapshots within the f32 bound.
+#[test]
+#[ignore = "needs a CUDA device; run scripts/gpu_validate_glm5.sh"]
+fn glm5_state_snapshots_inside_a_step_on_cuda() {
+    let bundle = open("glm5/tiny");
+    let bytes = std::fs::read(common::fixture("glm5/golden.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let a = ints(&st, "ids_0");
+    let p = Precision::F32;
+    let cuts = [13usize, 29];
+    let mut one = cuda(&bundle, GEOM, p);
+    assert!(one.snapshots_inside_step());
+    one.mark_state_snapshots(0, &cuts).unwrap();
+    let mut d = Driver { tables: vec![(0..32).collect()], pos: vec![0], slots: vec![0] };
+    d.step(&mut one, &[(0, &a[..40])], &[]);
+    let inside = one.take_state_snapshots(0);
+    assert_eq!(inside.len(), cuts.len(), "one image per marked page end");
+    assert!(one.take_state_snapshots(0).is_empty(), "snapshots are taken once");
+    // The same prompt in steps that end at the cuts.
+    let mut steps = cuda(&bundle, GEOM, p);
+    let mut d = Driver { tables: vec![(0..32).collect()], pos: vec![0], slots: vec![2] };
+    let mut host = cpu(&bundle, GEOM);
+    host.mark_state_snapshots(1, &cuts).unwrap();
+    let mut dh = Driver { tables: vec![(0..32).collect()], pos: vec![0], slots: vec![1] };
+    dh.step(&mut host, &[(0, &a[..40])], &[]);
+    let on_cpu = host.take_state_snapshots(1);
+    assert_eq!(on_cpu.len(), cuts.len());
+    let as_f32 = |b: &[u8]| b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<_>>();
+    let rel = |x: &[f32], y: &[f32]| {
+        let num: f32 = x.iter().zip(y).map(|(p, q)| (p - q) * (p - q)).sum();
+        let den: f32 = y.iter().map(|q| q * q).sum();
+        (num / den.max(f32::MIN_POSITIVE)).sqrt()
+    };
+    let mut from = 0;
+    for (i, &cut) in cuts.iter().enumerate() {
+        d.step(&mut steps, &[(0, &a[from..cut])], &[]);
+        from = cut;
+        let ended = as_f32(&steps.read_state_slot(2).unwrap());
+        let (got, cpu_img) = (as_f32(&inside[i]), as_f32(&on_cpu[i]));
+        let (vs_steps, vs_cpu) = (rel(&got, &ended), rel(&got, &cpu_img));
+        println!(
+            "snapshot after {cut} tokens: rel L2 vs a step ending there {vs_steps:.3e} (bitwise {}), vs the CPU's {vs_cpu:.3e}",
+            bits_equal(&got, &ended)
+        );
+        assert!(vs_steps < 1e-5, "the snapshot after {cut} tokens is {vs_steps:.3e} from the state of a step ending there");
+        assert!(vs_cpu < 1e-4, "the CUDA snapshot after {cut} tokens is {vs_cpu:.3e} from the CPU's");
+    }
+    // A mark at or past the step's end is refused with the step.
+    let mut bad = cuda(&bundle, GEOM, p);
+    bad.mark_state_snapshots(0, &[5]).unwrap();
+    let t: Vec<u32> = (0..32).collect();
+    let err = bad.forward(&[SeqStep { tokens: &a[..5], start_pos: 0, block_table: &t, logits_rows: 1, state_slot: 0 }]);
+    assert!(err.is_err(), "a snapshot at the step's last token is the slot itself, not an inside snapshot");
+    assert!(bad.mark_state_snapshots(0, &[3, 2]).is_err(), "offsets must ascend");
+}
+
 #[test]
 #[ignore = "needs a CUDA device; run scripts/gpu_validate_glm5.sh"]
 fn glm5_bad_input_is_an_error_on_cuda() {

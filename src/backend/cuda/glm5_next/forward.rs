@@ -15,7 +15,7 @@
 //! on a row's own sizes only, never on the batch.
 
 use super::weights::{DevLinear, Ffn, HyperConnection, Kda, Mixer, Mla, Mlp, Moe};
-use super::{DeviceCheckpoints, Glm5CudaBackend};
+use super::{DeviceCheckpoints, DeviceSnapshots, Glm5CudaBackend};
 use crate::backend::cuda::gpu::{cfg, cfg3, grid_for, Precision};
 use crate::backend::glm5_steps::{logits_rows, plan_rows, SeqRows};
 use crate::backend::{BackendError, EmbeddedRows, SeqStep, StepLogits};
@@ -120,6 +120,8 @@ struct StepInputs {
     max_pools: usize,
     max_sel: usize,
     ckpt: u64,
+    /// Per batch row, which of its sequence's slot images the state after the row goes to.
+    ckpt_map: u64,
 }
 
 const BLOCK: u32 = 256;
@@ -294,8 +296,20 @@ impl Glm5CudaBackend {
     fn prepare(&mut self, batch: &[SeqStep<'_>], seqs: &[SeqRows<'_>]) -> Result<StepInputs, BackendError> {
         let c = &self.cfg;
         let stride = self.layout.slot_stride;
-        let ck_total: usize = seqs.iter().filter(|s| s.checkpoint).map(|s| (s.n - 1) * stride).sum();
+        // Page-end snapshots marked for this step (`mark_state_snapshots`), each inside its step.
+        let marks: Vec<Vec<usize>> = seqs.iter().map(|s| std::mem::take(&mut self.marks[s.slot])).collect();
+        if let Some((s, m)) = seqs.iter().zip(&marks).find(|(s, m)| m.last().is_some_and(|&a| a >= s.n)) {
+            return Err(BackendError::InvalidStep(format!(
+                "state snapshots after {m:?} tokens of slot {}, whose step has {} tokens",
+                s.slot, s.n
+            )));
+        }
+        // Slot images per sequence: after every token but the last of a verified one (which also
+        // serve its snapshots), else one per snapshot.
+        let images = |s: &SeqRows<'_>, m: &Vec<usize>| if s.checkpoint { s.n - 1 } else { m.len() };
+        let ck_total: usize = seqs.iter().zip(&marks).map(|(s, m)| images(s, m) * stride).sum();
         let ckpt = Arc::new(self.gpu.alloc(4 * ck_total)?);
+        let mut ckpt_map = vec![-1i32; seqs.iter().map(|s| s.n).sum()];
         let mut ck_off = 0usize;
         let mut kda_seqs = Vec::with_capacity(seqs.len());
         let mut tables: Vec<i32> = Vec::new();
@@ -303,23 +317,32 @@ impl Glm5CudaBackend {
         let mut pool_recs: Vec<i64> = Vec::new();
         let (bs, ts, pool) = (self.geom.block_size, self.layout.token_stride, c.index_kpool.max(1));
         let mut max_pos = 0usize;
-        for (s, step) in seqs.iter().zip(batch) {
+        for ((s, step), m) in seqs.iter().zip(batch).zip(&marks) {
             if s.start_pos == 0 {
                 self.gpu.zero(self.slot_addr(s.slot), 4 * stride)?;
             }
             self.slot_pos[s.slot] = Some(s.start_pos + s.n);
             // A verified sequence keeps its slot image after each of its tokens but the last.
             let offset = ck_off;
+            ck_off += images(s, m) * stride;
+            let map = &mut ckpt_map[s.row0..s.row0 + s.n];
             if s.checkpoint {
-                ck_off += (s.n - 1) * stride;
+                map[..s.n - 1].iter_mut().enumerate().for_each(|(t, k)| *k = t as i32);
+            } else {
+                m.iter().enumerate().for_each(|(i, &after)| map[after - 1] = i as i32);
             }
+            self.snapshots[s.slot] = (!m.is_empty()).then(|| DeviceSnapshots {
+                images: ckpt.clone(),
+                offset,
+                index: m.iter().enumerate().map(|(i, &after)| if s.checkpoint { after - 1 } else { i }).collect(),
+            });
             self.checkpoints[s.slot] = s.checkpoint.then(|| DeviceCheckpoints {
                 images: ckpt.clone(),
                 offset,
                 start_pos: s.start_pos,
                 tokens: s.n,
             });
-            let checkpoints = if s.checkpoint && s.n > 1 { offset as i64 } else { -1 };
+            let checkpoints = if images(s, m) > 0 { offset as i64 } else { -1 };
             kda_seqs.push(KdaSeq {
                 row0: Self::i32_of(s.row0)?,
                 n: Self::i32_of(s.n)?,
@@ -342,6 +365,7 @@ impl Glm5CudaBackend {
         }
         let n_rows = rows.len();
         let kda_seqs_p = self.scratch.put(&self.gpu, "kda_seqs", &kda_seqs)?;
+        let ckpt_map = self.scratch.put(&self.gpu, "ckpt_map", &ckpt_map)?;
         let dsa_rows = self.scratch.put(&self.gpu, "dsa_rows", &rows)?;
         let tables_p = self.scratch.put(&self.gpu, "tables", &tables)?;
         let pool_recs = if pool_recs.is_empty() {
@@ -362,6 +386,7 @@ impl Glm5CudaBackend {
             max_pools: (max_pos / pool).max(1),
             max_sel: (budget * pool + pool).min(max_pos.max(1)).max(1),
             ckpt: ckpt_ptr,
+            ckpt_map,
         })
     }
 
@@ -454,6 +479,7 @@ impl Glm5CudaBackend {
             &conv,
             &state,
             &inp.ckpt,
+            &inp.ckpt_map,
             &inp.kda_seqs,
             &taps,
             &q3i,
@@ -484,6 +510,7 @@ impl Glm5CudaBackend {
             &onorm,
             &state,
             &inp.ckpt,
+            &inp.ckpt_map,
             &inp.kda_seqs,
             &core,
             &qi,
@@ -577,7 +604,7 @@ impl Glm5CudaBackend {
             launch!(
                 self.gpu,
                 f,
-                cfg((n as u32, 1), 128, 0),
+                cfg((n as u32, 1), 1024, 0),
                 &qi_buf,
                 &kgw,
                 &kv,

@@ -38,6 +38,14 @@ struct DeviceCheckpoints {
     tokens: usize,
 }
 
+/// A slot's page-end snapshots of the last step: images `index[i]` (each `slot_stride` f32) of
+/// the buffer at `offset`, in the order they were marked.
+struct DeviceSnapshots {
+    images: Arc<DevBuf>,
+    offset: usize,
+    index: Vec<usize>,
+}
+
 pub struct Glm5CudaBackend {
     cfg: Glm5Config,
     gpu: Gpu,
@@ -54,6 +62,10 @@ pub struct Glm5CudaBackend {
     /// Per slot, the position its state has reached (`None` after a snapshot was written).
     slot_pos: Vec<Option<usize>>,
     checkpoints: Vec<Option<DeviceCheckpoints>>,
+    /// Per slot, the token counts after which the next step keeps the state (`mark_state_snapshots`).
+    marks: Vec<Vec<usize>>,
+    /// Per slot, the snapshots its last step kept, until `take_state_snapshots`.
+    snapshots: Vec<Option<DeviceSnapshots>>,
     scratch: forward::Scratch,
     /// Per-layer timings and expert counts of the steps run while profiling (`bench`).
     profile: Option<StepProfile>,
@@ -155,6 +167,8 @@ impl Glm5CudaBackend {
             state,
             slot_pos: vec![Some(0); kv.state_slots],
             checkpoints: (0..kv.state_slots).map(|_| None).collect(),
+            marks: vec![Vec::new(); kv.state_slots],
+            snapshots: (0..kv.state_slots).map(|_| None).collect(),
             scratch: forward::Scratch::default(),
             profile: None,
             device_sampling: std::env::var("SHELFSERVE_CUDA_SAMPLING").map_or(true, |v| v != "0"),
@@ -395,6 +409,43 @@ impl Backend for Glm5CudaBackend {
 
     fn state_slot_bytes(&self) -> usize {
         4 * self.layout.slot_stride
+    }
+
+    /// The KDA kernels write the slot image after any token of a step (`ckpt_map`), so prefill
+    /// chunks may cross prefix-cache page ends.
+    fn snapshots_inside_step(&self) -> bool {
+        true
+    }
+
+    fn mark_state_snapshots(&mut self, slot: u32, after_tokens: &[usize]) -> Result<(), BackendError> {
+        let s = self.check_slot(slot)?;
+        if after_tokens.windows(2).any(|w| w[0] >= w[1]) || after_tokens.first() == Some(&0) {
+            return Err(BackendError::InvalidStep(format!(
+                "state snapshot offsets {after_tokens:?} must be positive and ascending"
+            )));
+        }
+        self.marks[s] = after_tokens.to_vec();
+        Ok(())
+    }
+
+    fn take_state_snapshots(&mut self, slot: u32) -> Vec<Vec<u8>> {
+        let Ok(s) = self.check_slot(slot) else { return Vec::new() };
+        self.marks[s].clear();
+        let Some(snap) = self.snapshots[s].take() else { return Vec::new() };
+        let stride = self.layout.slot_stride;
+        if self.gpu.bind().is_err() {
+            return Vec::new();
+        }
+        let mut out = Vec::with_capacity(snap.index.len());
+        for &i in &snap.index {
+            let mut v = vec![0f32; stride];
+            if let Err(e) = self.gpu.copy_dtoh(&mut v, snap.images.at(4 * (snap.offset + i * stride))) {
+                tracing::warn!(slot, error = %e, "reading a state snapshot failed; the page is not cached");
+                return Vec::new();
+            }
+            out.push(to_bytes(&v));
+        }
+        out
     }
 
     fn read_state_slot(&mut self, slot: u32) -> Result<Vec<u8>, BackendError> {
