@@ -47,7 +47,11 @@
 // Lane layout of each build: 0 = lane l takes the 16-byte chunks l, l + 32, ... of a row (x read
 // as 16-byte pieces 32 or 64 bytes apart across the lanes: 2-4× the L1 wavefronts of the
 // codes' bytes); 1 = lane l takes the 8-weight pieces l, l + 32, ... (4 or 8 bytes of codes,
-// x read contiguously across the warp). The grid does not depend on it.
+// x read contiguously across the warp). The grid does not depend on it. Measured on the H200
+// (8B llama, session 13), the piece layout is slower: batch-1 decode int4 3.53 ms against 3.19,
+// FP8 4.19 / 4.04, batch 8 int4 14.7 / 10.8 ms; the GEMV alone on one layer at m = 1 int4 85 µs
+// against 64, NVFP4 119 / 90 µs (NVFP4's batch-1 step was the exception, 4.36 / 4.76 ms, one
+// run each: not taken without a second look).
 #ifndef QG_PIECES_SMALL
 #define QG_PIECES_SMALL 0
 #endif

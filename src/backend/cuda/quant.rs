@@ -8,7 +8,7 @@
 //! [`matmul`] dispatches on the weight: dense matrices go to cuBLAS; packed ones to the GEMV
 //! that dequantizes in registers (a warp per [`gemv_warp_rows`] weight rows, token rows in
 //! tiles of [`QUANT_GEMV_TILE_ROWS`], each tile re-reading the codes, mostly from L2) for steps
-//! of at most [`PackedPolicy::gemv_max_rows`] token rows, else (prefill) the matrix is
+//! of at most [`PackedPolicy::gemv_max_rows`] token rows (8 or 16), else the matrix is
 //! dequantized into a reused scratch in the storage precision and multiplied by the same cuBLAS
 //! GEMM — an honest interim: prefill reads the dequantized matrix once more than a fused
 //! tensor-core GEMM would (Marlin-style 4-bit and FP8 tensor-core GEMMs are later work).
@@ -132,30 +132,37 @@ pub enum PackedPath {
     DequantGemm,
 }
 
-/// Where packed matrices switch from the GEMV to dequantize + cuBLAS.
+/// Where packed matrices switch from the GEMV to dequantize + cuBLAS, per format.
+///
+/// The GEMV's time grows with the tiles of 8 token rows (each tile decodes the codes again and
+/// multiplies on the CUDA cores in f32); dequantize + cuBLAS costs about a dense step plus
+/// writing and reading the matrix in bf16 (≈ 6.5 ms a step for FP8, ≈ 10 ms for the 4-bit
+/// formats on the 8B llama). Measured on the H200 (docs/quantization.md, session 13): int4 at
+/// 16 rows 16.4 ms GEMV vs 17.3 ms dequantize, at 32 rows 30.4 vs 19.3; FP8 at 16 rows 13.8 ms
+/// dequantize vs ≈ 2 × its 8-row GEMV (11.5 ms); NVFP4's GEMV is the slowest of the three.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PackedPolicy {
-    /// Steps of at most this many token rows take the GEMV. The GEMV's time grows with the
-    /// tiles of 8 rows (f32 FMA-bound past one tile: every tile decodes the codes again and
-    /// multiplies them on the CUDA cores), dequantize + cuBLAS costs about a dense step plus
-    /// writing and reading the bf16 matrix; measured on the H200 (8B llama, docs/quantization.md).
-    pub gemv_max_rows: usize,
+    /// Steps of at most this many token rows take the GEMV: FP8, int4, NVFP4.
+    pub fp8_max_rows: usize,
+    pub int4_max_rows: usize,
+    pub nvfp4_max_rows: usize,
 }
 
 impl Default for PackedPolicy {
     fn default() -> Self {
-        PackedPolicy { gemv_max_rows: 16 }
+        PackedPolicy { fp8_max_rows: 8, int4_max_rows: 16, nvfp4_max_rows: 8 }
     }
 }
 
 impl PackedPolicy {
-    /// The default, or `SHELFSERVE_QUANT_GEMV_MAX_ROWS` (for measuring the crossover).
+    /// The default, or `SHELFSERVE_QUANT_GEMV_MAX_ROWS` for every format (for measuring the
+    /// crossover).
     pub fn from_env_value(v: Option<&str>) -> Result<Self, String> {
         match v.map(str::trim) {
             None | Some("") => Ok(Self::default()),
             Some(s) => s
                 .parse::<usize>()
-                .map(|gemv_max_rows| PackedPolicy { gemv_max_rows })
+                .map(|n| PackedPolicy { fp8_max_rows: n, int4_max_rows: n, nvfp4_max_rows: n })
                 .map_err(|_| format!("SHELFSERVE_QUANT_GEMV_MAX_ROWS={s}: expected a row count")),
         }
     }
@@ -172,18 +179,33 @@ impl PackedPolicy {
         })
     }
 
-    pub fn path(&self, m: usize) -> PackedPath {
-        if m <= self.gemv_max_rows {
+    pub fn gemv_max_rows(&self, f: PackedFormat) -> usize {
+        match f {
+            PackedFormat::Fp8Block => self.fp8_max_rows,
+            PackedFormat::Int4 { .. } => self.int4_max_rows,
+            PackedFormat::Nvfp4 => self.nvfp4_max_rows,
+        }
+    }
+
+    pub fn path(&self, f: PackedFormat, m: usize) -> PackedPath {
+        if m <= self.gemv_max_rows(f) {
             PackedPath::Gemv
         } else {
             PackedPath::DequantGemm
         }
     }
+
+    /// Whether a step of `m` rows may dequantize a matrix of some format (it then needs the
+    /// scratch).
+    pub fn may_dequantize(&self, m: usize) -> bool {
+        m > self.fp8_max_rows.min(self.int4_max_rows).min(self.nvfp4_max_rows)
+    }
 }
 
-/// The path of a step of `m` token rows under the process's [`PackedPolicy`].
-pub fn packed_path(m: usize) -> PackedPath {
-    PackedPolicy::current().path(m)
+/// The path of a step of `m` token rows on a matrix of format `f` under the process's
+/// [`PackedPolicy`].
+pub fn packed_path(f: PackedFormat, m: usize) -> PackedPath {
+    PackedPolicy::current().path(f, m)
 }
 
 /// A packed matrix on the device.
@@ -362,7 +384,7 @@ pub fn matmul(
 ) -> Result<(), BackendError> {
     match w {
         LinearWeight::Dense { buf, rows } => gpu.gemm_ld(prec, m, *rows, k, io.x, buf.ptr(), io.y, io.ldy, accumulate),
-        LinearWeight::Packed(p) => match packed_path(m) {
+        LinearWeight::Packed(p) => match packed_path(p.format, m) {
             PackedPath::Gemv => p.gemv(gpu, prec, m, io.x, io.y, io.ldy, accumulate),
             PackedPath::DequantGemm => {
                 if m == 0 {
@@ -407,16 +429,25 @@ mod tests {
     }
 
     #[test]
-    fn decode_and_middle_batches_take_the_gemv_prefill_dequantizes() {
+    fn decode_batches_take_the_gemv_larger_steps_dequantize() {
         let p = PackedPolicy::default();
-        assert_eq!(p.path(1), PackedPath::Gemv);
-        assert_eq!(p.path(8), PackedPath::Gemv);
-        assert_eq!(p.path(9), PackedPath::Gemv, "tiles of 8 rows");
-        assert_eq!(p.path(p.gemv_max_rows), PackedPath::Gemv);
-        assert_eq!(p.path(p.gemv_max_rows + 1), PackedPath::DequantGemm);
-        assert_eq!(p.path(4096), PackedPath::DequantGemm);
-        let eight = PackedPolicy::from_env_value(Some(" 8 ")).unwrap();
-        assert_eq!((eight.path(8), eight.path(9)), (PackedPath::Gemv, PackedPath::DequantGemm));
+        let (fp8, int4, nvfp4) = (PackedFormat::Fp8Block, PackedFormat::Int4 { group: 128 }, PackedFormat::Nvfp4);
+        for f in [fp8, int4, nvfp4] {
+            assert_eq!(p.path(f, 1), PackedPath::Gemv, "{f:?}");
+            assert_eq!(p.path(f, 8), PackedPath::Gemv, "{f:?}");
+            assert_eq!(p.path(f, 17), PackedPath::DequantGemm, "{f:?}");
+            assert_eq!(p.path(f, 4096), PackedPath::DequantGemm, "{f:?}");
+        }
+        // int4's GEMV over two tiles still beats dequantize + cuBLAS at 16 rows; FP8's and
+        // NVFP4's do not.
+        assert_eq!(p.path(int4, 16), PackedPath::Gemv);
+        assert_eq!((p.path(fp8, 9), p.path(nvfp4, 9)), (PackedPath::DequantGemm, PackedPath::DequantGemm));
+        assert!(!p.may_dequantize(8) && p.may_dequantize(9));
+        let all = PackedPolicy::from_env_value(Some(" 64 ")).unwrap();
+        for f in [fp8, int4, nvfp4] {
+            assert_eq!((all.path(f, 64), all.path(f, 65)), (PackedPath::Gemv, PackedPath::DequantGemm));
+        }
+        assert!(!all.may_dequantize(64));
         assert_eq!(PackedPolicy::from_env_value(None).unwrap(), p);
         assert_eq!(PackedPolicy::from_env_value(Some("")).unwrap(), p);
         let e = PackedPolicy::from_env_value(Some("lots")).unwrap_err();
