@@ -10,21 +10,72 @@
 // A weight is `code value × group scale` exactly as the tools (and the CPU's `dequantize_row`)
 // compute it in f32: FP8 `e4m3 · s`, int4 `(q − 8) · s`, NVFP4 `e2m1 · (s₈ / g)`.
 //
-// quant_gemv_<fmt>_r<R>_<T>: y[r, col] (+)= x[r, :] · W[col, :] for m ≤ R ≤ 8 token rows, x in T
-// (the storage type, as the cuBLAS path takes it), y f32 with row stride `ldy`. Codes are read
-// with 16-byte streaming loads and decoded to f32 in registers; nothing is widened in memory.
-// One block of 256 threads computes QG_COLS weight rows for every token row: thread t takes the
-// 16-byte chunks t, t + 256, ... of each row (16 FP8 or 32 4-bit weights), and for each 8-weight
-// piece adds `scale · Σ w·x` (an FMA chain) to its accumulator. Each output is then reduced over
-// the block in an order fixed by k alone (per-thread chunks, warp tree, warps in order), so a
-// token row's result never depends on m or on the other rows of the batch.
+// quant_gemv_<fmt>_r<R>_<T>: y[r, col] (+)= x[r, :] · W[col, :] for the token rows of the step
+// (x in T, the storage type, as the cuBLAS path takes it; y f32 with row stride `ldy`).
+// Weight-only GEMV is bound by memory and, for 4-bit codes, by instruction issue (40 weights per
+// clock per SM at full bandwidth), so the layout is built for both:
+//   * one warp owns NR (2 or 4) weight rows (no __syncthreads, no shared memory); lane l takes the
+//     16-byte chunks l, l + 32, ... of each row (or, in the piece layout, its 8-weight pieces
+//     l, l + 32, ...), U units of every row loaded before the first is used (NR·U independent
+//     streaming loads in flight per lane);
+//   * token rows come in tiles of R (grid x, fastest, so the tiles of one weight block run side by
+//     side and re-read its codes from L2), weight blocks of QG_WARPS·NR rows on grid y;
+//   * codes are decoded to f32 in registers, the x values of a piece shared by the warp's NR rows:
+//     int4 through `prmt` into the 2²³ magic float (two ops a weight); FP8 and E2M1 by moving
+//     their bits into an f32's exponent and mantissa, which reads as value · 2⁻¹²⁰ (resp. 2⁻¹²⁶):
+//     instead of one multiply per weight, x is taken × 2^XS and the group scale × 2^XS (XS = 60,
+//     63: exact powers of two, so every product and sum is the same float as unscaled, far from
+//     overflow and underflow for activations and scales of real models).
+// A piece of 8 weights adds `scale · Σ w·x` (an 8-FMA chain) to the lane's accumulator; the 32
+// lanes are then summed by the xor tree of `warp_sum`. The order is fixed by k and the build's
+// layout alone (units in increasing order per lane, the same tree), and every build of a layout
+// sums alike, so a token row's result never depends on m, on the tile it falls in, or on the
+// other rows of the batch (the two layouts sum in different orders: a switch between them is a
+// deployment choice, never made per step).
 //
-// quant_dequant_<fmt>_<T>: out[n, k] in T = the same f32 weights (rounded to T): the interim
-// prefill path dequantizes one matrix at a time into a scratch and runs the cuBLAS GEMM on it.
+// quant_dequant_<fmt>_<T>: out[n, k] in T = the same f32 weights (rounded to T): the prefill
+// path dequantizes one matrix at a time into a reused scratch and runs the cuBLAS GEMM on it;
+// one thread per 16-byte chunk, 16-byte stores.
 
-#define QG_THREADS 256
+#define QG_THREADS 128
 #define QG_WARPS (QG_THREADS / 32)
-#define QG_COLS 8
+// Weight rows per warp: 2 in the 1-2 token-row builds (twice the warps for the small matrices,
+// whose grids would otherwise leave the SMs under-filled), 4 in the others (x shared by more
+// rows). `gemv_warp_rows` in src/backend/cuda/quant.rs: the grid depends on it.
+#define QG_NR_SMALL 2
+#define QG_NR_LARGE 4
+// Lane layout of each build: 0 = lane l takes the 16-byte chunks l, l + 32, ... of a row (x read
+// as 16-byte pieces 32 or 64 bytes apart across the lanes: 2-4× the L1 wavefronts of the
+// codes' bytes); 1 = lane l takes the 8-weight pieces l, l + 32, ... (4 or 8 bytes of codes,
+// x read contiguously across the warp). The grid does not depend on it. Measured on the H200
+// (8B llama, session 13), the piece layout is slower: batch-1 decode int4 3.53 ms against 3.19,
+// FP8 4.19 / 4.04, batch 8 int4 14.7 / 10.8 ms; the GEMV alone on one layer at m = 1 int4 85 µs
+// against 64, NVFP4 119 / 90 µs (NVFP4's batch-1 step was the exception, 4.36 / 4.76 ms, one
+// run each: not taken without a second look).
+#ifndef QG_PIECES_SMALL
+#define QG_PIECES_SMALL 0
+#endif
+#ifndef QG_PIECES_LARGE
+#define QG_PIECES_LARGE 0
+#endif
+// Units (chunks or pieces) of each row a lane loads before using the first, per build (the
+// 8-row piece build at one: more spills registers). These and the layouts are switchable
+// through SHELFSERVE_CUDA_DEFINES for measurements.
+#ifndef QG_U_R1
+#define QG_U_R1 (QG_PIECES_SMALL ? 8 : 4)
+#endif
+#ifndef QG_U_R2
+#define QG_U_R2 (QG_PIECES_SMALL ? 8 : 4)
+#endif
+#ifndef QG_U_R4
+#define QG_U_R4 (QG_PIECES_LARGE ? 2 : 1)
+#endif
+#ifndef QG_U_R8
+#define QG_U_R8 1
+#endif
+#ifndef QG_BLOCKS_R1
+#define QG_BLOCKS_R1 5
+#endif
 
 #define FMT_FP8 0
 #define FMT_INT4 1
@@ -45,11 +96,14 @@ struct QuantArgs {
     int accumulate;           // gemv: y += instead of y =
 };
 
-// Weights per 16-byte chunk of codes.
+// Weights per 16-byte chunk of codes, and XS: the decoded code is value · 2^-2XS (see above).
 template <int FMT> struct Fmt;
-template <> struct Fmt<FMT_FP8> { static const int W = 16; };
-template <> struct Fmt<FMT_INT4> { static const int W = 32; };
-template <> struct Fmt<FMT_NVFP4> { static const int W = 32; };
+template <> struct Fmt<FMT_FP8> { static const int W = 16; static const int XS = 60; };
+template <> struct Fmt<FMT_INT4> { static const int W = 32; static const int XS = 0; };
+template <> struct Fmt<FMT_NVFP4> { static const int W = 32; static const int XS = 63; };
+
+// 2^e as a float (e in the normal range).
+__device__ __forceinline__ float qg_pow2(int e) { return __int_as_float((127 + e) << 23); }
 
 __device__ __forceinline__ uint4 qg_ld_stream(const void* p) {
     uint4 r;
@@ -59,61 +113,71 @@ __device__ __forceinline__ uint4 qg_ld_stream(const void* p) {
     return r;
 }
 
-// The value of an e4m3fn byte (no NaN codes: refused at load). Its bits shifted into an f32's
-// exponent/mantissa place read as 2⁻¹²⁰ × the value (subnormals included: the f32 is then
-// subnormal too, and the GPU keeps subnormals without --ftz), so one exact multiply restores it.
-__device__ __forceinline__ float e4m3_value(unsigned b) {
-    return __int_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20)) * __int_as_float((127 + 120) << 23);
+// An e4m3fn byte (no NaN codes: refused at load) with its bits in an f32's exponent/mantissa
+// place: 2⁻¹²⁰ × its value exactly (subnormals included: the f32 is then subnormal too, and the
+// GPU keeps subnormals without --ftz).
+__device__ __forceinline__ float e4m3_raw(unsigned b) {
+    return __int_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20));
 }
+__device__ __forceinline__ float e4m3_value(unsigned b) { return e4m3_raw(b) * qg_pow2(120); }
 
-// The value of an E2M1 nibble, the same way (2⁻¹²⁶ × the value; 0, ±0.5 … ±6 exactly).
-__device__ __forceinline__ float e2m1_value(unsigned q) {
-    return __int_as_float(((q & 0x8u) << 28) | ((q & 0x7u) << 22)) * __int_as_float((127 + 126) << 23);
+// An E2M1 nibble the same way: 2⁻¹²⁶ × its value (0, ±0.5 … ±6).
+__device__ __forceinline__ float e2m1_raw(unsigned q) {
+    return __int_as_float(((q & 0x8u) << 28) | ((q & 0x7u) << 22));
 }
-
-// q − 8 for an int4 nibble, exactly: 2²³ + q read as a float, minus 2²³ + 8.
-__device__ __forceinline__ float int4_value(unsigned q) { return __int_as_float(0x4b000000u | q) - 8388616.0f; }
 
 __device__ __forceinline__ unsigned word_of(const uint4& u, int i) {
     return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
 }
 
 // The 8 weights of piece `p` of a chunk (FP8: pieces 0-1 of 8 bytes; 4-bit: pieces 0-3 of 4
-// bytes), decoded to f32 (unscaled).
+// bytes), unscaled: FP8 value · 2⁻¹²⁰, NVFP4 value · 2⁻¹²⁶, int4 q − 8 exactly.
 template <int FMT>
 __device__ __forceinline__ void decode8(const uint4& c, int p, float* w) {
     if (FMT == FMT_FP8) {
         const unsigned lo = word_of(c, 2 * p), hi = word_of(c, 2 * p + 1);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            w[e] = e4m3_value((lo >> (8 * e)) & 0xffu);
-            w[4 + e] = e4m3_value((hi >> (8 * e)) & 0xffu);
+            w[e] = e4m3_raw((lo >> (8 * e)) & 0xffu);
+            w[4 + e] = e4m3_raw((hi >> (8 * e)) & 0xffu);
+        }
+    } else if (FMT == FMT_INT4) {
+        // Even elements are the low nibbles of the word's bytes, odd ones the high nibbles:
+        // `prmt` puts byte i of each half under the exponent of 2²³ (0x4B0000qq = 2²³ + q).
+        const unsigned v = word_of(c, p), lo = v & 0x0f0f0f0fu, hi = (v >> 4) & 0x0f0f0f0fu;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[2 * i] = __int_as_float(__byte_perm(lo, 0x4b000000u, 0x7440 + i)) - 8388616.0f;
+            w[2 * i + 1] = __int_as_float(__byte_perm(hi, 0x4b000000u, 0x7440 + i)) - 8388616.0f;
         }
     } else {
         const unsigned v = word_of(c, p);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const unsigned q = (v >> (4 * e)) & 0xfu;
-            w[e] = FMT == FMT_INT4 ? int4_value(q) : e2m1_value(q);
-        }
+        for (int e = 0; e < 8; ++e) w[e] = e2m1_raw(v >> (4 * e));
     }
 }
 
-// The scale of group `g` of row `row`, as the tools multiply it: FP8 / int4 the checkpoint's f32,
-// NVFP4 e4m3(s₈) / global (IEEE division, as the CPU).
+// The scale of group `g` of row `row` as the tools multiply it (FP8 / int4 the checkpoint's
+// f32, NVFP4 e4m3(s₈) / global with IEEE division, as the CPU), times 2^XS.
 template <int FMT>
-__device__ __forceinline__ float group_scale(const QuantArgs& a, int row, int g) {
+__device__ __forceinline__ float group_scale(const QuantArgs& a, int row, int g, float global) {
     const i64 groups = a.k / a.group;
-    if (FMT == FMT_NVFP4) return __fdiv_rn(e4m3_value(a.scale_codes[row * groups + g]), a.row_global[row]);
-    return a.scales[row * groups + g];
+    if (FMT == FMT_NVFP4) return __fdiv_rn(e4m3_value(a.scale_codes[row * groups + g]), global) * qg_pow2(Fmt<FMT>::XS);
+    return __ldg(a.scales + row * groups + g) * qg_pow2(Fmt<FMT>::XS);
 }
 
-// 8 consecutive x values of one row as f32.
+// 8 consecutive x values of one row as f32, times 2^XS.
+template <int XS>
 __device__ __forceinline__ void qg_load8(const float* p, float* o) {
     const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
     o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
     o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+    if (XS != 0) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[e] *= qg_pow2(XS);
+    }
 }
+template <int XS>
 __device__ __forceinline__ void qg_load8(const bf16* p, float* o) {
     const uint4 u = *reinterpret_cast<const uint4*>(p);
 #pragma unroll
@@ -122,85 +186,168 @@ __device__ __forceinline__ void qg_load8(const bf16* p, float* o) {
         o[2 * j] = __uint_as_float(w << 16);
         o[2 * j + 1] = __uint_as_float(w & 0xffff0000u);
     }
+    if (XS != 0) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[e] *= qg_pow2(XS);
+    }
 }
 
-template <typename T, int FMT, int MAXR>
-__device__ void quant_gemv_impl(const QuantArgs a) {
-    __shared__ float red[QG_WARPS][MAXR * QG_COLS];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int m = min(a.m, MAXR), k = a.k;
-    const int W = Fmt<FMT>::W, chunks = k / W, row_bytes = FMT == FMT_FP8 ? k : k / 2;
-    const T* x = (const T*)a.x;
-    int rows[QG_COLS];
+// Σ w·x over a piece of 8, then acc += s · that: the one accumulation order of every build.
+__device__ __forceinline__ float qg_piece(const float* w, const float* x, float s, float acc) {
+    float d = 0.f;
 #pragma unroll
-    for (int j = 0; j < QG_COLS; ++j) {
-        const int r = blockIdx.x * QG_COLS + j;
-        rows[j] = r < a.n ? r : 0;  // rows past n read row 0 and are dropped
+    for (int e = 0; e < 8; ++e) d = fmaf(w[e], x[e], d);
+    return fmaf(s, d, acc);
+}
+
+// The unit of codes a lane loads at once: a 16-byte chunk (W weights), or one 8-weight piece
+// (FP8 8 bytes, 4-bit 4 bytes).
+template <int FMT, int PIECE> struct Unit {
+    static const int BYTES = PIECE ? (FMT == FMT_FP8 ? 8 : 4) : 16;
+    static const int WEIGHTS = PIECE ? 8 : Fmt<FMT>::W;
+};
+
+template <int BYTES>
+__device__ __forceinline__ uint4 qg_ld_unit(const void* p) {
+    if (BYTES == 16) return qg_ld_stream(p);
+    uint4 r = make_uint4(0, 0, 0, 0);
+    if (BYTES == 8) {
+        asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    } else {
+        asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r.x) : "l"(p));
     }
-    float acc[MAXR][QG_COLS];
+    return r;
+}
+
+template <typename T, int FMT, int MAXR, int QG_NR, int U, int PIECE>
+__device__ __forceinline__ void quant_gemv_impl(const QuantArgs a) {
+    pdl_launch_dependents();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row0 = (blockIdx.y * QG_WARPS + warp) * QG_NR;
+    if (row0 >= a.n) return;  // writes nothing, reads nothing of its predecessors
+    const int r0 = blockIdx.x * MAXR, m = min(a.m - r0, MAXR), k = a.k;
+    // `chunks`, `W`: the lane's load units and their weights (16-byte chunks or 8-weight pieces).
+    const int UB = Unit<FMT, PIECE>::BYTES;
+    const int W = Unit<FMT, PIECE>::WEIGHTS, XS = Fmt<FMT>::XS, chunks = k / W;
+    const int row_bytes = FMT == FMT_FP8 ? k : k / 2;
+    const T* x = (const T*)a.x + (i64)r0 * k;
+    int rows[QG_NR];
+    float global[QG_NR];
+#pragma unroll
+    for (int j = 0; j < QG_NR; ++j) {
+        rows[j] = min(row0 + j, a.n - 1);  // rows past n repeat the last one and are dropped
+        global[j] = FMT == FMT_NVFP4 ? a.row_global[rows[j]] : 1.f;
+    }
+    float acc[MAXR][QG_NR];
 #pragma unroll
     for (int r = 0; r < MAXR; ++r)
 #pragma unroll
-        for (int j = 0; j < QG_COLS; ++j) acc[r][j] = 0.f;
+        for (int j = 0; j < QG_NR; ++j) acc[r][j] = 0.f;
 
-    for (int c = tid; c < chunks; c += QG_THREADS) {
-        uint4 code[QG_COLS];
+    bool waited = false;
+    for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+        // Every load of this round first (weights only: allowed before pdl_wait).
+        uint4 code[U][QG_NR];
+        float s0[U][QG_NR], s1[U][QG_NR];
 #pragma unroll
-        for (int j = 0; j < QG_COLS; ++j) code[j] = qg_ld_stream(a.codes + (i64)rows[j] * row_bytes + (i64)c * 16);
-        // Scales of this chunk's group(s): one (FP8, int4: a chunk never straddles a group),
-        // two for NVFP4 (16-weight groups, pieces 0-1 and 2-3).
-        float s0[QG_COLS], s1[QG_COLS];
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + 32 * u;
 #pragma unroll
-        for (int j = 0; j < QG_COLS; ++j) {
-            const int g = c * W / a.group;
-            s0[j] = group_scale<FMT>(a, rows[j], g);
-            s1[j] = FMT == FMT_NVFP4 ? group_scale<FMT>(a, rows[j], g + 1) : s0[j];
+            for (int j = 0; j < QG_NR; ++j) {
+                if (c < chunks) code[u][j] = qg_ld_unit<UB>(a.codes + (i64)rows[j] * row_bytes + (i64)c * UB);
+                else code[u][j] = make_uint4(0, 0, 0, 0);
+            }
         }
 #pragma unroll
-        for (int p = 0; p < W / 8; ++p) {
-            float xv[MAXR][8];
+        for (int u = 0; u < U; ++u) {
+            const int c = min(c0 + 32 * u, chunks - 1), g = c * W / a.group;
 #pragma unroll
-            for (int r = 0; r < MAXR; ++r)
-                if (r < m) qg_load8(x + (i64)r * k + c * W + p * 8, xv[r]);
+            for (int j = 0; j < QG_NR; ++j) {
+                // Scales of this unit's group(s): one (FP8, int4: a chunk never straddles a
+                // group; nor does a piece), two for an NVFP4 chunk (16-weight groups, pieces 0-1
+                // and 2-3).
+                s0[u][j] = group_scale<FMT>(a, rows[j], g, global[j]);
+                s1[u][j] = FMT == FMT_NVFP4 && !PIECE ? group_scale<FMT>(a, rows[j], g + 1, global[j]) : s0[u][j];
+            }
+        }
+        if (!waited) {
+            pdl_wait();
+            waited = true;
+        }
 #pragma unroll
-            for (int j = 0; j < QG_COLS; ++j) {
-                float w[8];
-                decode8<FMT>(code[j], p, w);
-                const float s = (FMT == FMT_NVFP4 && p >= 2) ? s1[j] : s0[j];
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + 32 * u;
+            if (c >= chunks) break;
 #pragma unroll
-                for (int r = 0; r < MAXR; ++r) {
-                    if (r >= m) break;
-                    float d = 0.f;
+            for (int p = 0; p < W / 8; ++p) {
+                const T* xp = x + c * W + p * 8;
+                if (MAXR <= 2) {
+                    // Few token rows: hold their x, decode one weight row at a time.
+                    float xv[MAXR][8];
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) d = fmaf(w[e], xv[r][e], d);
-                    acc[r][j] = fmaf(s, d, acc[r][j]);
+                    for (int r = 0; r < MAXR; ++r)
+                        if (r < m) qg_load8<XS>(xp + (i64)r * k, xv[r]);
+#pragma unroll
+                    for (int j = 0; j < QG_NR; ++j) {
+                        float w[8];
+                        decode8<FMT>(code[u][j], p, w);
+                        const float s = (FMT == FMT_NVFP4 && p >= 2) ? s1[u][j] : s0[u][j];
+#pragma unroll
+                        for (int r = 0; r < MAXR; ++r)
+                            if (r < m) acc[r][j] = qg_piece(w, xv[r], s, acc[r][j]);
+                    }
+                } else {
+                    // Many: decode the NR rows' piece once, then one token row's x at a time.
+                    float w[QG_NR][8];
+#pragma unroll
+                    for (int j = 0; j < QG_NR; ++j) decode8<FMT>(code[u][j], p, w[j]);
+#pragma unroll
+                    for (int r = 0; r < MAXR; ++r) {
+                        if (r < m) {
+                            float xv[8];
+                            qg_load8<XS>(xp + (i64)r * k, xv);
+#pragma unroll
+                            for (int j = 0; j < QG_NR; ++j) {
+                                const float s = (FMT == FMT_NVFP4 && p >= 2) ? s1[u][j] : s0[u][j];
+                                acc[r][j] = qg_piece(w[j], xv, s, acc[r][j]);
+                            }
+                        }
+                    }
                 }
             }
         }
     }
+    if (!waited) pdl_wait();  // lanes past the last chunk (k < 32 chunks)
 
+    // Every lane gets each sum (xor tree); lane (r·NR + j) mod 32 writes it.
 #pragma unroll
     for (int r = 0; r < MAXR; ++r) {
         if (r >= m) break;
 #pragma unroll
-        for (int j = 0; j < QG_COLS; ++j) {
+        for (int j = 0; j < QG_NR; ++j) {
             const float v = warp_sum(acc[r][j]);
-            if (lane == 0) red[warp][r * QG_COLS + j] = v;
-        }
-    }
-    __syncthreads();
-    if (tid < m * QG_COLS) {
-        const int r = tid / QG_COLS, col = blockIdx.x * QG_COLS + tid % QG_COLS;
-        float s = 0.f;
-        for (int i = 0; i < QG_WARPS; ++i) s += red[i][tid];
-        if (col < a.n) {
-            float* y = (float*)a.y + (i64)r * a.ldy + col;
-            *y = a.accumulate ? *y + s : s;
+            if (lane == ((r * QG_NR + j) & 31) && row0 + j < a.n) {
+                float* y = (float*)a.y + (i64)(r0 + r) * a.ldy + row0 + j;
+                *y = a.accumulate ? *y + v : v;
+            }
         }
     }
 }
 
-// One thread per 16-byte chunk of codes (grid-stride): its W weights, scaled, rounded to T.
+// 8 values rounded to T, in 16-byte stores (`p` 16-byte aligned: rows are whole chunks).
+__device__ __forceinline__ void qg_store8(float* p, const float* v) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+__device__ __forceinline__ void qg_store8(bf16* p, const float* v) {
+    unsigned u[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) u[j] = (unsigned)from_f<bf16>(v[2 * j]) | ((unsigned)from_f<bf16>(v[2 * j + 1]) << 16);
+    *reinterpret_cast<uint4*>(p) = make_uint4(u[0], u[1], u[2], u[3]);
+}
+
+// One thread per 16-byte chunk of codes (grid-stride): its W weights, scaled, rounded to T and
+// stored 16 bytes at a time.
 template <typename T, int FMT>
 __device__ void quant_dequant_impl(const QuantArgs a) {
     const int W = Fmt<FMT>::W, chunks = a.k / W, row_bytes = FMT == FMT_FP8 ? a.k : a.k / 2;
@@ -210,8 +357,11 @@ __device__ void quant_dequant_impl(const QuantArgs a) {
         const int row = (int)(i / chunks), c = (int)(i % chunks);
         const uint4 code = qg_ld_stream(a.codes + (i64)row * row_bytes + (i64)c * 16);
         const int g = c * W / a.group;
-        const float s0 = group_scale<FMT>(a, row, g);
-        const float s1 = FMT == FMT_NVFP4 ? group_scale<FMT>(a, row, g + 1) : s0;
+        const float global = FMT == FMT_NVFP4 ? a.row_global[row] : 1.f;
+        // The group scale × 2^XS, and the decoded code × 2^-2XS: undo both exactly.
+        const float unscale = qg_pow2(-Fmt<FMT>::XS), code_scale = qg_pow2(2 * Fmt<FMT>::XS);
+        const float s0 = group_scale<FMT>(a, row, g, global) * unscale;
+        const float s1 = FMT == FMT_NVFP4 ? group_scale<FMT>(a, row, g + 1, global) * unscale : s0;
         T* o = out + (i64)row * a.k + (i64)c * W;
 #pragma unroll
         for (int p = 0; p < W / 8; ++p) {
@@ -219,26 +369,27 @@ __device__ void quant_dequant_impl(const QuantArgs a) {
             decode8<FMT>(code, p, w);
             const float s = (FMT == FMT_NVFP4 && p >= 2) ? s1 : s0;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) o[p * 8 + e] = from_f<T>(w[e] * s);
+            for (int e = 0; e < 8; ++e) w[e] = (Fmt<FMT>::XS ? w[e] * code_scale : w[e]) * s;
+            qg_store8(o + p * 8, w);
         }
     }
 }
 
-// Launch bounds: the 1-2 row builds at two blocks per SM (≤ 128 registers), the 4-8 row builds
-// at one (their accumulators and activations need more).
-#define QUANT_KERNELS(T, S, F, FMT)                                                                   \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) quant_gemv_##F##_r1_##S(const QuantArgs a) { \
-        quant_gemv_impl<T, FMT, 1>(a);                                                                \
-    }                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) quant_gemv_##F##_r2_##S(const QuantArgs a) { \
-        quant_gemv_impl<T, FMT, 2>(a);                                                                \
-    }                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, 1) quant_gemv_##F##_r4_##S(const QuantArgs a) { \
-        quant_gemv_impl<T, FMT, 4>(a);                                                                \
-    }                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, 1) quant_gemv_##F##_r8_##S(const QuantArgs a) { \
-        quant_gemv_impl<T, FMT, 8>(a);                                                                \
-    }                                                                                                 \
+// Launch bounds: the 1-row builds at QG_BLOCKS_R1 blocks of 128 threads per SM (≤ 102
+// registers at 5), the others at four (≤ 128).
+#define QUANT_KERNELS(T, S, F, FMT)                                                                          \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, QG_BLOCKS_R1) quant_gemv_##F##_r1_##S(const QuantArgs a) { \
+        quant_gemv_impl<T, FMT, 1, QG_NR_SMALL, QG_U_R1, QG_PIECES_SMALL>(a);                                                              \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 4) quant_gemv_##F##_r2_##S(const QuantArgs a) { \
+        quant_gemv_impl<T, FMT, 2, QG_NR_SMALL, QG_U_R2, QG_PIECES_SMALL>(a);                                                              \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 4) quant_gemv_##F##_r4_##S(const QuantArgs a) { \
+        quant_gemv_impl<T, FMT, 4, QG_NR_LARGE, QG_U_R4, QG_PIECES_LARGE>(a);                                                              \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 4) quant_gemv_##F##_r8_##S(const QuantArgs a) { \
+        quant_gemv_impl<T, FMT, 8, QG_NR_LARGE, QG_U_R8, QG_PIECES_LARGE>(a);                                                              \
+    }                                                                                                        \
     extern "C" __global__ void quant_dequant_##F##_##S(const QuantArgs a) { quant_dequant_impl<T, FMT>(a); }
 
 #define QUANT_ALL_FORMATS(T, S)          \

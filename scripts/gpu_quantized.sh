@@ -36,6 +36,8 @@ done
 echo
 echo "=== summary (kernels: worst error / its bound, < 1 passes; fixtures: f32 max rel < 1e-4, bf16 rel L2 < 0.25) ==="
 grep -E '^(FP8|int4|NVFP4|llama-)' "$log" | awk '{ print }' | sort -u | head -60
+echo "--- packed GEMV alone, 8B matrices (format matrix m us GB/s) ---"
+grep -E '^(fp8|int4|nvfp4) ' "$log"
 grep -E '^test |^test result' "$log"
 echo "--- bench (name batch ctx sampling ms/step tok/s GB/s of-copy; prefill rows) ---"
 grep -E '^(llama-8b|device )' "$bench"

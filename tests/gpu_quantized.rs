@@ -7,8 +7,10 @@
 //!   and the GEMV may differ only in summation order. Each output is held to the first-order
 //!   worst-case rounding bound of the two orders, `(d_cpu + d_gpu) · u · Σ|w·x|` (u = 2⁻²⁴;
 //!   `d` the longest chain of roundings: CPU `k/8 + k/group + 3`, GPU `(W/8)·9` per chunk a
-//!   thread takes plus 13 for the block reduction), with m = 1, 3 and 8 token rows; a row's
-//!   result must be bitwise the same whatever m (batch invariance), and `accumulate` must add.
+//!   lane takes in the chunk layout, at least the piece layout's `9` per piece, plus 13 for the
+//!   warp's xor tree and the store), with m = 1, 3, 8 token rows
+//!   and 20 (the 8-row build over three tiles); a row's result must be bitwise the same whatever
+//!   m (batch invariance), and `accumulate` must add.
 //! * The tiny quantized llama fixtures (`tests/fixtures/quant/llama-*`, made by the real tools)
 //!   served on CUDA against the CPU backend (itself within 1e-4 of transformers,
 //!   tests/golden_quantized.rs): in f32, max |Δlogit| / max(|a|, |b|, 1) < 1e-4 scoring with
@@ -42,6 +44,9 @@ use shelfserve::sampling::SamplingParams;
 /// so bf16 activations and KV are the only difference and the same bound applies.
 const BF16_L2: f32 = 0.25;
 
+/// Token rows of the kernel checks: the 8-row build over three tiles (8, 8, 4).
+const ROWS: usize = 20;
+
 fn u() -> f64 {
     2f64.powi(-24)
 }
@@ -58,7 +63,7 @@ fn bitwise(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
-/// One random packed matrix through the dequantize kernel and the GEMV at m = 1, 3, 8; failures
+/// One random packed matrix through the dequantize kernel and the GEMV at m = 1, 3, 8, 20; failures
 /// are pushed to `failures`. Returns the worst error as a share of its bound.
 fn check_matrix(
     gpu: &mut Gpu,
@@ -105,53 +110,70 @@ fn check_matrix(
         failures.push(format!("{tag}: dequantized weights differ from the CPU's"));
     }
 
-    // Activations: 8 rows, bf16-exact in bf16 mode.
-    let mut x: Vec<f32> = (0..8 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+    // Activations: ROWS rows, bf16-exact in bf16 mode.
+    let mut x: Vec<f32> = (0..ROWS * k).map(|_| rng.random_range(-1.0..1.0)).collect();
     if prec == Precision::Bf16 {
         x.iter_mut().for_each(|v| *v = bf16::from_f32(*v).to_f32());
     }
     let xd = upload_x(gpu, prec, &x);
-    // CPU: out[i · 8 + j] = weight row i · activation row j.
-    let mut cpu = vec![0f32; n * 8];
-    dot_packed_block(&packed, 0..n, &x, &mut cpu, 8, false);
+    // CPU: out[i · ROWS + j] = weight row i · activation row j.
+    let mut cpu = vec![0f32; n * ROWS];
+    dot_packed_block(&packed, 0..n, &x, &mut cpu, ROWS, false);
     let wpc = chunk_weights(format);
     let d_cpu = (k / 8 + k / format.group() + 3) as f64;
-    let d_gpu = (k.div_ceil(256 * wpc) * (wpc / 8) * 9 + 13) as f64;
+    // Lane l of the warp takes chunks l, l + 32, ... of the row.
+    let d_gpu = (k.div_ceil(32 * wpc) * (wpc / 8) * 9 + 13) as f64;
     let mut worst = 0f64;
     let mut by_m: Vec<Vec<f32>> = Vec::new();
-    let y = gpu.alloc(8 * n * 4).unwrap();
-    for m in [1usize, 3, 8] {
-        gpu.zero(y.ptr(), 8 * n * 4).unwrap();
+    let y = gpu.alloc(ROWS * n * 4).unwrap();
+    // Σ|w·x| of every (token row, weight row), for the bounds.
+    let mags: Vec<f64> = (0..ROWS * n)
+        .map(|ri| {
+            let (r, i) = (ri / n, ri % n);
+            (0..k).map(|c| (want_w[i * k + c] as f64 * x[r * k + c] as f64).abs()).sum::<f64>()
+        })
+        .collect();
+    for m in [1usize, 3, 8, ROWS] {
+        gpu.zero(y.ptr(), ROWS * n * 4).unwrap();
         dev.gemv(gpu, prec, m, xd.ptr(), y.ptr(), n, false).unwrap();
         let mut got = vec![0f32; m * n];
         gpu.copy_dtoh(&mut got, y.ptr()).unwrap();
         for r in 0..m {
             for i in 0..n {
-                let mag: f64 = (0..k).map(|c| (want_w[i * k + c] as f64 * x[r * k + c] as f64).abs()).sum::<f64>();
-                let bound = (d_cpu + d_gpu) * u() * mag + 1e-30;
-                let err = (got[r * n + i] as f64 - cpu[i * 8 + r] as f64).abs();
+                let bound = (d_cpu + d_gpu) * u() * mags[r * n + i] + 1e-30;
+                let err = (got[r * n + i] as f64 - cpu[i * ROWS + r] as f64).abs();
                 worst = worst.max(err / bound);
                 if err > bound || !got[r * n + i].is_finite() {
                     failures.push(format!(
                         "{tag} m={m} row {r} col {i}: gpu {} cpu {} (|Δ| {err:.3e} > bound {bound:.3e})",
                         got[r * n + i],
-                        cpu[i * 8 + r]
+                        cpu[i * ROWS + r]
                     ));
                 }
             }
         }
         by_m.push(got);
     }
-    // Batch invariance: row r's outputs are the same bits whatever m.
-    let (m1, m3, m8) = (&by_m[0], &by_m[1], &by_m[2]);
-    if !bitwise(m1, &m3[..n]) || !bitwise(m1, &m8[..n]) || !bitwise(m3, &m8[..3 * n]) {
+    // Batch invariance: row r's outputs are the same bits whatever m, and whichever tile of 8
+    // it falls in (row 13, in the 20-row step's second tile, against a 1-row step on it alone).
+    let (m1, m3, m8, m20) = (&by_m[0], &by_m[1], &by_m[2], &by_m[3]);
+    let one = gpu.alloc(n * 4).unwrap();
+    dev.gemv(gpu, prec, 1, xd.ptr() + (13 * k * prec.bytes()) as u64, one.ptr(), n, false).unwrap();
+    let mut row13 = vec![0f32; n];
+    gpu.copy_dtoh(&mut row13, one.ptr()).unwrap();
+    if !bitwise(m1, &m3[..n])
+        || !bitwise(m1, &m8[..n])
+        || !bitwise(m3, &m8[..3 * n])
+        || !bitwise(m8, &m20[..8 * n])
+        || !bitwise(&row13, &m20[13 * n..14 * n])
+    {
         failures.push(format!("{tag}: a row's result depends on how many rows share the step"));
     }
-    // accumulate: y += x·wᵀ (here y already holds the 8-row result, so it doubles exactly).
-    dev.gemv(gpu, prec, 8, xd.ptr(), y.ptr(), n, true).unwrap();
-    let mut twice = vec![0f32; 8 * n];
+    // accumulate: y += x·wᵀ (here y already holds the ROWS-row result, so it doubles exactly).
+    dev.gemv(gpu, prec, ROWS, xd.ptr(), y.ptr(), n, true).unwrap();
+    let mut twice = vec![0f32; ROWS * n];
     gpu.copy_dtoh(&mut twice, y.ptr()).unwrap();
-    if !twice.iter().zip(m8).all(|(t, o)| t.to_bits() == (2.0 * o).to_bits()) {
+    if !twice.iter().zip(m20).all(|(t, o)| t.to_bits() == (2.0 * o).to_bits()) {
         failures.push(format!("{tag}: accumulate does not add to y"));
     }
     worst
@@ -277,4 +299,77 @@ fn quantized_fixtures_on_cuda_match_the_cpu_and_transformers() {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Speed of the packed GEMV alone on the 8B llama's matrices (q/k/v, o, gate/up, down): µs per
+/// call and GB/s over the codes and scales read (printed, not held; codes and scales are fixed
+/// patterns, since the decode speed does not depend on the values). Compare with the copy
+/// bandwidth `shelfserve bench` prints on the same machine.
+#[test]
+#[ignore = "needs an NVIDIA GPU; run scripts/gpu_quantized.sh"]
+fn packed_gemv_speed_on_8b_shapes() {
+    let mut gpu = Gpu::open(0).unwrap();
+    gpu.load_quant().unwrap();
+    let shapes = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)];
+    let prec = Precision::Bf16;
+    println!("{:<6} {:<8} {:>4} {:>9} {:>8}", "format", "matrix", "m", "us", "GB/s");
+    for format in [PackedFormat::Fp8Block, PackedFormat::Int4 { group: 128 }, PackedFormat::Nvfp4] {
+        let mut total = [0f64; 3];
+        let mut bytes_all = 0usize;
+        for (name, n, k) in shapes {
+            let code_bytes = format.code_bytes(k) * n;
+            let groups = n * (k / format.group());
+            let mask = if format == PackedFormat::Fp8Block { 0xBF } else { 0xFF };
+            let codes: Vec<u8> = (0..code_bytes).map(|i| ((i * 37 + i / 4099) % 251) as u8 & mask).collect();
+            let (scales, scale_codes, row_global) = match format {
+                PackedFormat::Nvfp4 => (
+                    None,
+                    Some(gpu.upload(&vec![0x38u8; groups]).unwrap()),
+                    Some(gpu.upload(&vec![1.5f32; n]).unwrap()),
+                ),
+                _ => (Some(gpu.upload(&vec![0.01f32; groups]).unwrap()), None, None),
+            };
+            let dev = DevPacked {
+                format,
+                rows: n,
+                cols: k,
+                codes: gpu.upload(&codes).unwrap(),
+                scales,
+                scale_codes,
+                row_global,
+            };
+            bytes_all += dev.bytes();
+            let x = upload_x(&gpu, prec, &vec![0.5f32; 32 * k]);
+            let y = gpu.alloc(32 * n * 4).unwrap();
+            for (i, m) in [1usize, 8, 32].into_iter().enumerate() {
+                for _ in 0..3 {
+                    dev.gemv(&mut gpu, prec, m, x.ptr(), y.ptr(), n, false).unwrap();
+                }
+                gpu.sync().unwrap();
+                let iters = 20;
+                let t0 = std::time::Instant::now();
+                for _ in 0..iters {
+                    dev.gemv(&mut gpu, prec, m, x.ptr(), y.ptr(), n, false).unwrap();
+                }
+                gpu.sync().unwrap();
+                let secs = t0.elapsed().as_secs_f64() / iters as f64;
+                total[i] += secs;
+                let tag = format_tag_short(format);
+                println!("{tag:<6} {name:<8} {m:>4} {:>9.1} {:>8.0}", secs * 1e6, dev.bytes() as f64 / secs / 1e9);
+            }
+        }
+        for (i, m) in [1usize, 8, 32].into_iter().enumerate() {
+            println!(
+                "{:<6} {:<8} {m:>4} {:>9.1} {:>8.0}   (one layer)",
+                format_tag_short(format),
+                "layer",
+                total[i] * 1e6,
+                bytes_all as f64 / total[i] / 1e9
+            );
+        }
+    }
+}
+
+fn format_tag_short(f: PackedFormat) -> &'static str {
+    shelfserve::backend::cuda::quant::format_tag(f)
 }

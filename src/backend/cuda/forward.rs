@@ -162,7 +162,7 @@ impl CudaBackend {
         // Packed (quantized) projections run the unfused path, each matrix product dispatched on
         // its weight (`quant::matmul`); prefill-sized steps dequantize one matrix at a time here.
         let packed = self.weights.has_packed();
-        let dequant = if packed && quant::packed_path(t) == quant::PackedPath::DequantGemm {
+        let dequant = if packed && quant::PackedPolicy::current().may_dequantize(t) {
             s.get(gpu, "dequant", self.weights.max_packed_elems() * eb)?
         } else {
             0

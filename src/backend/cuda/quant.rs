@@ -6,10 +6,12 @@
 //! beside k/v that transformers left in bf16).
 //!
 //! [`matmul`] dispatches on the weight: dense matrices go to cuBLAS; packed ones to the GEMV
-//! that dequantizes in registers for steps of at most [`QUANT_GEMV_MAX_ROWS`] token rows, else
-//! (prefill) the matrix is dequantized into a scratch in the storage precision and multiplied by
-//! the same cuBLAS GEMM — an honest interim: prefill reads the dequantized matrix once more than
-//! a fused tensor-core GEMM would (Marlin-style 4-bit and FP8 tensor-core GEMMs are later work).
+//! that dequantizes in registers (a warp per [`gemv_warp_rows`] weight rows, token rows in
+//! tiles of [`QUANT_GEMV_TILE_ROWS`], each tile re-reading the codes, mostly from L2) for steps
+//! of at most [`PackedPolicy::gemv_max_rows`] token rows (8 or 16), else the matrix is
+//! dequantized into a reused scratch in the storage precision and multiplied by the same cuBLAS
+//! GEMM — an honest interim: prefill reads the dequantized matrix once more than a fused
+//! tensor-core GEMM would (Marlin-style 4-bit and FP8 tensor-core GEMMs are later work).
 
 use cudarc::driver::CudaFunction;
 
@@ -17,10 +19,20 @@ use super::gpu::{cfg, grid_for, kernel_param, DevBuf, DeviceRepr, Gpu, Precision
 use crate::backend::BackendError;
 use crate::model::quant::packed::{PackedFormat, PackedRows};
 
-/// Most token rows the packed GEMVs take (their 8-row build); larger steps dequantize + GEMM.
-pub const QUANT_GEMV_MAX_ROWS: usize = 8;
-/// Weight rows one GEMV block computes (`QG_COLS`).
-pub const QUANT_GEMV_COLS: usize = 8;
+/// Token rows of the GEMV's largest build: longer steps run it over tiles of this many rows
+/// (grid x), re-reading the codes once per tile.
+pub const QUANT_GEMV_TILE_ROWS: usize = 8;
+const QUANT_GEMV_THREADS: u32 = 128;
+
+/// Weight rows one warp of the GEMV computes for a step of `m` token rows (`QG_NR_SMALL` /
+/// `QG_NR_LARGE` in cuda/quant_gemv.cu): 2 in the 1-2 row builds, 4 in the others.
+pub fn gemv_warp_rows(m: usize) -> usize {
+    if m <= 2 {
+        2
+    } else {
+        4
+    }
+}
 const QUANT_THREADS: u32 = 256;
 /// Bytes of codes each thread loads at once (one 16-byte load).
 pub const CHUNK_BYTES: usize = 16;
@@ -61,7 +73,20 @@ pub fn format_tag(f: PackedFormat) -> &'static str {
     }
 }
 
-/// The GEMV build for `rows` token rows (1, 2, 3-4, 5-8): each holds only its rows' accumulators.
+/// The GEMV grid for `m` token rows of a matrix of `rows` weight rows: token tiles on x (the
+/// fastest, so the tiles of one weight block run together and share its codes in L2), weight
+/// blocks on y.
+pub fn gemv_grid(m: usize, rows: usize) -> Result<(u32, u32), String> {
+    let tiles = m.div_ceil(QUANT_GEMV_TILE_ROWS);
+    let blocks = rows.div_ceil(gemv_warp_rows(m) * QUANT_GEMV_THREADS as usize / 32);
+    if blocks > 65_535 || tiles > u32::MAX as usize {
+        return Err(format!("packed GEMV of {rows} rows × {m} token rows exceeds the grid"));
+    }
+    Ok((tiles as u32, blocks as u32))
+}
+
+/// The GEMV build for `rows` token rows (1, 2, 3-4, 5 and more in tiles of 8): each holds only
+/// its rows' accumulators.
 pub fn gemv_kernel_name(f: PackedFormat, rows: usize, prec: Precision) -> String {
     let r = match rows {
         0 | 1 => 1,
@@ -107,12 +132,80 @@ pub enum PackedPath {
     DequantGemm,
 }
 
-pub fn packed_path(m: usize) -> PackedPath {
-    if m <= QUANT_GEMV_MAX_ROWS {
-        PackedPath::Gemv
-    } else {
-        PackedPath::DequantGemm
+/// Where packed matrices switch from the GEMV to dequantize + cuBLAS, per format.
+///
+/// The GEMV's time grows with the tiles of 8 token rows (each tile decodes the codes again and
+/// multiplies on the CUDA cores in f32); dequantize + cuBLAS costs about a dense step plus
+/// writing and reading the matrix in bf16 (≈ 6.5 ms a step for FP8, ≈ 10 ms for the 4-bit
+/// formats on the 8B llama). Measured on the H200 (docs/quantization.md, session 13): int4 at
+/// 16 rows 16.4 ms GEMV vs 17.3 ms dequantize, at 32 rows 30.4 vs 19.3; FP8 at 16 rows 13.8 ms
+/// dequantize vs ≈ 2 × its 8-row GEMV (11.5 ms); NVFP4's GEMV is the slowest of the three.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PackedPolicy {
+    /// Steps of at most this many token rows take the GEMV: FP8, int4, NVFP4.
+    pub fp8_max_rows: usize,
+    pub int4_max_rows: usize,
+    pub nvfp4_max_rows: usize,
+}
+
+impl Default for PackedPolicy {
+    fn default() -> Self {
+        PackedPolicy { fp8_max_rows: 8, int4_max_rows: 16, nvfp4_max_rows: 8 }
     }
+}
+
+impl PackedPolicy {
+    /// The default, or `SHELFSERVE_QUANT_GEMV_MAX_ROWS` for every format (for measuring the
+    /// crossover).
+    pub fn from_env_value(v: Option<&str>) -> Result<Self, String> {
+        match v.map(str::trim) {
+            None | Some("") => Ok(Self::default()),
+            Some(s) => s
+                .parse::<usize>()
+                .map(|n| PackedPolicy { fp8_max_rows: n, int4_max_rows: n, nvfp4_max_rows: n })
+                .map_err(|_| format!("SHELFSERVE_QUANT_GEMV_MAX_ROWS={s}: expected a row count")),
+        }
+    }
+
+    /// Read once per process (a bad value is logged and the default kept).
+    pub fn current() -> PackedPolicy {
+        static POLICY: std::sync::OnceLock<PackedPolicy> = std::sync::OnceLock::new();
+        *POLICY.get_or_init(|| {
+            let v = std::env::var("SHELFSERVE_QUANT_GEMV_MAX_ROWS").ok();
+            Self::from_env_value(v.as_deref()).unwrap_or_else(|e| {
+                tracing::warn!("{e}; using the default");
+                Self::default()
+            })
+        })
+    }
+
+    pub fn gemv_max_rows(&self, f: PackedFormat) -> usize {
+        match f {
+            PackedFormat::Fp8Block => self.fp8_max_rows,
+            PackedFormat::Int4 { .. } => self.int4_max_rows,
+            PackedFormat::Nvfp4 => self.nvfp4_max_rows,
+        }
+    }
+
+    pub fn path(&self, f: PackedFormat, m: usize) -> PackedPath {
+        if m <= self.gemv_max_rows(f) {
+            PackedPath::Gemv
+        } else {
+            PackedPath::DequantGemm
+        }
+    }
+
+    /// Whether a step of `m` rows may dequantize a matrix of some format (it then needs the
+    /// scratch).
+    pub fn may_dequantize(&self, m: usize) -> bool {
+        m > self.fp8_max_rows.min(self.int4_max_rows).min(self.nvfp4_max_rows)
+    }
+}
+
+/// The path of a step of `m` token rows on a matrix of format `f` under the process's
+/// [`PackedPolicy`].
+pub fn packed_path(f: PackedFormat, m: usize) -> PackedPath {
+    PackedPolicy::current().path(f, m)
 }
 
 /// A packed matrix on the device.
@@ -166,8 +259,9 @@ impl DevPacked {
         }
     }
 
-    /// `y[r, 0..rows] (+)= x[r, :] · Wᵀ` for `m ≤ QUANT_GEMV_MAX_ROWS` token rows (`x` in `prec`,
-    /// `y` f32 with row stride `ldy`).
+    /// `y[r, 0..rows] (+)= x[r, :] · Wᵀ` for `m` token rows (`x` in `prec`, `y` f32 with row
+    /// stride `ldy`): the build for `m` rows, or the 8-row build over tiles of 8. Launched as a
+    /// programmatic dependent (the kernel loads its first codes before `pdl_wait`).
     #[allow(clippy::too_many_arguments)]
     pub fn gemv(
         &self,
@@ -182,13 +276,13 @@ impl DevPacked {
         if m == 0 || self.rows == 0 {
             return Ok(());
         }
-        debug_assert!(m <= QUANT_GEMV_MAX_ROWS);
         let f = gpu.func("quant", &gemv_kernel_name(self.format, m, prec))?;
         let a = self.args(x, y, m, ldy, accumulate);
-        let blocks = self.rows.div_ceil(QUANT_GEMV_COLS) as u32;
+        let grid = gemv_grid(m, self.rows).map_err(BackendError::Device)?;
         let mut params = [kernel_param(&a)];
-        // SAFETY: every quant_gemv kernel takes one `QuantArgs` by value; `a` outlives the call.
-        unsafe { gpu.launch_params(&f, cfg((blocks, 1), QUANT_THREADS, 0), &mut params, false) }
+        // SAFETY: every quant_gemv kernel takes one `QuantArgs` by value; `a` outlives the call;
+        // the kernels read only weights before `pdl_wait`.
+        unsafe { gpu.launch_params(&f, cfg(grid, QUANT_GEMV_THREADS, 0), &mut params, true) }
     }
 
     /// The whole matrix as `[rows, cols]` in `prec` at `out` (the tools' f32 weights, rounded to
@@ -274,7 +368,7 @@ pub struct MatmulIo {
     pub y: u64,
     pub ldy: usize,
     /// Scratch for one dequantized matrix (`max_packed_elems` in the storage precision); only
-    /// read for steps of more than [`QUANT_GEMV_MAX_ROWS`] rows.
+    /// read for steps that [`packed_path`] sends to [`PackedPath::DequantGemm`].
     pub dequant: u64,
 }
 
@@ -290,7 +384,7 @@ pub fn matmul(
 ) -> Result<(), BackendError> {
     match w {
         LinearWeight::Dense { buf, rows } => gpu.gemm_ld(prec, m, *rows, k, io.x, buf.ptr(), io.y, io.ldy, accumulate),
-        LinearWeight::Packed(p) => match packed_path(m) {
+        LinearWeight::Packed(p) => match packed_path(p.format, m) {
             PackedPath::Gemv => p.gemv(gpu, prec, m, io.x, io.y, io.ldy, accumulate),
             PackedPath::DequantGemm => {
                 if m == 0 {
@@ -330,15 +424,47 @@ mod tests {
         assert_eq!(gemv_kernel_name(PackedFormat::Nvfp4, 3, Precision::Bf16), "quant_gemv_nvfp4_r4_bf16");
         assert_eq!(gemv_kernel_name(int4, 5, Precision::Bf16), "quant_gemv_int4_r8_bf16");
         assert_eq!(gemv_kernel_name(int4, 8, Precision::Bf16), "quant_gemv_int4_r8_bf16");
+        assert_eq!(gemv_kernel_name(int4, 20, Precision::Bf16), "quant_gemv_int4_r8_bf16", "tiles of 8");
         assert_eq!(dequant_kernel_name(PackedFormat::Nvfp4, Precision::F32), "quant_dequant_nvfp4_f32");
     }
 
     #[test]
-    fn steps_up_to_eight_rows_take_the_gemv() {
-        assert_eq!(packed_path(1), PackedPath::Gemv);
-        assert_eq!(packed_path(8), PackedPath::Gemv);
-        assert_eq!(packed_path(9), PackedPath::DequantGemm);
-        assert_eq!(packed_path(4096), PackedPath::DequantGemm);
+    fn decode_batches_take_the_gemv_larger_steps_dequantize() {
+        let p = PackedPolicy::default();
+        let (fp8, int4, nvfp4) = (PackedFormat::Fp8Block, PackedFormat::Int4 { group: 128 }, PackedFormat::Nvfp4);
+        for f in [fp8, int4, nvfp4] {
+            assert_eq!(p.path(f, 1), PackedPath::Gemv, "{f:?}");
+            assert_eq!(p.path(f, 8), PackedPath::Gemv, "{f:?}");
+            assert_eq!(p.path(f, 17), PackedPath::DequantGemm, "{f:?}");
+            assert_eq!(p.path(f, 4096), PackedPath::DequantGemm, "{f:?}");
+        }
+        // int4's GEMV over two tiles still beats dequantize + cuBLAS at 16 rows; FP8's and
+        // NVFP4's do not.
+        assert_eq!(p.path(int4, 16), PackedPath::Gemv);
+        assert_eq!((p.path(fp8, 9), p.path(nvfp4, 9)), (PackedPath::DequantGemm, PackedPath::DequantGemm));
+        assert!(!p.may_dequantize(8) && p.may_dequantize(9));
+        let all = PackedPolicy::from_env_value(Some(" 64 ")).unwrap();
+        for f in [fp8, int4, nvfp4] {
+            assert_eq!((all.path(f, 64), all.path(f, 65)), (PackedPath::Gemv, PackedPath::DequantGemm));
+        }
+        assert!(!all.may_dequantize(64));
+        assert_eq!(PackedPolicy::from_env_value(None).unwrap(), p);
+        assert_eq!(PackedPolicy::from_env_value(Some("")).unwrap(), p);
+        let e = PackedPolicy::from_env_value(Some("lots")).unwrap_err();
+        assert!(e.contains("SHELFSERVE_QUANT_GEMV_MAX_ROWS=lots"), "{e}");
+    }
+
+    #[test]
+    fn gemv_grid_tiles_token_rows_and_blocks_weight_rows() {
+        // 1-2 token rows: 4 warps × 2 weight rows a block; more: 4 × 4.
+        assert_eq!(gemv_grid(1, 4096), Ok((1, 512)));
+        assert_eq!(gemv_grid(2, 4097), Ok((1, 513)));
+        assert_eq!(gemv_grid(3, 4096), Ok((1, 256)));
+        assert_eq!(gemv_grid(8, 4097), Ok((1, 257)));
+        assert_eq!(gemv_grid(9, 13), Ok((2, 1)));
+        assert_eq!(gemv_grid(64, 28672), Ok((8, 1792)));
+        assert!(gemv_grid(1, 8 * 65_536).unwrap_err().contains("exceeds the grid"));
+        assert!(gemv_grid(8, 8 * 65_536).is_ok());
     }
 
     #[test]
