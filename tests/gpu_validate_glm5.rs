@@ -321,7 +321,10 @@ fn glm5_state_snapshots_inside_a_step_on_cuda() {
             "snapshot after {cut} tokens: rel L2 vs a step ending there {vs_steps:.3e} (bitwise {}), vs the CPU's {vs_cpu:.3e}",
             bits_equal(&got, &ended)
         );
-        assert!(vs_steps < 1e-5, "the snapshot after {cut} tokens is {vs_steps:.3e} from the state of a step ending there");
+        assert!(
+            vs_steps < 1e-5,
+            "the snapshot after {cut} tokens is {vs_steps:.3e} from the state of a step ending there"
+        );
         assert!(vs_cpu < 1e-4, "the CUDA snapshot after {cut} tokens is {vs_cpu:.3e} from the CPU's");
     }
     // A mark at or past the step's end is refused with the step.

@@ -489,7 +489,8 @@ impl Glm5CudaBackend {
         )?;
         let core = self.scratch.get(&self.gpu, "kda_core", 4 * n * q)?;
         // Head dims with a register-resident build keep the state in registers for the step.
-        let name = if matches!(hd, 16 | 32 | 64 | 128) { format!("kda_recurrent_r{hd}") } else { "kda_recurrent".into() };
+        let name =
+            if matches!(hd, 16 | 32 | 64 | 128) { format!("kda_recurrent_r{hd}") } else { "kda_recurrent".into() };
         let f = self.gpu.func("glm5", &name)?;
         let (qi, hi, hd_i) = (q as i32, heads as i32, hd as i32);
         let (has_lb, lb) = match c.linear_lower_bound {

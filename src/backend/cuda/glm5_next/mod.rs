@@ -24,10 +24,10 @@ use crate::backend::{
     validate_batch, validate_kv_image, Backend, BackendError, DeviceSampleSpec, EmbeddedRows, ImageEmbedding,
     KvGeometry, SeqStep, StepLogits,
 };
-use crate::sampling::Sampled;
 use crate::model::glm5_next::cache_layout::CacheLayout;
 use crate::model::glm5_next::Glm5Config;
 use crate::model::{ModelError, WeightSource};
+use crate::sampling::Sampled;
 
 /// A slot's states after each token of a verification step but the last: `tokens − 1` slot
 /// images starting `offset` f32 into `images` (shared by the step's verified sequences).
