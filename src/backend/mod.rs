@@ -399,6 +399,16 @@ pub trait Backend: Send {
     }
 }
 
+/// Check the token counts given to [`Backend::mark_state_snapshots`]: positive and ascending.
+pub fn check_snapshot_offsets(after_tokens: &[usize]) -> Result<(), BackendError> {
+    if after_tokens.windows(2).any(|w| w[0] >= w[1]) || after_tokens.first() == Some(&0) {
+        return Err(BackendError::InvalidStep(format!(
+            "state snapshot offsets {after_tokens:?} must be positive and ascending"
+        )));
+    }
+    Ok(())
+}
+
 /// Check a KV image against the blocks it is meant for: the block ids in range and the image
 /// exactly `blocks.len()` blocks long.
 pub fn validate_kv_image(

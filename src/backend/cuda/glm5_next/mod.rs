@@ -419,11 +419,7 @@ impl Backend for Glm5CudaBackend {
 
     fn mark_state_snapshots(&mut self, slot: u32, after_tokens: &[usize]) -> Result<(), BackendError> {
         let s = self.check_slot(slot)?;
-        if after_tokens.windows(2).any(|w| w[0] >= w[1]) || after_tokens.first() == Some(&0) {
-            return Err(BackendError::InvalidStep(format!(
-                "state snapshot offsets {after_tokens:?} must be positive and ascending"
-            )));
-        }
+        crate::backend::check_snapshot_offsets(after_tokens)?;
         self.marks[s] = after_tokens.to_vec();
         Ok(())
     }
