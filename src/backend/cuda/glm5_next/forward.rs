@@ -297,7 +297,7 @@ impl Glm5CudaBackend {
         let c = &self.cfg;
         let stride = self.layout.slot_stride;
         // Page-end snapshots marked for this step (`mark_state_snapshots`), each inside its step.
-        let marks: Vec<Vec<usize>> = seqs.iter().map(|s| std::mem::take(&mut self.marks[s.slot])).collect();
+        let mut marks: Vec<Vec<usize>> = seqs.iter().map(|s| std::mem::take(&mut self.marks[s.slot])).collect();
         if let Some((s, m)) = seqs.iter().zip(&marks).find(|(s, m)| m.last().is_some_and(|&a| a >= s.n)) {
             return Err(BackendError::InvalidStep(format!(
                 "state snapshots after {m:?} tokens of slot {}, whose step has {} tokens",
@@ -307,8 +307,20 @@ impl Glm5CudaBackend {
         // Slot images per sequence: after every token but the last of a verified one (which also
         // serve its snapshots), else one per snapshot.
         let images = |s: &SeqRows<'_>, m: &Vec<usize>| if s.checkpoint { s.n - 1 } else { m.len() };
-        let ck_total: usize = seqs.iter().zip(&marks).map(|(s, m)| images(s, m) * stride).sum();
-        let ckpt = Arc::new(self.gpu.alloc(4 * ck_total)?);
+        let total =
+            |marks: &[Vec<usize>]| -> usize { seqs.iter().zip(marks).map(|(s, m)| images(s, m) * stride).sum() };
+        let ckpt = match self.gpu.alloc(4 * total(&marks)) {
+            Ok(buf) => buf,
+            // The images are a courtesy to the prefix cache: without memory for them the step
+            // still runs, and those pages are recomputed on a later hit instead of cached.
+            Err(e) if marks.iter().any(|m| !m.is_empty()) => {
+                tracing::warn!(error = %e, "no device memory for page-end state snapshots; those pages are not cached");
+                marks.iter_mut().for_each(Vec::clear);
+                self.gpu.alloc(4 * total(&marks))?
+            }
+            Err(e) => return Err(e),
+        };
+        let ckpt = Arc::new(ckpt);
         let mut ckpt_map = vec![-1i32; seqs.iter().map(|s| s.n).sum()];
         let mut ck_off = 0usize;
         let mut kda_seqs = Vec::with_capacity(seqs.len());
