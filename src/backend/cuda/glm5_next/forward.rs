@@ -3,7 +3,7 @@
 //! mean + norm and the LM head over the rows that need logits. Dense projections are cuBLAS GEMMs
 //! (activations cast to the storage type first in bf16); everything else is `cuda/glm5.cu`.
 //!
-//! MoE: steps of at most `MOE_GEMV_MAX_ROWS` token rows group their (token, slot) pairs by expert
+//! MoE (`moe.rs`): steps of at most `MOE_GEMV_MAX_ROWS` token rows group their (token, slot) pairs by expert
 //! on the device and run grouped GEMVs that read each used expert's rows once for all its pairs,
 //! with no host round trip; larger steps read the routes back, sort the pairs by expert and run
 //! one cuBLAS GEMM pair per expert that has tokens (a grouped GEMM done as a loop of GEMMs). Both
@@ -14,7 +14,7 @@
 //! chunks, `MLA_SPLIT` selected positions) so that a batch-1 step fills the GPU; the pieces depend
 //! on a row's own sizes only, never on the batch.
 
-use super::weights::{DevLinear, Ffn, HyperConnection, Kda, Mixer, Mla, Mlp, Moe};
+use super::weights::{DevLinear, Ffn, HyperConnection, Kda, Mixer, Mla, Mlp};
 use super::{DeviceCheckpoints, DeviceSnapshots, Glm5CudaBackend};
 use crate::backend::cuda::gpu::{cfg, cfg3, grid_for, Precision};
 use crate::backend::glm5_steps::{logits_rows, plan_rows, SeqRows};
@@ -124,13 +124,9 @@ struct StepInputs {
     ckpt_map: u64,
 }
 
-const BLOCK: u32 = 256;
-/// Steps of at most this many token rows run the routed experts as grouped GEMVs (each used
-/// expert read once, pairs grouped on the device); larger steps take one cuBLAS GEMM pair per
-/// used expert. Up to here a row's result does not depend on the batch.
-const MOE_GEMV_MAX_ROWS: usize = 64;
+pub(super) const BLOCK: u32 = 256;
 /// Columns per block of the row-chunked kernels (`HC_CHUNK` in cuda/glm5.cu).
-const HC_CHUNK: usize = 256;
+pub(super) const HC_CHUNK: usize = 256;
 /// Most mHC streams the kernels take (`HC_MAX` in cuda/glm5.cu).
 const HC_MAX: usize = 8;
 /// Selected positions per block of the split MLA attention (`MLA_SPLIT` in cuda/glm5.cu).
@@ -150,7 +146,7 @@ impl Glm5CudaBackend {
 
     /// `y[rows, l.rows] = x[rows, l.cols] · lᵀ`, `x` f32 (cast to the weight's precision first
     /// when that is bf16).
-    fn linear(&mut self, x: u64, rows: usize, l: &DevLinear, y: u64) -> Result<(), BackendError> {
+    pub(super) fn linear(&mut self, x: u64, rows: usize, l: &DevLinear, y: u64) -> Result<(), BackendError> {
         let input = match l.prec {
             Precision::F32 => x,
             Precision::Bf16 => {
@@ -284,7 +280,7 @@ impl Glm5CudaBackend {
     }
 
     /// While profiling, add the number of distinct experts in `routes` to layer `l`'s count.
-    fn profile_experts(&mut self, l: usize, routes: &[i32]) {
+    pub(super) fn profile_experts(&mut self, l: usize, routes: &[i32]) {
         if let Some(p) = self.profile.as_mut() {
             let distinct: std::collections::BTreeSet<i32> = routes.iter().copied().collect();
             p.distinct_experts[l] += distinct.len();
@@ -701,7 +697,14 @@ impl Glm5CudaBackend {
     }
 
     /// Clamped SwiGLU MLP over `n` rows of `u`, into the named buffer.
-    fn mlp(&mut self, c: &Glm5Config, w: &Mlp, u: u64, n: usize, out: &'static str) -> Result<u64, BackendError> {
+    pub(super) fn mlp(
+        &mut self,
+        c: &Glm5Config,
+        w: &Mlp,
+        u: u64,
+        n: usize,
+        out: &'static str,
+    ) -> Result<u64, BackendError> {
         let inter = w.gate_up.rows / 2;
         let gu = self.scratch.get(&self.gpu, "mlp_gu", 4 * n * 2 * inter)?;
         self.linear(u, n, &w.gate_up, gu)?;
@@ -721,179 +724,6 @@ impl Glm5CudaBackend {
         let y = self.scratch.get(&self.gpu, out, 4 * n * c.hidden_size)?;
         self.gpu.gemm(w.down.prec, n, w.down.rows, w.down.cols, act, w.down.buf.ptr(), y, false)?;
         Ok(y)
-    }
-
-    fn moe(&mut self, c: &Glm5Config, w: &Moe, u: u64, n: usize, l: usize) -> Result<u64, BackendError> {
-        let (d, e, k, inter) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, w.inter);
-        let logits = self.scratch.get(&self.gpu, "moe_logits", 4 * n * e)?;
-        self.linear(u, n, &w.router, logits)?;
-        let experts = self.scratch.get(&self.gpu, "moe_experts", 4 * n * k)?;
-        let weights = self.scratch.get(&self.gpu, "moe_weights", 4 * n * k)?;
-        let f = self.gpu.func("glm5", "moe_route")?;
-        let (bias, ei, gi, tgi, ki, norm) = (
-            w.correction_bias.ptr(),
-            e as i32,
-            c.n_group as i32,
-            c.topk_group as i32,
-            k as i32,
-            c.norm_topk_prob as i32,
-        );
-        launch!(
-            self.gpu,
-            f,
-            cfg((n as u32, 1), BLOCK, (4 * e * 4) as u32),
-            &logits,
-            &bias,
-            &experts,
-            &weights,
-            &ei,
-            &gi,
-            &tgi,
-            &ki,
-            &norm,
-            &c.routed_scaling_factor
-        )?;
-        let pairs = n * k;
-        let slot_out = self.scratch.get(&self.gpu, "moe_slot_out", 4 * pairs * d)?;
-        let (gu_stride, down_stride) = (2 * inter * d, d * inter);
-        if n <= MOE_GEMV_MAX_ROWS {
-            if self.profile.is_some() {
-                let mut routes = vec![0i32; n * k];
-                self.gpu.copy_dtoh(&mut routes, experts)?;
-                self.profile_experts(l, &routes);
-            }
-            // Pairs grouped by expert on the device: no host round trip, each expert read once.
-            let order = self.scratch.get(&self.gpu, "moe_order", 4 * pairs)?;
-            let groups = self.scratch.get(&self.gpu, "moe_groups", 12 * e.min(pairs))?;
-            let n_used = self.scratch.get(&self.gpu, "moe_n_used", 4)?;
-            let sort = self.gpu.func("glm5", "moe_sort")?;
-            let (pi, ei) = (pairs as i32, e as i32);
-            launch!(self.gpu, sort, cfg((1, 1), 1024, (8 * e) as u32), &experts, &pi, &ei, &order, &groups, &n_used)?;
-            let gu = self.scratch.get(&self.gpu, "moe_gu", 4 * pairs * 2 * inter)?;
-            let gemv = self.gpu.func("glm5", &format!("moe_gemv_grouped_{}", self.prec.suffix()))?;
-            let (wgu, wd) = (w.experts_gate_up.ptr(), w.experts_down.ptr());
-            let (ki, one, gus, ds) = (k as i32, 1i32, gu_stride as i64, down_stride as i64);
-            let (n_gu, n_d, di, ii) = ((2 * inter) as i32, d as i32, d as i32, inter as i32);
-            let slots = e.min(pairs) as u32;
-            let chunks = |outs: usize| (outs.div_ceil(8) as u32).min(1024);
-            launch!(
-                self.gpu,
-                gemv.clone(),
-                cfg((chunks(2 * inter), slots), BLOCK, 0),
-                &u,
-                &ki,
-                &order,
-                &groups,
-                &n_used,
-                &wgu,
-                &gus,
-                &gu,
-                &n_gu,
-                &di
-            )?;
-            let act = self.scratch.get(&self.gpu, "moe_act", 4 * pairs * inter)?;
-            let sw = self.gpu.func("glm5", "swiglu_clamped_f32")?;
-            let pi = pairs as i32;
-            launch!(
-                self.gpu,
-                sw,
-                cfg((grid_for(inter, BLOCK).min(64), pairs as u32), BLOCK, 0),
-                &gu,
-                &act,
-                &ii,
-                &pi,
-                &c.swiglu_limit
-            )?;
-            launch!(
-                self.gpu,
-                gemv,
-                cfg((chunks(d), slots), BLOCK, 0),
-                &act,
-                &one,
-                &order,
-                &groups,
-                &n_used,
-                &wd,
-                &ds,
-                &slot_out,
-                &n_d,
-                &ii
-            )?;
-        } else {
-            self.moe_grouped(c, w, u, n, (experts, slot_out), l)?;
-        }
-        let y = self.mlp(c, &w.shared, u, n, "ffn_out")?;
-        let f = self.gpu.func("glm5", "moe_combine")?;
-        let (ki, di) = (k as i32, d as i32);
-        let chunks = d.div_ceil(HC_CHUNK) as u32;
-        launch!(self.gpu, f, cfg((n as u32, chunks), BLOCK, 0), &slot_out, &weights, &y, &ki, &di)?;
-        Ok(y)
-    }
-
-    /// Routed experts for larger steps: pairs sorted by expert, one GEMM pair per used expert;
-    /// reads the routes from `experts`, writes each pair's output to its row of `slot_out`.
-    fn moe_grouped(
-        &mut self,
-        c: &Glm5Config,
-        w: &Moe,
-        u: u64,
-        n: usize,
-        (experts, slot_out): (u64, u64),
-        l: usize,
-    ) -> Result<(), BackendError> {
-        let (d, k, inter) = (c.hidden_size, c.num_experts_per_tok, w.inter);
-        let mut routes = vec![0i32; n * k];
-        self.gpu.copy_dtoh(&mut routes, experts)?;
-        self.profile_experts(l, &routes);
-        let mut by_expert: Vec<Vec<i32>> = vec![Vec::new(); c.n_routed_experts];
-        for (p, &ex) in routes.iter().enumerate() {
-            let ex = usize::try_from(ex).ok().filter(|&x| x < c.n_routed_experts).ok_or_else(|| {
-                BackendError::Device(format!("the router chose expert {ex}, outside 0..{}", c.n_routed_experts))
-            })?;
-            by_expert[ex].push(p as i32);
-        }
-        // Token rows (gather) and pair rows (scatter), expert by expert.
-        let pair_idx: Vec<i32> = by_expert.iter().flatten().copied().collect();
-        let token_idx: Vec<i32> = pair_idx.iter().map(|&p| p / k as i32).collect();
-        let pair_p = self.scratch.put(&self.gpu, "moe_pair_idx", &pair_idx)?;
-        let token_p = self.scratch.put(&self.gpu, "moe_token_idx", &token_idx)?;
-        let eb = self.prec.bytes();
-        let pairs = pair_idx.len();
-        let xg = self.scratch.get(&self.gpu, "moe_xg", eb * pairs * d)?;
-        let gu = self.scratch.get(&self.gpu, "moe_gu_g", 4 * pairs * 2 * inter)?;
-        let act = self.scratch.get(&self.gpu, "moe_act_g", eb * pairs * inter)?;
-        let out = self.scratch.get(&self.gpu, "moe_out_g", 4 * pairs * d)?;
-        let gather = self.gpu.func("glm5", &format!("gather_rows_{}", self.prec.suffix()))?;
-        let di = d as i32;
-        launch!(self.gpu, gather, cfg((pairs as u32, 1), BLOCK, 0), &u, &token_p, &xg, &di)?;
-        let mut row = 0usize;
-        for (ex, list) in by_expert.iter().enumerate() {
-            let m = list.len();
-            if m == 0 {
-                continue;
-            }
-            let wgu = w.experts_gate_up.at(ex * 2 * inter * d * eb);
-            let wd = w.experts_down.at(ex * d * inter * eb);
-            let gu_r = gu + (4 * row * 2 * inter) as u64;
-            let act_r = act + (eb * row * inter) as u64;
-            self.gpu.gemm(self.prec, m, 2 * inter, d, xg + (eb * row * d) as u64, wgu, gu_r, false)?;
-            let sw = self.gpu.func("glm5", &format!("swiglu_clamped_{}", self.prec.suffix()))?;
-            let (ii, mi) = (inter as i32, m as i32);
-            launch!(
-                self.gpu,
-                sw,
-                cfg((grid_for(inter, BLOCK).min(64), (m as u32).min(65_535)), BLOCK, 0),
-                &gu_r,
-                &act_r,
-                &ii,
-                &mi,
-                &c.swiglu_limit
-            )?;
-            self.gpu.gemm(self.prec, m, d, inter, act_r, wd, out + (4 * row * d) as u64, false)?;
-            row += m;
-        }
-        let scatter = self.gpu.func("glm5", "scatter_rows")?;
-        launch!(self.gpu, scatter, cfg((pairs as u32, 1), BLOCK, 0), &out, &pair_p, &slot_out, &di)
     }
 
     /// Final stream mean + norm and the LM head over `rows`, into a device buffer ([rows, vocab]

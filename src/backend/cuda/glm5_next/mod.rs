@@ -13,6 +13,7 @@
 //! the accepted one back on the device.
 
 mod forward;
+mod moe;
 mod synthetic;
 pub mod vision;
 pub mod weights;
