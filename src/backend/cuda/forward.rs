@@ -411,21 +411,6 @@ impl CudaBackend {
         Ok(layout)
     }
 
-    /// Greedy token of each logits row left by `forward_device`.
-    pub(super) fn argmax(&mut self, layout: StepLayout) -> Result<Vec<u32>, BackendError> {
-        let m = layout.logit_rows.len();
-        if m == 0 {
-            return Ok(Vec::new());
-        }
-        let out = self.scratch.get(&self.gpu, "argmax", m * 4)?;
-        let f = self.gpu.func("sampling", "argmax_rows")?;
-        let (logits, vocab) = (self.scratch.logits_ptr(), self.cfg.vocab_size as i32);
-        launch!(self.gpu, f, cfg((m as u32, 1), 1024, 0), &logits, &vocab, &out)?;
-        let mut ids = vec![0i32; m];
-        self.gpu.copy_dtoh(&mut ids, out)?;
-        Ok(ids.into_iter().map(|i| i as u32).collect())
-    }
-
     /// Bytes of one block's KV image (every layer's K and V, in the storage precision).
     pub fn kv_block_bytes(&self) -> usize {
         self.kv_layout.block_elems() * self.prec.bytes()

@@ -234,25 +234,10 @@ impl CudaBackend {
         validate_batch(batch, self.geom)?;
         check_sample_specs(batch, specs)?;
         self.gpu.bind()?;
-        let out = self.forward_device(batch).and_then(|layout| {
-            if specs.iter().flatten().all(is_plain_greedy) {
-                // The one-pass argmax costs a fraction of the full pipeline's sweeps over the row
-                // and picks the same id (the lowest among equal maxima, never a NaN).
-                let offsets = layout.offsets.clone();
-                let ids = self.argmax(layout)?;
-                let vocab = self.cfg.vocab_size;
-                return Ok(specs
-                    .iter()
-                    .enumerate()
-                    .map(|(i, s)| s.map(|_| sample::greedy_pick(ids[offsets[i + 1] - 1], vocab)))
-                    .collect());
-            }
-            let rows: Vec<(usize, DeviceSampleSpec<'_>)> =
-                specs.iter().enumerate().filter_map(|(i, s)| s.map(|s| (layout.offsets[i + 1] - 1, s))).collect();
-            let logits = self.scratch.logits_ptr();
-            let mut drawn = self.sampler.sample(&mut self.gpu, logits, self.cfg.vocab_size, &rows)?.into_iter();
-            Ok(specs.iter().map(|s| s.and_then(|_| drawn.next())).collect())
-        });
+        let (logits, vocab) = (self.scratch.logits_ptr(), self.cfg.vocab_size);
+        let out = self
+            .forward_device(batch)
+            .and_then(|layout| self.sampler.draw(&mut self.gpu, logits, vocab, &layout.offsets, specs));
         self.abort_group_on(out)
     }
 
@@ -273,7 +258,10 @@ impl CudaBackend {
     pub fn forward_greedy(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<u32>, BackendError> {
         validate_batch(batch, self.geom)?;
         self.gpu.bind()?;
-        let out = self.forward_device(batch).and_then(|rows| self.argmax(rows));
+        let (logits, vocab) = (self.scratch.logits_ptr(), self.cfg.vocab_size);
+        let out = self
+            .forward_device(batch)
+            .and_then(|layout| self.sampler.argmax(&mut self.gpu, logits, vocab, layout.logit_rows.len()));
         self.abort_group_on(out)
     }
 
@@ -353,18 +341,6 @@ impl CudaBackend {
 }
 
 /// One spec per sequence, and every sampled sequence has a logits row to sample.
-/// Greedy with nothing that changes the argmax or asks for logprobs: the device argmax alone
-/// gives the host pipeline's token.
-fn is_plain_greedy(spec: &DeviceSampleSpec<'_>) -> bool {
-    let p = spec.params;
-    p.is_greedy()
-        && p.logit_bias.is_empty()
-        && p.logprobs.is_none()
-        && p.repetition_penalty == 1.0
-        && p.presence_penalty == 0.0
-        && p.frequency_penalty == 0.0
-}
-
 fn check_sample_specs(batch: &[SeqStep<'_>], specs: &[Option<DeviceSampleSpec<'_>>]) -> Result<(), BackendError> {
     if specs.len() != batch.len() {
         return Err(BackendError::InvalidStep(format!(
@@ -489,6 +465,7 @@ impl Backend for CudaBackend {
 
 #[cfg(test)]
 mod tests {
+    use super::sample::is_plain_greedy;
     use super::*;
     use crate::sampling::SamplingParams;
 

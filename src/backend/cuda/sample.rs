@@ -119,6 +119,18 @@ fn unpack_row(token: i32, logprob: f32, top: &[(i32, f32)], wants_logprobs: Opti
     }
 }
 
+/// Greedy with nothing that changes the argmax or asks for logprobs: the device argmax alone
+/// gives the host pipeline's token.
+pub(super) fn is_plain_greedy(spec: &DeviceSampleSpec<'_>) -> bool {
+    let p = spec.params;
+    p.is_greedy()
+        && p.logit_bias.is_empty()
+        && p.logprobs.is_none()
+        && p.repetition_penalty == 1.0
+        && p.presence_penalty == 0.0
+        && p.frequency_penalty == 0.0
+}
+
 /// The greedy draw for an argmax result: a row with no number at all (every logit NaN) has no
 /// argmax and gives token 0, as the host sampler does for a row with nothing to choose.
 pub fn greedy_pick(id: u32, vocab: usize) -> Sampled {
@@ -142,6 +154,35 @@ fn ensure(gpu: &Gpu, buf: &mut Option<DevBuf>, bytes: usize) -> Result<u64, Back
 }
 
 impl DeviceSampler {
+    /// A step's tokens from the logits rows it left on the device (`offsets.last()` rows of
+    /// `vocab` at `logits`, sequence `i`'s rows `offsets[i]..offsets[i + 1]`): each sequence with a
+    /// spec samples its last row. A plain greedy step takes the one-pass argmax, which costs a
+    /// fraction of the full pipeline's sweeps over a row and picks the same id (the lowest among
+    /// equal maxima, never a NaN); anything else the full pipeline.
+    pub fn draw(
+        &mut self,
+        gpu: &mut Gpu,
+        logits: u64,
+        vocab: usize,
+        offsets: &[usize],
+        specs: &[Option<DeviceSampleSpec<'_>>],
+    ) -> Result<Vec<Option<Sampled>>, BackendError> {
+        let rows: Vec<(usize, DeviceSampleSpec<'_>)> =
+            specs.iter().enumerate().filter_map(|(i, s)| s.map(|s| (offsets[i + 1] - 1, s))).collect();
+        let drawn = if rows.is_empty() {
+            // Nothing to sample: wait for the step so that its errors surface here.
+            gpu.sync()?;
+            Vec::new()
+        } else if rows.iter().all(|(_, s)| is_plain_greedy(s)) {
+            let ids = self.argmax(gpu, logits, vocab, offsets.last().copied().unwrap_or(0))?;
+            rows.iter().map(|&(row, _)| greedy_pick(ids[row], vocab)).collect()
+        } else {
+            self.sample(gpu, logits, vocab, &rows)?
+        };
+        let mut drawn = drawn.into_iter();
+        Ok(specs.iter().map(|s| s.and_then(|_| drawn.next())).collect())
+    }
+
     /// The greedy token of each of the `rows` consecutive f32 logits rows at `logits` (`vocab`
     /// per row): the lowest id among equal maxima, never a NaN; one pass over each row.
     pub fn argmax(&mut self, gpu: &mut Gpu, logits: u64, vocab: usize, rows: usize) -> Result<Vec<u32>, BackendError> {

@@ -296,21 +296,9 @@ impl Backend for Glm5CudaBackend {
         super::check_sample_specs(batch, specs)?;
         self.gpu.bind()?;
         let out = self.step_device(batch, &[], &[])?;
-        let vocab = self.cfg.vocab_size;
-        let rows: Vec<(usize, DeviceSampleSpec<'_>)> =
-            specs.iter().enumerate().filter_map(|(i, s)| s.map(|s| (out.offsets[i + 1] - 1, s))).collect();
-        let drawn = if rows.is_empty() {
-            self.gpu.sync()?;
-            Vec::new()
-        } else if specs.iter().flatten().all(super::is_plain_greedy) {
-            let ids = self.sampler.argmax(&mut self.gpu, out.ptr, vocab, out.rows)?;
-            rows.iter().map(|&(row, _)| super::sample::greedy_pick(ids[row], vocab)).collect()
-        } else {
-            self.sampler.sample(&mut self.gpu, out.ptr, vocab, &rows)?
-        };
+        let drawn = self.sampler.draw(&mut self.gpu, out.ptr, self.cfg.vocab_size, &out.offsets, specs)?;
         self.end_profile(out.lap)?;
-        let mut drawn = drawn.into_iter();
-        Ok(Some(specs.iter().map(|s| s.and_then(|_| drawn.next())).collect()))
+        Ok(Some(drawn))
     }
 
     fn image_token_id(&self) -> Option<u32> {
