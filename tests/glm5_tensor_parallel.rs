@@ -22,7 +22,6 @@ use shelfserve::model::default_model::CacheDir;
 use shelfserve::model::glm5_next::layout::SyntheticGlm5Weights;
 use shelfserve::model::glm5_next::{read_config, Glm5Config};
 use shelfserve::model::{ModelBundle, WeightSource};
-use shelfserve::sampling::SamplingParams;
 use shelfserve::spec::DraftSource;
 
 const MAX_REL_ERR: f32 = 1e-5;
@@ -36,7 +35,7 @@ fn open(dir: &str) -> ModelBundle {
 }
 
 fn greedy(max_tokens: usize) -> GenerateOptions {
-    GenerateOptions { max_tokens, sampling: SamplingParams::default(), eos_token_ids: Vec::new(), prefill_chunk: 5 }
+    common::greedy_options(max_tokens, 5)
 }
 
 /// Teacher-forced logits of `ids` (chunks of 7: across block and pool boundaries) and a greedy

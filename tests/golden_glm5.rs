@@ -15,11 +15,10 @@ mod common;
 use common::{tensor_f32s as floats, tensor_ids as ints};
 use shelfserve::backend::cpu::glm5_next::Glm5Backend;
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
-use shelfserve::generate::{any_cpu_backend, DeviceSelection, GenerateOptions, Runner};
+use shelfserve::generate::{any_cpu_backend, DeviceSelection, Runner};
 use shelfserve::model::default_model::CacheDir;
 use shelfserve::model::glm5_next::read_config;
 use shelfserve::model::ModelBundle;
-use shelfserve::sampling::SamplingParams;
 
 fn open_tiny() -> ModelBundle {
     let dir = common::fixture("glm5/tiny");
@@ -80,12 +79,7 @@ fn tiny_glm5_matches_transformers() {
             let rel = row_rel_err(&reference, &ours, vocab);
             let fid = shelfserve::fidelity::compare(&reference, &ours, vocab).max_rel_logit_err;
             let expected = ints(&st, &format!("greedy_{i}"));
-            let opts = GenerateOptions {
-                max_tokens: expected.len(),
-                sampling: SamplingParams::default(),
-                eos_token_ids: Vec::new(),
-                prefill_chunk: 5,
-            };
+            let opts = common::greedy_options(expected.len(), 5);
             let got = runner.generate(&ids, &opts, |_| true).unwrap().ids();
             // The logits `generate` saw at each step (HF: chunked KDA prefill, then the recurrent
             // KDA and latent-cache decode path) against our teacher-forced scoring.

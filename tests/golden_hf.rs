@@ -10,9 +10,8 @@ mod common;
 
 use common::{tensor_f32s as floats, tensor_ids as ints};
 use shelfserve::backend::cpu::{CpuBackend, CpuOptions, KvPrecision};
-use shelfserve::generate::{single_sequence_geometry, GenerateOptions, Runner};
+use shelfserve::generate::{single_sequence_geometry, Runner};
 use shelfserve::model::default_model::CacheDir;
-use shelfserve::sampling::SamplingParams;
 
 #[test]
 fn tiny_checkpoints_match_transformers() {
@@ -39,12 +38,7 @@ fn tiny_checkpoints_match_transformers() {
                 0.0
             };
             let expected = ints(&st, &format!("greedy_{i}"));
-            let opts = GenerateOptions {
-                max_tokens: expected.len(),
-                sampling: SamplingParams::default(),
-                eos_token_ids: Vec::new(),
-                prefill_chunk: 3,
-            };
+            let opts = common::greedy_options(expected.len(), 3);
             let got = runner.generate(&ids, &opts, |_| true).unwrap().ids();
             println!("{:<14} {:>6} {:>12.3e} {:>8}", name, ids.len(), rel_err, got == expected);
             if rel_err >= 1e-4 {

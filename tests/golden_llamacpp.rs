@@ -32,10 +32,9 @@
 mod common;
 
 use shelfserve::fidelity::compare;
-use shelfserve::generate::{cpu_backend, single_sequence_geometry, GenerateOptions, Runner};
+use shelfserve::generate::{cpu_backend, single_sequence_geometry, Runner};
 use shelfserve::model::default_model::CacheDir;
 use shelfserve::model::{quant::dequantize_into, DType};
-use shelfserve::sampling::SamplingParams;
 
 /// Largest top-2 logit margin at which a free-running greedy divergence is accepted.
 const NEAR_TIE: f32 = 0.05;
@@ -99,12 +98,7 @@ fn logits_and_greedy_match_llama_cpp() {
         // Free-running greedy.
         let expected: Vec<u32> =
             p["generated_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-        let opts = GenerateOptions {
-            max_tokens: expected.len(),
-            sampling: SamplingParams::default(),
-            eos_token_ids: Vec::new(),
-            prefill_chunk: 512,
-        };
+        let opts = common::greedy_options(expected.len(), 512);
         let got = runner.generate(&ids, &opts, |_| true).unwrap().ids();
         assert_eq!(got.len(), expected.len(), "{name}: generation stopped early");
         let first = got.iter().zip(&expected).position(|(a, b)| a != b);

@@ -28,11 +28,10 @@
 mod common;
 
 use shelfserve::fidelity::compare;
-use shelfserve::generate::{cpu_backend, single_sequence_geometry, GenerateOptions, Runner};
+use shelfserve::generate::{cpu_backend, single_sequence_geometry, Runner};
 use shelfserve::model::default_model::CacheDir;
 use shelfserve::model::gguf::GgufFile;
 use shelfserve::model::quant::dequantize_into;
-use shelfserve::sampling::SamplingParams;
 
 const MAX_MEAN_KL: f64 = 1e-2;
 const MAX_ABS_DIFF: f32 = 1.0;
@@ -104,12 +103,7 @@ fn check_mix(mix: &str, expect_types: &[&str]) {
 
         let expected: Vec<u32> =
             p["generated_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-        let opts = GenerateOptions {
-            max_tokens: expected.len(),
-            sampling: SamplingParams::default(),
-            eos_token_ids: Vec::new(),
-            prefill_chunk: 512,
-        };
+        let opts = common::greedy_options(expected.len(), 512);
         let got = runner.generate(&ids, &opts, |_| true).unwrap().ids();
         if let Some(k) = got.iter().zip(&expected).position(|(a, b)| a != b) {
             let mut prefix = ids.clone();

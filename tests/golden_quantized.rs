@@ -23,10 +23,9 @@ mod common;
 
 use common::{tensor_f32s as floats, tensor_ids as ints};
 use shelfserve::backend::KvGeometry;
-use shelfserve::generate::{any_cpu_backend_tp, GenerateOptions, Runner};
+use shelfserve::generate::{any_cpu_backend_tp, Runner};
 use shelfserve::model::default_model::CacheDir;
 use shelfserve::model::{quantized, ModelBundle, ModelError};
-use shelfserve::sampling::SamplingParams;
 
 const FIXTURES: [&str; 6] = ["llama-fp8", "llama-int4", "llama-nvfp4", "glm5-fp8", "glm5-int4", "glm5-nvfp4"];
 const MAX_REL_ERR: f32 = 1e-4;
@@ -57,12 +56,7 @@ fn quantized_checkpoints_match_transformers() {
                 let ours = runner.score(&ids, 7).unwrap();
                 let report = shelfserve::fidelity::compare(&reference, &ours, vocab);
                 let expected = ints(&st, &format!("greedy_{i}"));
-                let opts = GenerateOptions {
-                    max_tokens: expected.len(),
-                    sampling: SamplingParams::default(),
-                    eos_token_ids: Vec::new(),
-                    prefill_chunk: 3,
-                };
+                let opts = common::greedy_options(expected.len(), 3);
                 let got = runner.generate(&ids, &opts, |_| true).unwrap().ids();
                 println!(
                     "{name:<12} {tp:>3} {i:>6} {:>12.3e} {:>12.3e} {:>7}",

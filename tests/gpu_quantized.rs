@@ -31,12 +31,11 @@ use shelfserve::backend::cuda::quant::{chunk_weights, DevPacked};
 use shelfserve::backend::cuda::{CudaBackend, CudaOptions, Precision};
 use shelfserve::backend::KvGeometry;
 use shelfserve::fidelity::{compare, max_rel_l2_err};
-use shelfserve::generate::{GenerateOptions, Runner};
+use shelfserve::generate::Runner;
 use shelfserve::model::default_model::CacheDir;
 use shelfserve::model::llama::LlamaSpec;
 use shelfserve::model::quant::packed::{dot_packed_block, quantize_rows, PackedFormat, PackedRows};
 use shelfserve::model::quantized;
-use shelfserve::sampling::SamplingParams;
 
 /// bf16 mode on the tiny fixtures: per-position ‖Δ‖ / ‖ref‖ against the CPU's f32 logits.
 /// transformers' own bf16 error on the unquantized tiny llama is 0.22 (tests/gpu_validate.rs:
@@ -260,12 +259,7 @@ fn quantized_fixtures_on_cuda_match_the_cpu_and_transformers() {
                 let want = reference.score(&ids, 7).unwrap();
                 let hf = floats(&st, &format!("logits_{i}"));
                 let expected = ints(&st, &format!("greedy_{i}"));
-                let opts = GenerateOptions {
-                    max_tokens: expected.len(),
-                    sampling: SamplingParams::default(),
-                    eos_token_ids: Vec::new(),
-                    prefill_chunk: 16,
-                };
+                let opts = common::greedy_options(expected.len(), 16);
                 let cont = ours.generate(&ids, &opts, |_| true).unwrap().ids();
                 let same = cont == expected;
                 for chunk in [1, 5, 32] {

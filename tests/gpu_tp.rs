@@ -17,9 +17,8 @@ use shelfserve::backend::cuda::{CudaOptions, Precision, TpCudaBackend};
 use shelfserve::backend::{Backend, KvGeometry};
 use shelfserve::config::LlamaConfig;
 use shelfserve::fidelity::{compare, max_rel_l2_err};
-use shelfserve::generate::{single_sequence_geometry, GenerateOptions, Runner};
+use shelfserve::generate::{single_sequence_geometry, Runner};
 use shelfserve::model::default_model::CacheDir;
-use shelfserve::sampling::SamplingParams;
 
 const NEEDS_GPUS: &str = "needs two CUDA devices and NCCL; run scripts/gpu_tp.sh on the two-GPU machine";
 
@@ -27,12 +26,7 @@ const NEEDS_GPUS: &str = "needs two CUDA devices and NCCL; run scripts/gpu_tp.sh
 fn run(backend: TpCudaBackend, ids: &[u32], new_tokens: usize) -> (Vec<f32>, Vec<u32>) {
     let mut runner = Runner::new(backend);
     let logits = runner.score(ids, 7).unwrap();
-    let opts = GenerateOptions {
-        max_tokens: new_tokens,
-        sampling: SamplingParams::default(),
-        eos_token_ids: Vec::new(),
-        prefill_chunk: 5,
-    };
+    let opts = common::greedy_options(new_tokens, 5);
     let greedy = runner.generate(ids, &opts, |_| true).unwrap().ids();
     (logits, greedy)
 }

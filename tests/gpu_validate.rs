@@ -19,11 +19,10 @@ use shelfserve::backend::cuda::{CudaBackend, CudaOptions, Precision};
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
 use shelfserve::config::{LlamaConfig, RopeScaling};
 use shelfserve::fidelity::{compare, max_rel_l2_err};
-use shelfserve::generate::{single_sequence_geometry, GenerateOptions, Runner};
+use shelfserve::generate::{single_sequence_geometry, Runner};
 use shelfserve::model::default_model::CacheDir;
 use shelfserve::model::synthetic::{tiny_llama_config, SyntheticWeights};
 use shelfserve::model::{DType, WeightSource};
-use shelfserve::sampling::SamplingParams;
 
 const NEEDS_GPU: &str = "needs a CUDA device; run scripts/gpu_validate.sh";
 
@@ -71,10 +70,6 @@ fn cuda(cfg: &LlamaConfig, w: &dyn WeightSource, kv: KvGeometry, precision: Prec
     CudaBackend::new(cfg, w, CudaOptions { ordinal: 0, kv, precision }).unwrap()
 }
 
-fn greedy(max_tokens: usize, chunk: usize) -> GenerateOptions {
-    GenerateOptions { max_tokens, sampling: SamplingParams::default(), eos_token_ids: Vec::new(), prefill_chunk: chunk }
-}
-
 #[test]
 #[ignore = "needs a CUDA device; run scripts/gpu_validate.sh"]
 fn tiny_checkpoints_match_cpu_and_transformers() {
@@ -104,7 +99,7 @@ fn tiny_checkpoints_match_cpu_and_transformers() {
                     .ok()
                     .map(|_| compare(&floats(&st, &format!("logits_{i}")), &got, cfg.vocab_size).max_rel_logit_err);
                 let expected = ints(&st, &format!("greedy_{i}"));
-                let cont = ours.generate(&ids, &greedy(expected.len(), 3), |_| true).unwrap().ids();
+                let cont = ours.generate(&ids, &common::greedy_options(expected.len(), 3), |_| true).unwrap().ids();
                 let same = cont == expected;
                 println!(
                     "{:<14} {:<5} {:>6} {:>12.3e} {:>12} {:>8}",
@@ -174,14 +169,14 @@ fn midsize_synthetic_matches_cpu() {
         let mut rng = ChaCha8Rng::seed_from_u64(3);
         let ids: Vec<u32> = (0..600).map(|_| rng.random_range(0..cfg.vocab_size as u32)).collect();
         let want = reference.score(&ids, 128).unwrap();
-        let want_cont = reference.generate(&ids, &greedy(24, 256), |_| true).unwrap().ids();
+        let want_cont = reference.generate(&ids, &common::greedy_options(24, 256), |_| true).unwrap().ids();
         for prec in [Precision::F32, Precision::Bf16] {
             let mut ours = Runner::new(cuda(&cfg, &w, geom, prec));
             let got = ours.score(&ids, 128).unwrap();
             let max_rel = compare(&want, &got, cfg.vocab_size).max_rel_logit_err;
             let l2 = max_rel_l2_err(&want, &got, cfg.vocab_size);
             let rel = held_error(prec, &want, &got, cfg.vocab_size);
-            let cont = ours.generate(&ids, &greedy(24, 256), |_| true).unwrap().ids();
+            let cont = ours.generate(&ids, &common::greedy_options(24, 256), |_| true).unwrap().ids();
             println!("{:<20} {:<5} {:>12.3e} {:>12.3e} {:>8}", name, prec.suffix(), max_rel, l2, cont == want_cont);
             if rel >= tol(prec) || rel.is_nan() {
                 failures.push(format!("{name} {prec:?}: rel err {rel:.3e}"));

@@ -22,11 +22,10 @@ use shelfserve::backend::cpu::glm5_next::Glm5Backend;
 use shelfserve::backend::cuda::glm5_next::Glm5CudaBackend;
 use shelfserve::backend::cuda::Precision;
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
-use shelfserve::generate::{GenerateOptions, Runner};
+use shelfserve::generate::Runner;
 use shelfserve::model::default_model::CacheDir;
 use shelfserve::model::glm5_next::read_config;
 use shelfserve::model::ModelBundle;
-use shelfserve::sampling::SamplingParams;
 
 const FIXTURES: [(&str, &str); 2] =
     [("glm5/tiny", "glm5/golden.safetensors"), ("glm5/tiny-flat", "glm5/golden-flat.safetensors")];
@@ -62,15 +61,6 @@ fn bits_equal(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
-fn greedy(n: usize, chunk: usize) -> GenerateOptions {
-    GenerateOptions {
-        max_tokens: n,
-        sampling: SamplingParams::default(),
-        eos_token_ids: Vec::new(),
-        prefill_chunk: chunk,
-    }
-}
-
 const GEOM: KvGeometry = KvGeometry { block_size: 4, num_blocks: 64, state_slots: 3 };
 
 #[test]
@@ -99,7 +89,7 @@ fn glm5_f32_matches_cpu_and_transformers() {
             let ours = gpu.score(&ids, 7).unwrap();
             let vs_hf = row_rel_err(&hf, &ours, vocab);
             let vs_cpu = row_rel_err(&reference.score(&ids, 7).unwrap(), &ours, vocab);
-            let got = gpu.generate(&ids, &greedy(expected.len(), 5), |_| true).unwrap().ids();
+            let got = gpu.generate(&ids, &common::greedy_options(expected.len(), 5), |_| true).unwrap().ids();
             let mut full = ids.clone();
             full.extend(&expected);
             // Token by token: every step is a decode step (the routed-expert GEMVs).
@@ -157,7 +147,7 @@ fn glm5_bf16_error_against_transformers() {
             let ours = gpu.score(&ids, 7).unwrap();
             let l2 = shelfserve::fidelity::max_rel_l2_err(&hf, &ours, vocab);
             let rel = row_rel_err(&hf, &ours, vocab);
-            let got = gpu.generate(&ids, &greedy(expected.len(), 5), |_| true).unwrap().ids();
+            let got = gpu.generate(&ids, &common::greedy_options(expected.len(), 5), |_| true).unwrap().ids();
             let agree = got.iter().zip(&expected).take_while(|(a, b)| a == b).count();
             println!("{:<16} {:>6} {:>14.3e} {:>14.3e} {:>10}/{:<5}", dir, ids.len(), l2, rel, agree, expected.len());
             worst = worst.max(if l2.is_finite() { l2 } else { f32::INFINITY });

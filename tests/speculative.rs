@@ -15,7 +15,7 @@ use shelfserve::actors::{
 use shelfserve::backend::cpu::glm5_next::Glm5Backend;
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
 use shelfserve::config::engine::EngineConfig;
-use shelfserve::generate::{any_cpu_backend, single_sequence_geometry, DeviceSelection, GenerateOptions, Runner};
+use shelfserve::generate::{any_cpu_backend, single_sequence_geometry, DeviceSelection, Runner};
 use shelfserve::model::default_model::CacheDir;
 use shelfserve::model::glm5_next::read_config;
 use shelfserve::model::ModelBundle;
@@ -516,12 +516,7 @@ fn generate_with_ngram_drafts_equals_plain_generate_on_glm5() {
     let mut runner = Runner::new(any_cpu_backend(&bundle, 2, geom).unwrap().0);
     let mut proposed = 0;
     for (i, p) in glm5_prompts().iter().enumerate() {
-        let mut opts = GenerateOptions {
-            max_tokens: 40,
-            sampling: SamplingParams::default(),
-            eos_token_ids: Vec::new(),
-            prefill_chunk: 7,
-        };
+        let mut opts = common::greedy_options(40, 7);
         let want = runner.generate(p, &opts, |_| true).unwrap().ids();
         // A stop id that occurs mid-run ends both at the same place.
         opts.eos_token_ids = vec![want[want.len() / 2]];

@@ -14,11 +14,10 @@ mod common;
 use shelfserve::backend::cpu::{CpuBackend, CpuOptions, KvPrecision, TpCpuBackend};
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
 use shelfserve::config::LlamaConfig;
-use shelfserve::generate::{single_sequence_geometry, GenerateOptions, Runner};
+use shelfserve::generate::{single_sequence_geometry, Runner};
 use shelfserve::model::default_model::CacheDir;
 use shelfserve::model::synthetic::{tiny_llama_config, SyntheticWeights};
 use shelfserve::model::{DType, WeightSource};
-use shelfserve::sampling::SamplingParams;
 
 const MAX_REL_ERR: f32 = 1e-5;
 
@@ -30,12 +29,7 @@ fn opts(kv: KvGeometry) -> CpuOptions {
 fn run<B: Backend>(backend: B, ids: &[u32]) -> (Vec<f32>, Vec<u32>) {
     let mut runner = Runner::new(backend);
     let logits = runner.score(ids, 5).unwrap();
-    let opts = GenerateOptions {
-        max_tokens: 12,
-        sampling: SamplingParams::default(),
-        eos_token_ids: Vec::new(),
-        prefill_chunk: 3,
-    };
+    let opts = common::greedy_options(12, 3);
     let greedy = runner.generate(ids, &opts, |_| true).unwrap().ids();
     (logits, greedy)
 }
@@ -105,12 +99,7 @@ fn hf_fixtures_at_tp2_and_tp4_match_tp1_and_transformers() {
             let geom = single_sequence_geometry(128, 4);
             let tp = TpCpuBackend::new(&bundle.config, bundle.weights.as_ref(), opts(geom), world);
             let mut runner = Runner::new(tp.unwrap());
-            let gen = GenerateOptions {
-                max_tokens: expected.len(),
-                sampling: SamplingParams::default(),
-                eos_token_ids: Vec::new(),
-                prefill_chunk: 3,
-            };
+            let gen = common::greedy_options(expected.len(), 3);
             let got = runner.generate(&prompt, &gen, |_| true).unwrap().ids();
             if got != expected {
                 failures.push(format!("{name} tp={world}: greedy {got:?} != transformers {expected:?}"));

@@ -30,12 +30,11 @@ use shelfserve::actors::{Engine, EngineOptions, InferenceEngine, PromptImage, St
 use shelfserve::backend::cpu::glm5_next::Glm5Backend;
 use shelfserve::backend::KvGeometry;
 use shelfserve::config::engine::EngineConfig;
-use shelfserve::generate::{DeviceSelection, GenerateOptions, Runner};
+use shelfserve::generate::{DeviceSelection, Runner};
 use shelfserve::media::{content_hash, decode_image, DecodeLimits, ImageProcessor, ProcessedImage};
 use shelfserve::model::default_model::CacheDir;
 use shelfserve::model::glm5_next::read_config;
 use shelfserve::model::ModelBundle;
-use shelfserve::sampling::SamplingParams;
 
 const MODEL: &str = "glm5-vision";
 const MAX_TOKENS: usize = 10;
@@ -203,12 +202,7 @@ fn runner_ids(prompt: &[u32], image: &ProcessedImage) -> Vec<u32> {
     let cfg = read_config(bundle.weights.origin()).expect("config");
     let geom = KvGeometry { block_size: BLOCK, num_blocks: 64, state_slots: 1 };
     let backend = Glm5Backend::new(cfg, bundle.weights.as_ref(), 2, geom).expect("backend");
-    let opts = GenerateOptions {
-        max_tokens: MAX_TOKENS,
-        sampling: SamplingParams::default(),
-        eos_token_ids: Vec::new(),
-        prefill_chunk: 5,
-    };
+    let opts = common::greedy_options(MAX_TOKENS, 5);
     let out = Runner::new(backend)
         .generate_with_images(prompt, std::slice::from_ref(image), &opts, None, |_| true)
         .expect("generate");

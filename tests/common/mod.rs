@@ -10,8 +10,20 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use shelfserve::actors::{Engine, GenerationRequest, InferenceEngine, StreamEvent, Usage};
+use shelfserve::generate::GenerateOptions;
 use shelfserve::model::default_model::{ensure_default, CacheDir};
 use shelfserve::model::ModelBundle;
+
+/// Greedy generation of `max_tokens` tokens with no stop ids, prefilling `prefill_chunk` tokens
+/// a step (the shape every golden and exactness test drives a `Runner` with).
+pub fn greedy_options(max_tokens: usize, prefill_chunk: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_tokens,
+        sampling: shelfserve::sampling::SamplingParams::default(),
+        eos_token_ids: Vec::new(),
+        prefill_chunk,
+    }
+}
 
 /// The SmolLM2 GGUF: `SHELFSERVE_DEFAULT_GGUF` if set, else the default model from the cache
 /// (fetched once per test binary). Without it a test is skipped with a printed reason — except
