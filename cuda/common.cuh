@@ -107,3 +107,13 @@ __device__ __forceinline__ void rope_rotate_cs(float c, float s, float& a, float
     b = nb;
 }
 __device__ __forceinline__ void rope_rotate(float ang, float& a, float& b) { rope_rotate_cs(cosf(ang), sinf(ang), a, b); }
+
+// 16 bytes that no other block reads again (weights streamed once): skip L1 so what is reused
+// (the activations) stays there.
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}

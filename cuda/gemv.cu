@@ -64,15 +64,6 @@ struct GemvArgs {
     int nh, nkv, hd;
 };
 
-// 16 bytes that no other block reads again: skip L1 so x stays there.
-__device__ __forceinline__ uint4 ld_stream(const void* p) {
-    uint4 r;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p));
-    return r;
-}
-
 // 8 consecutive weights, raw (bf16: one 16-byte load; f32: two).
 template <typename T> struct Raw8;
 template <> struct Raw8<bf16> {

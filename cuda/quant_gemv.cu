@@ -105,14 +105,6 @@ template <> struct Fmt<FMT_NVFP4> { static const int W = 32; static const int XS
 // 2^e as a float (e in the normal range).
 __device__ __forceinline__ float qg_pow2(int e) { return __int_as_float((127 + e) << 23); }
 
-__device__ __forceinline__ uint4 qg_ld_stream(const void* p) {
-    uint4 r;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p));
-    return r;
-}
-
 // An e4m3fn byte (no NaN codes: refused at load) with its bits in an f32's exponent/mantissa
 // place: 2⁻¹²⁰ × its value exactly (subnormals included: the f32 is then subnormal too, and the
 // GPU keeps subnormals without --ftz).
@@ -209,7 +201,7 @@ template <int FMT, int PIECE> struct Unit {
 
 template <int BYTES>
 __device__ __forceinline__ uint4 qg_ld_unit(const void* p) {
-    if (BYTES == 16) return qg_ld_stream(p);
+    if (BYTES == 16) return ld_stream(p);
     uint4 r = make_uint4(0, 0, 0, 0);
     if (BYTES == 8) {
         asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
@@ -355,7 +347,7 @@ __device__ void quant_dequant_impl(const QuantArgs a) {
     T* out = (T*)a.y;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
         const int row = (int)(i / chunks), c = (int)(i % chunks);
-        const uint4 code = qg_ld_stream(a.codes + (i64)row * row_bytes + (i64)c * 16);
+        const uint4 code = ld_stream(a.codes + (i64)row * row_bytes + (i64)c * 16);
         const int g = c * W / a.group;
         const float global = FMT == FMT_NVFP4 ? a.row_global[row] : 1.f;
         // The group scale × 2^XS, and the decoded code × 2^-2XS: undo both exactly.
