@@ -11,7 +11,7 @@ use std::time::Duration;
 use shelfserve::actors::{start_engine, Engine, EngineOptions, GenerationRequest, InferenceEngine, StreamEvent};
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
 use shelfserve::config::engine::EngineConfig;
-use shelfserve::generate::{any_cpu_backend, single_sequence_geometry, GenerateOptions, Runner};
+use shelfserve::generate::{any_cpu_backend, single_sequence_geometry, DeviceSelection, GenerateOptions, Runner};
 use shelfserve::model::default_model::CacheDir;
 use shelfserve::model::ModelBundle;
 use shelfserve::sampling::SamplingParams;
@@ -163,6 +163,16 @@ async fn generate(engine: &Engine, lane: &str, prompt: &[u32]) -> Vec<u32> {
 /// at once; drafting really happened and is counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dflash_drafted_greedy_equals_undrafted_through_the_engine() {
+    drafted_equals_undrafted(1).await;
+}
+
+/// The same under tensor parallelism (2 CPU ranks): rank 0 taps the target for the drafter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dflash_under_tensor_parallelism_equals_undrafted() {
+    drafted_equals_undrafted(2).await;
+}
+
+async fn drafted_equals_undrafted(tensor_parallel: usize) {
     let prompts: Vec<Vec<u32>> = vec![
         (0..24).map(|i| 3 + (i * 37) % 500).collect(),
         [10, 11, 12, 13, 14].repeat(5),
@@ -173,7 +183,10 @@ async fn dflash_drafted_greedy_equals_undrafted_through_the_engine() {
     let engine = start_engine(
         target(),
         engine_config(method),
-        EngineOptions { device: Default::default(), served_model_name: "t".into() },
+        EngineOptions {
+            device: DeviceSelection { tensor_parallel, ..Default::default() },
+            served_model_name: "t".into(),
+        },
     )
     .await
     .expect("start the engine");
@@ -200,7 +213,7 @@ async fn dflash_drafted_greedy_equals_undrafted_through_the_engine() {
     }
     let s = engine.stats().await.unwrap();
     eprintln!(
-        "dflash2 (random weights): drafted {} accepted {} over {} steps",
+        "dflash2 (random weights), --tp {tensor_parallel}: drafted {} accepted {} over {} steps",
         s.drafted_tokens, s.accepted_tokens, s.steps
     );
     assert!(s.drafted_tokens > 100, "the DFlash drafter proposed too little: {s:?}");

@@ -149,18 +149,13 @@ fn engine_config() -> EngineConfig {
 }
 
 #[tokio::test]
-async fn mtp_is_refused_on_cuda_and_under_tensor_parallelism() {
-    for (device, want) in [
-        (DeviceSelection { kind: DeviceKind::Cuda, ..Default::default() }, "not supported on the CUDA backend yet"),
-        (
-            DeviceSelection { kind: DeviceKind::Cpu, tensor_parallel: 2, ..Default::default() },
-            "not supported with tensor parallelism",
-        ),
-    ] {
-        let opts = EngineOptions { device, served_model_name: "t".into() };
-        let e = start_engine(open("glm5/tiny-mtp"), engine_config(), opts).await.err().expect("refused").to_string();
-        assert!(e.contains(want) && e.contains("--speculative mtp"), "{e}");
-    }
+async fn mtp_is_refused_on_cuda() {
+    let opts = EngineOptions {
+        device: DeviceSelection { kind: DeviceKind::Cuda, ..Default::default() },
+        served_model_name: "t".into(),
+    };
+    let e = start_engine(open("glm5/tiny-mtp"), engine_config(), opts).await.err().expect("refused").to_string();
+    assert!(e.contains("not supported on the CUDA backend yet") && e.contains("--speculative mtp"), "{e}");
 }
 
 /// A greedy reply: the ids and, bit for bit, each chosen token's log-probability, plus the
@@ -199,12 +194,16 @@ fn prompt(seed: u32, len: usize) -> Vec<u32> {
 /// Greedy replies of every k-lane against the un-drafted lane on fixture `variant`: 4 prompts
 /// alone for each k in `ks`, all of them at once, and a continuation whose prefix is served from
 /// the prefix cache (so the target never runs, nor taps, those positions). Returns the engine's
-/// counters after the "alone" runs and at the end.
-async fn drafted_equals_undrafted(variant: &str, ks: &[usize]) -> (SchedulerStats, SchedulerStats) {
+/// counters after the "alone" runs and at the end, and the un-drafted replies.
+async fn drafted_equals_undrafted(
+    variant: &str,
+    ks: &[usize],
+    tensor_parallel: usize,
+) -> (SchedulerStats, SchedulerStats, Vec<Reply>) {
     const TOKENS: usize = 40;
     let prompts: Vec<Vec<u32>> = vec![prompt(1, 12), prompt(2, 21), prompt(3, 9), prompt(4, 30)];
-    let opts =
-        EngineOptions { device: DeviceSelection { threads: 2, ..Default::default() }, served_model_name: "t".into() };
+    let device = DeviceSelection { threads: 2, tensor_parallel, ..Default::default() };
+    let opts = EngineOptions { device, served_model_name: "t".into() };
     let bundle = open(&format!("glm5/tiny-mtp{variant}"));
     let engine = start_engine(bundle, engine_config(), opts).await.expect("start the engine");
     common::engine::wait_ready(&engine, Duration::from_secs(120)).await;
@@ -239,7 +238,7 @@ async fn drafted_equals_undrafted(variant: &str, ks: &[usize]) -> (SchedulerStat
     }
     let all = engine.stats().await.unwrap();
     assert_eq!(engine.drafter_sequences().await, Some(vec![0; 8]), "every sequence's drafter state was dropped");
-    (alone, all)
+    (alone, all, want)
 }
 
 /// Through scheduler, drafter and executor: the target taps its last layer, the MTP layer drafts
@@ -247,7 +246,7 @@ async fn drafted_equals_undrafted(variant: &str, ks: &[usize]) -> (SchedulerStat
 /// fixture's MTP layer was trained on the target's own greedy continuations).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mtp_drafted_greedy_equals_undrafted_through_the_engine() {
-    let (alone, all) = drafted_equals_undrafted("", &[1, 2, 3, 4, 5, 6, 7]).await;
+    let (alone, all, _) = drafted_equals_undrafted("", &[1, 2, 3, 4, 5, 6, 7], 1).await;
     let rate = alone.accepted_tokens as f64 / alone.drafted_tokens.max(1) as f64;
     eprintln!(
         "mtp on tiny-mtp: alone (k = 1..7, 28 replies) drafted {} accepted {} ({:.1}% of drafts); all runs: \
@@ -268,7 +267,21 @@ async fn mtp_drafted_greedy_equals_undrafted_through_the_engine() {
 /// rolls the target back and the MTP's recurrent state is restored after every chain).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kda_mtp_drafted_greedy_equals_undrafted_through_the_engine() {
-    let (alone, all) = drafted_equals_undrafted("-kda", &[1, 4, 7]).await;
+    let (alone, all, _) = drafted_equals_undrafted("-kda", &[1, 4, 7], 1).await;
     eprintln!("mtp on tiny-mtp-kda: drafted {} accepted {}", all.drafted_tokens, all.accepted_tokens);
     assert!(alone.drafted_tokens > 100, "the MTP drafter proposed too little: {alone:?}");
+}
+
+/// Under tensor parallelism (2 CPU ranks, heads and experts split): rank 0 taps the target, the
+/// MTP layer drafts beside the group, drafted replies equal the group's un-drafted ones bit for
+/// bit, and the group's greedy ids equal one rank's (logits agree within the TP tolerance, so the
+/// log-probabilities are compared only within one group size).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtp_under_tensor_parallelism_equals_undrafted_and_one_rank() {
+    let (alone, _, tp2) = drafted_equals_undrafted("", &[1, 4, 7], 2).await;
+    assert!(alone.accepted_tokens > 0, "no MTP draft was accepted under --tp 2: {alone:?}");
+    let (_, _, tp1) = drafted_equals_undrafted("", &[], 1).await;
+    for (i, (a, b)) in tp1.iter().zip(&tp2).enumerate() {
+        assert_eq!(a.ids, b.ids, "prompt {i}: --tp 2 greedy ids differ from --tp 1");
+    }
 }

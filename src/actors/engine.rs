@@ -203,19 +203,16 @@ pub fn lane_pacing(config: &EngineConfig, device: ResolvedKind) -> Option<Pacing
     Some(Pacing::new(targets, StepCostModel::new(d.cost, COST_DECAY), config.scheduler.block_size))
 }
 
-/// `--speculative mtp` runs the MTP layer on the CPU beside a single-rank CPU target; CUDA and
-/// tensor parallelism are refused at startup rather than failing later.
+/// `--speculative mtp` runs the MTP layer on the CPU beside a CPU target (one rank or a
+/// tensor-parallel group, whose rank 0 taps it); the CUDA backend is refused at startup rather
+/// than failing later.
 fn refuse_mtp_where_unsupported(config: &EngineConfig, device: &ResolvedDevice) -> Result<(), EngineError> {
     let Some(lane) = config.lanes.iter().find(|l| l.speculative == SpeculativeMethod::Mtp) else { return Ok(()) };
-    let why = if device.kind != ResolvedKind::Cpu {
-        "on the CUDA backend"
-    } else if device.tensor_parallel > 1 {
-        "with tensor parallelism (--tp > 1)"
-    } else {
+    if device.kind == ResolvedKind::Cpu {
         return Ok(());
-    };
+    }
     Err(EngineError::Invalid(format!(
-        "lane `{}`: --speculative mtp is not supported {why} yet; it runs on the CPU backend with --tp 1",
+        "lane `{}`: --speculative mtp is not supported on the CUDA backend yet; it runs on the CPU backend",
         lane.name
     )))
 }

@@ -67,7 +67,7 @@ pub struct ServeArgs {
     #[arg(long, env = "SHELFSERVE_OVERLAP_SCHEDULING", value_name = "BOOL")]
     pub overlap_scheduling: Option<bool>,
     /// Speculative decoding for every lane: `none`, `ngram` (model-free suffix match), `mtp`
-    /// (a glm5_next checkpoint's own MTP layer; CPU, no --tp), `draft:PATH` or `dflash:DIR` (a
+    /// (a glm5_next checkpoint's own MTP layer; CPU backend), `draft:PATH` or `dflash:DIR` (a
     /// DFlash block drafter reading the target's hidden states);
     /// overrides each lane's `speculative` in the configuration.
     #[arg(long, env = "SHELFSERVE_SPECULATIVE")]

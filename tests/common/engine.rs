@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use shelfserve::actors::kvpool::PoolStats;
-use shelfserve::actors::{start_engine, Engine, EngineOptions, InferenceEngine, Usage};
+use shelfserve::actors::{start_engine, Engine, EngineOptions, GenerationRequest, InferenceEngine, Usage};
 use shelfserve::config::engine::{EngineConfig, LaneConfig};
 use shelfserve::kv::MissReason;
 use shelfserve::model::ModelBundle;
@@ -31,7 +31,11 @@ pub async fn start_ready(
 pub async fn wait_ready(e: &Engine, patience: Duration) {
     let t0 = Instant::now();
     while !e.is_ready() {
-        assert!(t0.elapsed() < patience, "the model did not load within {patience:?}");
+        if t0.elapsed() >= patience {
+            // The engine's own reason, if loading failed, says more than the timeout.
+            let probe = e.submit(GenerationRequest::greedy_fixed_length(&e.config().lanes[0].name, vec![1], 1));
+            panic!("the model did not load within {patience:?}: {:?}", probe.err());
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

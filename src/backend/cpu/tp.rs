@@ -10,7 +10,8 @@ use std::time::Duration;
 use super::{CpuBackend, CpuOptions, TpShard};
 use crate::backend::tp::{group_block_bytes, lockstep, read_group_kv, write_group_kv};
 use crate::backend::{
-    check_token_ids, validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits,
+    check_token_ids, validate_batch, validate_kv_image, Backend, BackendError, HiddenTaps, KvGeometry, SeqStep,
+    StepLogits,
 };
 use crate::config::LlamaConfig;
 use crate::model::{ModelError, WeightSource};
@@ -93,6 +94,16 @@ impl Backend for TpCpuBackend {
         validate_batch(batch, self.kv_geometry())?;
         check_token_ids(batch, self.vocab_size())?;
         lockstep(&mut self.ranks, |r| r.forward(batch), |r| r.forward(batch).map(|_| ()))
+    }
+
+    /// Rank 0 records the taps: after each layer's all-reduce every rank holds the whole residual
+    /// stream, so one rank's copy is the group's.
+    fn set_hidden_taps(&mut self, layers: &[usize]) -> Result<(), BackendError> {
+        self.ranks[0].set_hidden_taps(layers)
+    }
+
+    fn take_hidden_taps(&mut self) -> Option<HiddenTaps> {
+        self.ranks[0].take_hidden_taps()
     }
 
     /// One block of the image is every rank's image of that block, in rank order, so the image

@@ -17,7 +17,8 @@ use super::{weights, Glm5Backend};
 use crate::backend::cpu::COLLECTIVE_TIMEOUT;
 use crate::backend::tp::lockstep;
 use crate::backend::{
-    check_token_ids, validate_batch, validate_kv_image, Backend, BackendError, KvGeometry, SeqStep, StepLogits,
+    check_token_ids, validate_batch, validate_kv_image, Backend, BackendError, HiddenTaps, KvGeometry, SeqStep,
+    StepLogits,
 };
 use crate::model::glm5_next::shard::Glm5Shard;
 use crate::model::glm5_next::Glm5Config;
@@ -133,6 +134,16 @@ impl Backend for Glm5TpBackend {
 
     fn commit_verified(&mut self, slot: u32, kept: usize) -> Result<(), BackendError> {
         self.ranks.iter_mut().try_for_each(|r| r.commit_verified(slot, kept))
+    }
+
+    /// Rank 0 records the taps: after each layer's all-reduce every rank holds the whole residual
+    /// stream, so one rank's copy is the group's.
+    fn set_hidden_taps(&mut self, layers: &[usize]) -> Result<(), BackendError> {
+        self.ranks[0].set_hidden_taps(layers)
+    }
+
+    fn take_hidden_taps(&mut self) -> Option<HiddenTaps> {
+        self.ranks[0].take_hidden_taps()
     }
 
     fn kv_block_bytes(&self) -> usize {
