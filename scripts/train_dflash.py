@@ -57,6 +57,13 @@ def parse_args():
     p.add_argument("--out", required=True, help="directory to write the drafter to")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--draft-layers", type=int, default=2)
+    p.add_argument("--intermediate-size", type=int, default=0,
+                   help="the drafter's MLP width (default: the target's); smaller ships smaller")
+    p.add_argument("--export-dtype", choices=["bf16", "f32"], default="bf16")
+    p.add_argument("--data-cache", default="", help="save the self-distillation data here, or reuse it")
+    p.add_argument("--max-minutes", type=float, default=0, help="stop training after this long (0: no limit)")
+    p.add_argument("--eval-every", type=int, default=250,
+                   help="score the held-out generations every N steps and keep the best drafter (0: off)")
     p.add_argument("--target-layers", type=int, default=4, help="how many target layers to tap")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--sliding-window", type=int, default=2048)
@@ -388,8 +395,11 @@ def init_from_target(draft, target, c):
             t = tl[i]
             for name in ["q_proj", "k_proj", "v_proj", "o_proj"]:
                 getattr(d.self_attn, name).weight.copy_(getattr(t.self_attn, name).weight)
-            for name in ["gate_proj", "up_proj", "down_proj"]:
-                getattr(d.mlp, name).weight.copy_(getattr(t.mlp, name).weight)
+            # A narrower drafter MLP starts from the first rows (columns for down) of the target's.
+            inner = d.mlp.gate_proj.weight.shape[0]
+            for name in ["gate_proj", "up_proj"]:
+                getattr(d.mlp, name).weight.copy_(getattr(t.mlp, name).weight[:inner])
+            d.mlp.down_proj.weight.copy_(t.mlp.down_proj.weight[:, :inner])
             d.input_layernorm.weight.copy_(t.input_layernorm.weight)
             d.post_attention_layernorm.weight.copy_(t.post_attention_layernorm.weight)
         draft.norm.weight.copy_(target.model.norm.weight)
@@ -455,14 +465,34 @@ def acceptance(logits, labels, valid):
     return run.float().mean((0, 1)), run.sum(-1).float().mean()
 
 
-def export(draft, c, out, stats):
+def export(draft, c, out, stats, dtype):
     os.makedirs(out, exist_ok=True)
-    state = {k: v.detach().float().contiguous().cpu() for k, v in draft.state_dict().items()}
+    cast = torch.bfloat16 if dtype == "bf16" else torch.float32
+    state = {k: v.detach().to(cast).contiguous().cpu() for k, v in draft.state_dict().items()}
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(c, f, indent=2)
     with open(os.path.join(out, "TRAINING.json"), "w") as f:
         json.dump(stats, f, indent=2)
+
+
+@torch.no_grad()
+def heldout_score(draft, target, held, args, device, layer_ids, amp):
+    """Greedy acceptance by draft position and mean accepted drafts per block on the held-out
+    generations (fixed anchors, so scores at different steps compare)."""
+    was_training = draft.training
+    draft.eval()
+    rng = random.Random(12345)
+    per_pos_sum, lens, batches = 0, [], 0
+    with amp:
+        for i in range(0, len(held), args.batch):
+            batch = make_batch(held, list(range(i, min(i + args.batch, len(held)))), args, device, rng)
+            logits, labels, valid = run_drafter(draft, target, batch, args, layer_ids)
+            per_pos, mean_len = acceptance(logits, labels, valid)
+            per_pos_sum, batches = per_pos_sum + per_pos, batches + 1
+            lens.append(mean_len.item())
+    draft.train(was_training)
+    return (per_pos_sum / max(batches, 1)).tolist(), sum(lens) / max(len(lens), 1)
 
 
 def main():
@@ -480,7 +510,7 @@ def main():
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": tc.hidden_size,
-        "intermediate_size": tc.intermediate_size,
+        "intermediate_size": args.intermediate_size or tc.intermediate_size,
         "num_hidden_layers": args.draft_layers,
         "num_attention_heads": tc.num_attention_heads,
         "num_key_value_heads": tc.num_key_value_heads,
@@ -502,7 +532,13 @@ def main():
     print(f"drafter: {args.draft_layers} layers, taps {layer_ids}, block {args.block_size}", flush=True)
 
     t0 = time.time()
-    seqs = self_distillation_data(target, tok, args, device)
+    if args.data_cache and os.path.exists(args.data_cache):
+        seqs = [tuple(x) for x in json.load(open(args.data_cache))]
+        print(f"reusing {len(seqs)} generations from {args.data_cache}", flush=True)
+    else:
+        seqs = self_distillation_data(target, tok, args, device)
+        if args.data_cache:
+            json.dump(seqs, open(args.data_cache, "w"))
     rng.shuffle(seqs)
     n_held = max(1, int(len(seqs) * args.heldout))
     held, train = seqs[:n_held], seqs[n_held:] or seqs
@@ -518,7 +554,15 @@ def main():
     weights = torch.exp(-torch.arange(args.block_size - 1, device=device) / args.decay)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     t0 = time.time()
+    steps_done = 0
+    # (held-out accepted per block, state, step) of the best drafter so far: with little data the
+    # drafter memorises its training generations long before the schedule ends.
+    best = None
     for step in range(1, args.steps + 1):
+        if args.max_minutes and time.time() - t0 > args.max_minutes * 60:
+            print(f"time limit: stopping after {steps_done} of {args.steps} steps", flush=True)
+            break
+        steps_done = step
         idx = [rng.randrange(len(train)) for _ in range(args.batch)]
         batch = make_batch(train, idx, args, device, rng)
         with amp:
@@ -538,29 +582,35 @@ def main():
                 f"pos1 {per_pos[0].item():.2f} lr {sched.get_last_lr()[0]:.2e} {time.time() - t0:.0f} s",
                 flush=True,
             )
+        if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+            _, held_len = heldout_score(draft, target, held, args, device, layer_ids, amp)
+            print(f"step {step}: held-out accepted/block {held_len:.3f}", flush=True)
+            if best is None or held_len > best[0]:
+                best = (held_len, {k: v.detach().clone() for k, v in draft.state_dict().items()}, step)
 
-    draft.eval()
-    per_pos_sum, lens, batches = 0, [], 0
-    with torch.no_grad(), amp:
-        for i in range(0, len(held), args.batch):
-            batch = make_batch(held, list(range(i, min(i + args.batch, len(held)))), args, device, rng)
-            logits, labels, valid = run_drafter(draft, target, batch, args, layer_ids)
-            per_pos, mean_len = acceptance(logits, labels, valid)
-            per_pos_sum, batches = per_pos_sum + per_pos, batches + 1
-            lens.append(mean_len.item())
-    per_pos = (per_pos_sum / max(batches, 1)).tolist()
+    train_seconds = time.time() - t0
+    kept_step = steps_done
+    if best is not None and best[0] > heldout_score(draft, target, held, args, device, layer_ids, amp)[1]:
+        print(f"keeping the drafter of step {best[2]} (held-out {best[0]:.3f} accepted per block)", flush=True)
+        draft.load_state_dict(best[1])
+        kept_step = best[2]
+    per_pos, mean_len = heldout_score(draft, target, held, args, device, layer_ids, amp)
     stats = {
         "target": os.path.basename(args.gguf),
         "train_generations": len(train),
         "heldout_generations": len(held),
-        "steps": args.steps,
+        "steps": steps_done,
+        "draft_layers": args.draft_layers,
+        "intermediate_size": c["intermediate_size"],
+        "train_seconds": round(train_seconds),
         "heldout_acceptance_by_position": [round(p, 4) for p in per_pos],
-        "heldout_mean_accepted_per_block": round(sum(lens) / max(len(lens), 1), 3),
+        "heldout_mean_accepted_per_block": round(mean_len, 3),
+        "kept_step": kept_step,
         "torch": torch.__version__,
     }
     print("held-out acceptance by position:", " ".join(f"{p:.2f}" for p in per_pos), flush=True)
     print(f"held-out mean accepted drafts per block: {stats['heldout_mean_accepted_per_block']:.2f}", flush=True)
-    export(draft, c, args.out, stats)
+    export(draft, c, args.out, stats, args.export_dtype)
     print(f"wrote {args.out} (use: shelfserve serve --speculative dflash:{args.out})", flush=True)
 
 
