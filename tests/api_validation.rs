@@ -98,6 +98,8 @@ enum Signal {
 struct EchoEngine {
     info: ModelInfo,
     ready: AtomicBool,
+    /// Set to make the engine report a failed executor.
+    failed: Mutex<Option<String>>,
     submitted: Mutex<Vec<GenerationRequest>>,
     signals: mpsc::Sender<Signal>,
 }
@@ -119,6 +121,10 @@ impl InferenceEngine for EchoEngine {
 
     fn is_ready(&self) -> bool {
         self.ready.load(Ordering::SeqCst)
+    }
+
+    fn failure(&self) -> Option<String> {
+        self.failed.lock().expect("lock").clone()
     }
 
     fn submit(&self, req: GenerationRequest) -> Result<EventStream, EngineError> {
@@ -220,6 +226,7 @@ impl TestServer {
                 vision: None,
             },
             ready: AtomicBool::new(true),
+            failed: Mutex::new(None),
             submitted: Mutex::new(Vec::new()),
             signals: tx,
         });
@@ -712,6 +719,21 @@ async fn malformed_requests_get_the_right_error_and_the_server_stays_healthy() {
     assert!(failures.is_empty(), "{} of {} cases failed:\n{}", failures.len(), cases.len(), failures.join("\n"));
     // Nothing invalid reached the engine (the queue-full prompt is refused by the engine itself).
     assert!(srv.engine.submitted().is_empty(), "{:?}", srv.engine.submitted());
+    srv.stop().await;
+}
+
+/// An executor that failed (at load, or later) is reported by `/health` with its reason, not as
+/// a load that never ends.
+#[actix_web::test]
+async fn health_reports_a_failed_executor_with_its_reason() {
+    let srv = TestServer::start(None).await;
+    srv.engine.ready.store(false, Ordering::SeqCst);
+    *srv.engine.failed.lock().unwrap() = Some("rank 1: out of memory".into());
+    let (status, v) = srv.get("/health").await;
+    assert_eq!(status, 503, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("executor failed") && msg.contains("rank 1: out of memory"), "{v}");
+    assert!(!msg.contains("still loading"), "{v}");
     srv.stop().await;
 }
 

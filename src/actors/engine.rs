@@ -469,6 +469,10 @@ impl InferenceEngine for Engine {
         self.draining.load(Ordering::SeqCst)
     }
 
+    fn failure(&self) -> Option<String> {
+        self.counters.failed.lock().clone()
+    }
+
     fn submit(&self, req: GenerationRequest) -> Result<EventStream, EngineError> {
         let lane_idx = self
             .config
@@ -479,7 +483,7 @@ impl InferenceEngine for Engine {
         if self.draining.load(Ordering::SeqCst) {
             return Err(EngineError::ShuttingDown);
         }
-        if let Some(e) = self.counters.failed.lock().clone() {
+        if let Some(e) = self.failure() {
             return Err(EngineError::NotReady(format!("the executor failed ({e}); restart the engine")));
         }
         if !self.is_ready() {

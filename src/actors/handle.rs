@@ -199,6 +199,11 @@ pub trait InferenceEngine: Send + Sync + 'static {
     fn is_draining(&self) -> bool {
         false
     }
+    /// Why the engine can no longer serve (an executor failed, at load or later), if it can't:
+    /// readiness then reports this instead of "still loading", which would never end.
+    fn failure(&self) -> Option<String> {
+        None
+    }
     /// Queue a request. Errors that are known before queueing (unknown lane, full queue, too
     /// long, not ready) are returned here; later failures arrive as `StreamEvent::Error`.
     fn submit(&self, req: GenerationRequest) -> Result<EventStream, EngineError>;

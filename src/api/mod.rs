@@ -391,6 +391,8 @@ impl LaneState {
     pub fn ensure_ready(&self) -> Result<(), ApiError> {
         if self.shared.engine.is_draining() {
             Err(ApiError::engine(EngineError::ShuttingDown, None))
+        } else if let Some(e) = self.shared.engine.failure() {
+            Err(ApiError::engine(EngineError::NotReady(format!("the executor failed ({e}); restart the engine")), None))
         } else if self.shared.engine.is_ready() {
             Ok(())
         } else {
