@@ -96,3 +96,63 @@ async fn bench_serve_drives_the_cpu_server_and_reports_what_it_measured() {
     lanes.stop().await;
     engine.shutdown();
 }
+
+/// The mixed-lane mode (`--voice-base-url`): agents with growing prompts on the agent lane and
+/// Poisson voice turns on the voice lane of the real CPU server; both lanes are served and
+/// reported, voice TTFT is set against its idle value, and the agents' throughput is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_serve_mixed_lanes_reports_each_lane() {
+    let Some(bundle) = common::open_default_model() else { return };
+    let cfg = on_free_ports(EngineConfig::builtin());
+    let engine = start_engine(
+        bundle,
+        cfg.clone(),
+        EngineOptions { device: Default::default(), served_model_name: MODEL.into() },
+    )
+    .await
+    .expect("start the engine");
+    let lanes = Lanes::serve(&engine, &cfg, MODEL);
+    wait_ready(&engine, Duration::from_secs(120)).await;
+    let (agent, voice) = (format!("http://{}/v1", lanes.addr("agent")), format!("http://{}/v1", lanes.addr("voice")));
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("m.json");
+    let (table, doc) = blocking(move || {
+        let mixed = [
+            "--voice-base-url",
+            &voice,
+            "--agents",
+            "2",
+            "--agent-context-tokens",
+            "120",
+            "--agent-turns",
+            "2",
+            "--voice-rate",
+            "3",
+            "--voice-input-len",
+            "8",
+            "--voice-output-len",
+            "3",
+            "--idle-voice-samples",
+            "2",
+            "--duration",
+            "4",
+        ];
+        bench_serve(&agent, &json, &mixed)
+    })
+    .await;
+    assert!(table.contains("| voice (idle) |") && table.contains("voice TTFT over idle"), "{table}");
+    assert_eq!(doc["mode"], "mixed");
+    let r = &doc["report"];
+    for lane in ["voice", "agent"] {
+        assert!(r[lane]["completed"].as_u64().unwrap() > 0, "{lane}: {r}");
+        assert_eq!(r[lane]["failed"], 0, "{lane}: {r}");
+        let ttft = &r[lane]["ttft"];
+        assert!(0.0 < ttft["p50_ms"].as_f64().unwrap() && ttft["p50_ms"].as_f64() <= ttft["p99_ms"].as_f64(), "{r}");
+    }
+    assert!(r["idle_voice_ttft"]["p50_ms"].as_f64().unwrap() > 0.0, "{r}");
+    assert!(r["voice_ttft_over_idle_p50"].as_f64().unwrap() > 0.0, "{r}");
+    assert!(r["agent_tokens_per_s"].as_f64().unwrap() > 0.0, "{r}");
+    assert!(r["duration_s"].as_f64().unwrap() >= 4.0, "{r}");
+    lanes.stop().await;
+    engine.shutdown();
+}

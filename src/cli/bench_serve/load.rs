@@ -172,6 +172,7 @@ pub async fn one_request(client: &awc::Client, opts: &LoadOptions, prompt: &Prom
                             u["prompt_tokens"].as_u64().unwrap_or(0) as usize,
                             u["completion_tokens"].as_u64().unwrap_or(0) as usize,
                         ));
+                        rec.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0) as usize;
                     }
                     if chunk_text(&v).is_empty() {
                         continue;

@@ -2,12 +2,14 @@
 //! peer's), the role of `vllm bench serve`. Fixed concurrency or Poisson request rate, random or
 //! JSONL prompts with input/output length ranges, `ignore_eos`, warm-up, a progress bar; reports
 //! request and token throughput and TTFT, TPOT, ITL and end-to-end percentiles as a table and
-//! JSON.
+//! JSON. With `--voice-base-url`, a mixed-lane load instead (`mixed`): agents with long, growing
+//! prompts on `--base-url` plus open-loop voice turns, reported per lane.
 //!
 //! Owns the client side only: `prompts` makes the requests, `load` drives them (a library
 //! function, reusable by other load tools), `report` summarises. It never touches the engine.
 
 pub mod load;
+pub mod mixed;
 pub mod prompts;
 pub mod report;
 
@@ -83,6 +85,45 @@ pub struct BenchServeArgs {
     /// No progress bar.
     #[arg(long, env = "SHELFSERVE_BENCH_NO_PROGRESS")]
     pub no_progress: bool,
+    #[command(flatten)]
+    pub mixed: MixedArgs,
+}
+
+/// The mixed-lane mode: `--base-url` is the agents' (low) lane, `--voice-base-url` the voice
+/// (high) lane. `--output-len`, `--ignore-eos`, `--random-tokens`, `--endpoint`, `--seed` and
+/// `--timeout` apply to both; the prompt-count and arrival options do not.
+#[derive(Args, Debug, Clone)]
+pub struct MixedArgs {
+    /// The voice lane's base URL: turns on the mixed-lane load.
+    #[arg(long, env = "SHELFSERVE_BENCH_VOICE_BASE_URL")]
+    pub voice_base_url: Option<String>,
+    /// Closed-loop agent clients.
+    #[arg(long, default_value_t = 4)]
+    pub agents: usize,
+    /// Token ids of an agent's opening document.
+    #[arg(long, default_value_t = 2350)]
+    pub agent_context_tokens: usize,
+    /// Questions per agent session (each resends the whole conversation) before a new document.
+    #[arg(long, default_value_t = 4)]
+    pub agent_turns: usize,
+    /// Token ids of each agent question.
+    #[arg(long, default_value_t = 32)]
+    pub agent_question_tokens: usize,
+    /// Voice turns per second (Poisson arrivals).
+    #[arg(long, default_value_t = 0.5)]
+    pub voice_rate: f64,
+    /// Prompt tokens of a voice turn.
+    #[arg(long, default_value_t = 32)]
+    pub voice_input_len: usize,
+    /// Tokens a voice turn asks for.
+    #[arg(long, default_value_t = 32)]
+    pub voice_output_len: usize,
+    /// Voice turns sent one after another before the load starts (the idle TTFT).
+    #[arg(long, default_value_t = 8)]
+    pub idle_voice_samples: usize,
+    /// Seconds of mixed load.
+    #[arg(long, default_value_t = 60.0)]
+    pub duration: f64,
 }
 
 fn usage(msg: String) -> CliError {
@@ -90,6 +131,34 @@ fn usage(msg: String) -> CliError {
 }
 
 impl BenchServeArgs {
+    /// The options of requests to `base_url`; the model from `GET /models` unless --model.
+    fn load_options(&self, base_url: &str, arrival: Arrival) -> Result<LoadOptions, CliError> {
+        let mut opts = LoadOptions {
+            base_url: base_url.to_string(),
+            endpoint: self.endpoint()?,
+            model: self.model.clone().unwrap_or_default(),
+            api_key: self.api_key.clone(),
+            arrival,
+            ignore_eos: self.ignore_eos,
+            seed: self.seed,
+            timeout: Duration::from_secs(self.timeout.max(1)),
+        };
+        if self.model.is_none() {
+            let probe = opts.clone();
+            opts.model =
+                actix_web::rt::System::new().block_on(async move { load::first_model(&probe).await }).map_err(usage)?;
+        }
+        Ok(opts)
+    }
+
+    fn token_range(&self) -> Result<std::ops::Range<u32>, CliError> {
+        self.random_tokens
+            .split_once("..")
+            .and_then(|(a, b)| Some(a.trim().parse::<u32>().ok()?..b.trim().parse::<u32>().ok()?))
+            .filter(|r| !r.is_empty())
+            .ok_or_else(|| usage(format!("--random-tokens `{}`: expected FIRST..LAST", self.random_tokens)))
+    }
+
     fn arrival(&self) -> Result<Arrival, CliError> {
         match (self.concurrency, self.request_rate) {
             (Some(0), _) => Err(usage("--concurrency must be at least 1".into())),
@@ -124,14 +193,10 @@ impl BenchServeArgs {
                 if self.input_len == 0 {
                     return Err(usage("--input-len must be positive".into()));
                 }
-                let (lo, hi) = self
-                    .random_tokens
-                    .split_once("..")
-                    .and_then(|(a, b)| Some((a.trim().parse::<u32>().ok()?, b.trim().parse::<u32>().ok()?)))
-                    .ok_or_else(|| usage(format!("--random-tokens `{}`: expected FIRST..LAST", self.random_tokens)))?;
+                let tokens = self.token_range()?;
                 let input = LenRange::around(self.input_len, self.input_len_range).map_err(usage)?;
                 let output = LenRange::around(self.output_len, self.input_len_range).map_err(usage)?;
-                prompts::random(total, input, output, lo..hi, self.seed).map_err(usage)?
+                prompts::random(total, input, output, tokens, self.seed).map_err(usage)?
             }
         };
         let measured = all.split_off(self.warmup);
@@ -140,23 +205,12 @@ impl BenchServeArgs {
 }
 
 pub fn run_bench_serve(args: &BenchServeArgs) -> Result<(), CliError> {
+    if args.mixed.voice_base_url.is_some() {
+        return run_mixed(args);
+    }
     let arrival = args.arrival()?;
     let (measured, warmup) = args.prompts()?;
-    let mut opts = LoadOptions {
-        base_url: args.base_url.clone(),
-        endpoint: args.endpoint()?,
-        model: args.model.clone().unwrap_or_default(),
-        api_key: args.api_key.clone(),
-        arrival,
-        ignore_eos: args.ignore_eos,
-        seed: args.seed,
-        timeout: Duration::from_secs(args.timeout.max(1)),
-    };
-    if args.model.is_none() {
-        let probe = opts.clone();
-        opts.model =
-            actix_web::rt::System::new().block_on(async move { load::first_model(&probe).await }).map_err(usage)?;
-    }
+    let opts = args.load_options(&args.base_url, arrival)?;
     let bar = if args.no_progress {
         indicatif::ProgressBar::hidden()
     } else {
@@ -199,6 +253,78 @@ pub fn run_bench_serve(args: &BenchServeArgs) -> Result<(), CliError> {
     }
     if report.completed == 0 {
         return Err(usage(format!("no request succeeded ({} failed)", report.failed)));
+    }
+    Ok(())
+}
+
+/// The mixed-lane load (`--voice-base-url`): table on stdout, JSON with --json; fails when a
+/// lane completed nothing.
+fn run_mixed(args: &BenchServeArgs) -> Result<(), CliError> {
+    let m = &args.mixed;
+    let voice_url = m.voice_base_url.clone().unwrap_or_default();
+    if m.agents == 0 || m.agent_turns == 0 || m.voice_input_len == 0 || m.voice_output_len == 0 || args.output_len == 0
+    {
+        return Err(usage(
+            "--agents, --agent-turns, --voice-input-len, --voice-output-len and --output-len must be positive".into(),
+        ));
+    }
+    if !(m.voice_rate > 0.0 && m.voice_rate.is_finite()) || !(m.duration > 0.0 && m.duration.is_finite()) {
+        return Err(usage(format!("--voice-rate ({}) and --duration ({}) must be positive", m.voice_rate, m.duration)));
+    }
+    let unused = Arrival::Concurrency(1);
+    let o = mixed::MixedOptions {
+        agent: args.load_options(&args.base_url, unused)?,
+        voice: args.load_options(&voice_url, unused)?,
+        agents: m.agents,
+        context_tokens: m.agent_context_tokens,
+        turns: m.agent_turns,
+        question_tokens: m.agent_question_tokens,
+        agent_output: args.output_len,
+        voice_rate: m.voice_rate,
+        voice_input: m.voice_input_len,
+        voice_output: m.voice_output_len,
+        idle_samples: m.idle_voice_samples,
+        duration: Duration::from_secs_f64(m.duration),
+        tokens: args.token_range()?,
+        seed: args.seed,
+    };
+    eprintln!(
+        "bench-serve (mixed lanes): {} agents on {} (~{}-token contexts, {} turns each), voice at {}/s on {}, \
+         {:.0} s after {} idle voice turns",
+        o.agents, args.base_url, o.context_tokens, o.turns, o.voice_rate, voice_url, m.duration, o.idle_samples
+    );
+    let bar = if args.no_progress { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new_spinner() };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} {pos} requests done, {elapsed} elapsed")
+            .expect("a valid template"),
+    );
+    let report = actix_web::rt::System::new().block_on(mixed::run(&o, &|_| bar.inc(1)));
+    bar.finish_and_clear();
+    print!("{}", report.table());
+    if let Some(path) = &args.json {
+        let doc = serde_json::json!({
+            "mode": "mixed",
+            "agent_base_url": args.base_url,
+            "voice_base_url": voice_url,
+            "model": o.agent.model,
+            "agents": o.agents,
+            "agent_context_tokens": o.context_tokens,
+            "agent_turns": o.turns,
+            "agent_output_len": o.agent_output,
+            "voice_rate": o.voice_rate,
+            "voice_input_len": o.voice_input,
+            "voice_output_len": o.voice_output,
+            "ignore_eos": args.ignore_eos,
+            "report": report,
+        });
+        let text = serde_json::to_string_pretty(&doc).map_err(|e| usage(format!("--json: {e}")))?;
+        std::fs::write(path, text).map_err(|e| usage(format!("--json {}: {e}", path.display())))?;
+    }
+    if report.voice.completed == 0 || report.agent.completed == 0 {
+        return Err(usage(format!(
+            "a lane completed nothing (voice {} done / {} failed, agents {} / {})",
+            report.voice.completed, report.voice.failed, report.agent.completed, report.agent.failed
+        )));
     }
     Ok(())
 }

@@ -18,6 +18,9 @@ pub struct RequestRecord {
     pub error: Option<String>,
     /// Prompt tokens (the server's `usage`, else the client's count).
     pub prompt_tokens: usize,
+    /// Of those, served from the server's prefix cache (`usage.prompt_tokens_details`; 0 when the
+    /// server does not say).
+    pub cached_tokens: usize,
     /// Generated tokens (the server's `usage`, else the streamed chunks).
     pub output_tokens: usize,
     /// Seconds from sending to the first generated text.
