@@ -165,7 +165,7 @@ impl AgentSession {
     /// The next turn's prompt: the conversation so far plus a new question (a new document every
     /// `turns` turns).
     fn next_prompt(&mut self, o: &MixedOptions) -> Vec<u32> {
-        if self.turn % o.turns.max(1) == 0 {
+        if self.turn.is_multiple_of(o.turns.max(1)) {
             self.context = random_ids(&mut self.rng, o.context_tokens, &o.tokens);
         }
         self.turn += 1;

@@ -268,7 +268,8 @@ fn run_mixed(args: &BenchServeArgs) -> Result<(), CliError> {
             "--agents, --agent-turns, --voice-input-len, --voice-output-len and --output-len must be positive".into(),
         ));
     }
-    if !(m.voice_rate > 0.0 && m.voice_rate.is_finite()) || !(m.duration > 0.0 && m.duration.is_finite()) {
+    let positive = |x: f64| x > 0.0 && x.is_finite();
+    if !positive(m.voice_rate) || !positive(m.duration) {
         return Err(usage(format!("--voice-rate ({}) and --duration ({}) must be positive", m.voice_rate, m.duration)));
     }
     let unused = Arrival::Concurrency(1);
