@@ -300,9 +300,10 @@ impl DFlashDrafter {
         if self.cuda.is_some() {
             let blocks: Vec<BlockRequest> =
                 active.iter().map(|&i| self.block_request(requests[i].seq, wanted[i])).collect();
-            let drafts = self.cuda.as_mut().expect("checked").propose(&blocks)?;
-            for (&i, d) in active.iter().zip(drafts) {
-                out[i] = d;
+            if let Some(cuda) = self.cuda.as_mut() {
+                for (&i, d) in active.iter().zip(cuda.propose(&blocks)?) {
+                    out[i] = d;
+                }
             }
             return Ok(out);
         }
