@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """Speculative decoding speedup, same engine, same run: the same greedy requests on a lane
-without drafting and on a lane with n-gram drafting, on an agent/code-editing workload (the prompt
-contains much of the answer) and on prose. Prints tokens/s per lane and workload, the speedup,
-and the per-position acceptance read from /metrics. Standard library only.
+without drafting and on a drafting lane (n-gram, a draft model, DFlash, MTP), on an
+agent/code-editing workload (the prompt contains much of the answer) and on prose. Prints
+tokens/s per lane and workload, the speedup, the per-position acceptance read from /metrics
+(`source` label: the drafter's name) and the mean accepted length per verification.
+Standard library only.
 
-usage: bench_speculative.py PLAIN_URL DRAFTED_URL [--max-tokens 128] [--json OUT]
+usage: bench_speculative.py PLAIN_URL DRAFTED_URL [--max-tokens 128] [--label ngram]
+                            [--source SOURCE] [--json OUT]
 """
 import argparse
 import json
@@ -39,14 +42,28 @@ def complete(base, prompt, max_tokens):
     return out["usage"]["completion_tokens"], time.perf_counter() - t0, out["choices"][0]["message"]["content"]
 
 
-def acceptance(base):
+def metric_rows(text, name):
+    """(labels dict, value) of every sample of counter `name`."""
+    for m in re.finditer(name + r'\{([^}]*)\} (\d+(?:\.\d+)?(?:e[+-]?\d+)?)', text):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        yield labels, float(m.group(2))
+
+
+def acceptance(base, source=None):
+    """Acceptance by draft position and the mean accepted length per verification (emitted tokens
+    per verify step, bonus included), for drafter `source` (all sources when None)."""
     text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
+    keep = lambda labels: source is None or labels.get("source", "").startswith(source)
     drafted, accepted = {}, {}
     for name, table in (("shelfserve_spec_draft_tokens_total", drafted), ("shelfserve_spec_accepted_tokens_total", accepted)):
-        # Summed over the `source` label (ngram, draft-model).
-        for m in re.finditer(name + r'\{position="(\d+)"[^}]*\} (\d+(?:\.\d+)?)', text):
-            table[int(m.group(1))] = table.get(int(m.group(1)), 0.0) + float(m.group(2))
-    return {p: accepted.get(p, 0) / d for p, d in sorted(drafted.items()) if d}
+        for labels, v in metric_rows(text, name):
+            if keep(labels) and "position" in labels:
+                p = int(labels["position"])
+                table[p] = table.get(p, 0.0) + v
+    steps = sum(v for l, v in metric_rows(text, "shelfserve_spec_verify_steps_total") if keep(l))
+    emitted = sum(v for l, v in metric_rows(text, "shelfserve_spec_emitted_tokens_total") if keep(l))
+    by_pos = {p: accepted.get(p, 0) / d for p, d in sorted(drafted.items()) if d}
+    return by_pos, (emitted / steps if steps else None)
 
 
 def main():
@@ -54,12 +71,14 @@ def main():
     ap.add_argument("plain")
     ap.add_argument("drafted")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--label", default="ngram", help="the drafting lane's name in the table")
+    ap.add_argument("--source", help="only this drafter's metrics (`source` label, e.g. dflash)")
     ap.add_argument("--json")
     a = ap.parse_args()
     rows = []
     for workload, prompts in (("code/agent", CODE), ("prose", PROSE)):
         res = {}
-        for label, base in (("plain", a.plain), ("ngram", a.drafted)):
+        for label, base in (("plain", a.plain), (a.label, a.drafted)):
             toks = secs = 0
             texts = []
             for p in prompts:
@@ -68,18 +87,20 @@ def main():
                 texts.append(t)
                 print(f"  {workload:10s} {label:6s} {n:4d} tokens in {s:6.2f} s", file=sys.stderr, flush=True)
             res[label] = (toks / secs, texts)
-        same = res["plain"][1] == res["ngram"][1]
-        rows.append({"workload": workload, "plain_tok_s": res["plain"][0], "ngram_tok_s": res["ngram"][0],
-                     "speedup": res["ngram"][0] / res["plain"][0], "identical_text": same})
-    acc = acceptance(a.drafted)
-    print("\n| workload | no drafting tok/s | n-gram k=7 tok/s | speedup | identical output |")
+        same = res["plain"][1] == res[a.label][1]
+        rows.append({"workload": workload, "plain_tok_s": res["plain"][0], "drafted_tok_s": res[a.label][0],
+                     "speedup": res[a.label][0] / res["plain"][0], "identical_text": same})
+    acc, mean_len = acceptance(a.drafted, a.source)
+    print(f"\n| workload | no drafting tok/s | {a.label} k=7 tok/s | speedup | identical output |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['workload']} | {r['plain_tok_s']:.1f} | {r['ngram_tok_s']:.1f} | {r['speedup']:.2f}x | {r['identical_text']} |")
-    print("\nacceptance by draft position: " + ", ".join(f"{p}: {v:.0%}" for p, v in acc.items()))
+        print(f"| {r['workload']} | {r['plain_tok_s']:.1f} | {r['drafted_tok_s']:.1f} | {r['speedup']:.2f}x | {r['identical_text']} |")
+    print(f"\nacceptance by draft position ({a.source or 'all sources'}): " + ", ".join(f"{p}: {v:.0%}" for p, v in acc.items()))
+    if mean_len is not None:
+        print(f"mean tokens per verification (accepted + bonus): {mean_len:.2f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"rows": rows, "acceptance": acc}, f, indent=1)
+            json.dump({"rows": rows, "acceptance": acc, "mean_tokens_per_verify": mean_len}, f, indent=1)
     return 0 if all(r["identical_text"] for r in rows) else 1
 
 

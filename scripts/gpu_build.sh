@@ -12,6 +12,8 @@
 #     DEST/gpu_validate_glm5.sh   # glm5_next CUDA vs CPU/transformers (tests/gpu_validate_glm5.rs)
 #   scripts/gpu_build.sh vision       DEST default .dev/vision, one GPU, the test binary only:
 #     DEST/gpu_vision.sh          # the vision tower and image prompts on CUDA (tests/gpu_vision.rs)
+#   scripts/gpu_build.sh dflash       DEST default .dev/dflash, one GPU, the test binary only:
+#     DEST/gpu_dflash.sh          # hidden-state taps and the DFlash drafter on CUDA (tests/gpu_dflash.rs)
 # PROFILE_ARGS="--profile test" builds the test binaries in the test profile (opt-level 3, no
 # release build of the dependencies needed where a test-profile build exists).
 set -euo pipefail
@@ -34,13 +36,19 @@ case "${1:-validate}" in
     scripts=(scripts/gpu_env.sh scripts/gpu_vision.sh)
     no_server=1
     ;;
+  dflash)
+    test_name=gpu_dflash
+    DEST=${DEST:-.dev/dflash}
+    scripts=(scripts/gpu_env.sh scripts/gpu_dflash.sh)
+    no_server=1
+    ;;
   tp)
     test_name=gpu_tp
     DEST=${DEST:-.dev/tp}
     scripts=(scripts/gpu_env.sh scripts/gpu_tp.sh)
     ;;
   *)
-    echo "usage: $0 [validate|tp|glm5|vision]" >&2
+    echo "usage: $0 [validate|tp|glm5|vision|dflash]" >&2
     exit 2
     ;;
 esac

@@ -198,7 +198,7 @@ async fn a_target_sized_draft_is_priced_out_by_its_weight_bytes() {
 fn cached_batched_drafts_equal_drafts_from_scratch() {
     let target = shelfserve::model::open(&hf("llama3-tiny"), &CacheDir::from_env()).unwrap();
     let vocab = VocabIdentity::of(&target);
-    let opts = DraftModelOptions { threads: 2, pool_tokens: 4096 };
+    let opts = DraftModelOptions { threads: 2, pool_tokens: 4096, dflash_cuda: None };
     let mut draft = DraftModel::open(&hf("llama3-tiny-draft"), &vocab, opts).unwrap();
     let mut fresh = DraftModel::open(&hf("llama3-tiny-draft"), &vocab, opts).unwrap();
     let mut contexts: Vec<Vec<u32>> = prompts();
@@ -307,7 +307,8 @@ fn default_model_as_its_own_draft_on_the_generate_path() {
     let geometry = single_sequence_geometry(prompt.len() + opts.max_tokens, 16);
     let mut runner = Runner::new(any_cpu_backend(&bundle, 2, geometry).unwrap().0);
     let plain = runner.generate(&prompt, &opts, |_| true).unwrap().ids();
-    let draft_opts = DraftModelOptions { threads: 2, pool_tokens: prompt.len() + opts.max_tokens + 8 };
+    let draft_opts =
+        DraftModelOptions { threads: 2, pool_tokens: prompt.len() + opts.max_tokens + 8, dflash_cuda: None };
     let draft = DraftModel::open(&path, &VocabIdentity::of(&bundle), draft_opts).expect("draft model");
     let mut counted = Counted { inner: draft, proposed: 0, steps: 0 };
     let drafted = runner.generate_drafted(&prompt, &opts, Some((&mut counted, 7)), |_| true).unwrap().ids();

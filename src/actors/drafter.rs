@@ -112,7 +112,7 @@ pub fn sources_for(
                 Ok(Some(Box::new(Adaptive::new(drafter, cfg)) as Box<dyn DraftSource>))
             }
             SpeculativeMethod::DFlash(path) => {
-                let drafter = DFlashDrafter::open(path, target, draft_opts.threads)?;
+                let drafter = DFlashDrafter::open_on(path, target, draft_opts.threads, draft_opts.dflash_cuda)?;
                 // One pass proposes the whole block: its cost per proposed token is the drafter's
                 // weight bytes over the target's, spread over the block.
                 let per_pass = draft_cost_from_weights(drafter.weight_bytes(), target_weight_bytes);

@@ -314,7 +314,11 @@ pub async fn start_engine(
         // A draft model shares the target's vocabulary (checked here, before anything runs), gets
         // a KV store as large as the target's pool, and loads on the blocking pool.
         let target_vocab = VocabIdentity::of(&bundle);
-        let draft_opts = DraftModelOptions { threads: opts.device.threads, pool_tokens: pool };
+        let draft_opts = DraftModelOptions {
+            threads: opts.device.threads,
+            pool_tokens: pool,
+            dflash_cuda: crate::spec::dflash::device_for(&device),
+        };
         let device_row_cost = crate::spec::adaptive::verify_row_cost_for(device.kind);
         let pricing: Vec<LanePricing> = config
             .lanes

@@ -294,12 +294,13 @@ pub fn run_generate(args: &GenerateArgs) -> Result<(), CliError> {
     let k = validate_num_tokens(args.num_speculative_tokens)
         .map_err(|e| CliError::Usage(format!("--num-speculative-tokens: {e}")))?;
     // A draft model gets a store for this one sequence (its drafts included).
+    // Resolved once: the verification price, the backend and a DFlash drafter's device follow it.
+    let device = args.model.device_selection()?.resolve();
     let draft_opts = DraftModelOptions {
         threads: args.model.threads,
         pool_tokens: prompt.len() + args.max_tokens + MAX_SPECULATIVE_TOKENS,
+        dflash_cuda: crate::spec::dflash::device_for(&device),
     };
-    // Resolved once: the verification price and the backend both follow it.
-    let device = args.model.device_selection()?.resolve();
     let row_cost = crate::spec::adaptive::verify_row_cost_for(device.kind);
     let pricing = LanePricing { row_cost, draft_cost: None };
     let target = VocabIdentity::of(&bundle);

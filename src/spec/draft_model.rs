@@ -196,6 +196,8 @@ pub struct DraftModelOptions {
     pub threads: usize,
     /// Tokens of KV the draft store holds across all sequences.
     pub pool_tokens: usize,
+    /// A DFlash drafter's forward pass on the target's GPU (`spec::dflash::device_for`).
+    pub dflash_cuda: Option<crate::spec::dflash::DFlashCudaOptions>,
 }
 
 impl DraftModel {

@@ -74,6 +74,8 @@ pub struct GraphKey {
     decode_items: usize,
     max_splits: usize,
     generation: u64,
+    /// Tapped layers (their copies are part of the captured launches).
+    taps: usize,
 }
 
 /// A captured graph owned by the backend.
@@ -125,8 +127,29 @@ fn upload_layout(gpu: &Gpu, scratch: &mut Scratch, l: &StepLayout) -> Result<[u6
 }
 
 impl CudaBackend {
-    /// Run the step; leaves the logits rows in the `logits` scratch buffer (f32, row-major).
+    /// Run the step; leaves the logits rows in the `logits` scratch buffer (f32, row-major). With
+    /// hidden-state taps on, the tapped rows come to the host once, after the step.
     pub(super) fn forward_device(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLayout, BackendError> {
+        self.last_taps = None;
+        let layout = self.enqueue_step(batch)?;
+        if !self.tap_layers.is_empty() {
+            let h = self.cfg.hidden_size;
+            let mut offsets = Vec::with_capacity(batch.len() + 1);
+            offsets.push(0);
+            for s in batch {
+                offsets.push(offsets.last().copied().unwrap_or(0) + s.tokens.len());
+            }
+            let rows = layout.tokens();
+            let mut data = vec![0f32; rows * self.tap_layers.len() * h];
+            let src = self.scratch.get(&self.gpu, "hidden_taps", data.len() * 4)?;
+            self.gpu.copy_dtoh(&mut data, src)?;
+            self.last_taps =
+                Some(crate::backend::HiddenTaps { layers: self.tap_layers.clone(), hidden: h, data, offsets });
+        }
+        Ok(layout)
+    }
+
+    fn enqueue_step(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLayout, BackendError> {
         let c = self.cfg.clone();
         let (h, hd, nh, nkv, inter) =
             (c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size);
@@ -159,6 +182,9 @@ impl CudaBackend {
         let xs = s.get(gpu, "final_x", m.max(1) * h * eb)?;
         let logits = s.get(gpu, "logits", m.max(1) * c.vocab_size * 4)?;
         let tp_logits = shard::reserve_logits_scratch(gpu, s, &self.tp, m)?;
+        // Hidden-state taps: every row's residual after each tapped layer, side by side.
+        let ntaps = self.tap_layers.len();
+        let taps = if ntaps > 0 { s.get(gpu, "hidden_taps", t * ntaps * h * 4)? } else { 0 };
         // Packed (quantized) projections run the unfused path, each matrix product dispatched on
         // its weight (`quant::matmul`); prefill-sized steps dequantize one matrix at a time here.
         let packed = self.weights.has_packed();
@@ -182,6 +208,7 @@ impl CudaBackend {
             decode_items: layout.decode_items.len(),
             max_splits: layout.max_splits,
             generation: s.generation,
+            taps: ntaps,
         });
         if let Some(g) = graph_key.as_ref().and_then(|k| self.graphs.get(k)) {
             g.0.launch().map_err(|e| super::gpu::dev_err("graph launch", e))?;
@@ -264,6 +291,15 @@ impl CudaBackend {
             // The residual's RMSNorm with weights `w` into `xn`, the GEMM input of the cuBLAS path.
             let rmsnorm = |gpu: &Gpu, w: u64| -> Result<(), BackendError> {
                 launch!(gpu, norm_f.clone(), cfg((t as u32, 1), NORM_THREADS, 0), &x, &null, &w, &xn, &h32, &eps)
+            };
+            // Copy the residual after layer `li` into the columns of the layers that tap it.
+            let tap_layers = &self.tap_layers;
+            let tap = |gpu: &Gpu, li: usize| -> Result<(), BackendError> {
+                for (col, _) in tap_layers.iter().enumerate().filter(|(_, &l)| l == li) {
+                    let dst = taps + (col * h * 4) as u64;
+                    shard::copy_2d(gpu, dst, ntaps * h * 4, x, h * 4, h * 4, t)?;
+                }
+                Ok(())
             };
             let dense = |w: &LinearWeight| w.dense().map_or(0, DevBuf::ptr);
             // `y (+)= x · wᵀ` over the step's rows, whatever `w`'s format.
@@ -358,6 +394,7 @@ impl CudaBackend {
                     launch_gemv(gpu, GemvKind::NormSwiglu, prec, &a)?;
                     let down = GemvArgs { x: act, y: x, ..gemv(dense(&lw.down), &lw.down_bias, h, inter) };
                     shard::gemv_add_row_parallel(gpu, &self.tp, prec, &down, t * h)?;
+                    tap(gpu, li)?;
                     continue;
                 }
                 matmul(gpu, &lw.o, qd, attn, x, accumulate)?;
@@ -373,6 +410,7 @@ impl CudaBackend {
                 matmul(gpu, &lw.down, inter, act, x, accumulate)?;
                 add_bias(gpu, x, &lw.down_bias, h)?;
                 shard::all_reduce(&self.tp, x, t * h)?;
+                tap(gpu, li)?;
             }
             if m > 0 {
                 let w = self.weights.final_norm.ptr();

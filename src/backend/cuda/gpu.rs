@@ -31,6 +31,9 @@ pub const VISION_SOURCE: &str = include_str!("../../../cuda/vision.cu");
 /// Packed quantized linears (FP8, int4, NVFP4): compiled only by backends whose checkpoint has
 /// them ([`Gpu::load_quant`]).
 pub const QUANT_SOURCE: &str = include_str!("../../../cuda/quant_gemv.cu");
+/// The DFlash block drafter's kernels: compiled only when a drafter runs on the device
+/// ([`Gpu::load_dflash`]).
+pub const DFLASH_SOURCE: &str = include_str!("../../../cuda/dflash.cu");
 
 fn gemv_module(p: Precision) -> &'static str {
     match p {
@@ -322,6 +325,14 @@ impl Gpu {
             return Ok(());
         }
         self.compile("quant", QUANT_SOURCE)
+    }
+
+    /// Compile the DFlash drafter's kernels (`cuda/dflash.cu`) once.
+    pub fn load_dflash(&mut self) -> Result<(), BackendError> {
+        if self.modules.contains_key("dflash") {
+            return Ok(());
+        }
+        self.compile("dflash", DFLASH_SOURCE)
     }
 
     fn compile(&mut self, module: &'static str, src: &str) -> Result<(), BackendError> {

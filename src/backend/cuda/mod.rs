@@ -9,6 +9,7 @@
 //! (`glm5_next`) on the same device layer (`gpu`).
 
 mod decode;
+pub mod dflash;
 mod forward;
 pub mod glm5_next;
 pub mod gpu;
@@ -30,7 +31,10 @@ pub use tp::{group_devices, load_rank, nccl_group, TpCudaBackend};
 use self::gpu::{DevBuf, Gpu};
 use self::plan::KvLayout;
 use self::weights::DeviceWeights;
-use super::{validate_batch, Backend, BackendError, DeviceSampleSpec, KvGeometry, SeqStep, StepLogits};
+use super::{
+    check_tap_layers, validate_batch, Backend, BackendError, DeviceSampleSpec, HiddenTaps, KvGeometry, SeqStep,
+    StepLogits,
+};
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::model::WeightSource;
 use crate::sampling::Sampled;
@@ -107,6 +111,9 @@ pub struct CudaBackend {
     /// the host, for comparisons).
     device_sampling: bool,
     sampler: sample::DeviceSampler,
+    /// Layers whose residual each step copies out (`Backend::set_hidden_taps`).
+    tap_layers: Vec<usize>,
+    last_taps: Option<HiddenTaps>,
 }
 
 impl CudaBackend {
@@ -193,6 +200,8 @@ impl CudaBackend {
             tp,
             device_sampling: std::env::var("SHELFSERVE_CUDA_SAMPLING").map_or(true, |v| v != "0"),
             sampler: sample::DeviceSampler::default(),
+            tap_layers: Vec::new(),
+            last_taps: None,
         })
     }
 
@@ -410,6 +419,21 @@ impl Backend for CudaBackend {
         if let Some(tp) = &self.tp {
             tp.comm.abort(reason);
         }
+    }
+
+    fn set_hidden_taps(&mut self, layers: &[usize]) -> Result<(), BackendError> {
+        check_tap_layers(layers, self.cfg.num_hidden_layers)?;
+        if layers != self.tap_layers.as_slice() {
+            // Captured decode graphs copy the old layers' rows (or none).
+            self.graphs.clear();
+        }
+        self.tap_layers = layers.to_vec();
+        self.last_taps = None;
+        Ok(())
+    }
+
+    fn take_hidden_taps(&mut self) -> Option<HiddenTaps> {
+        self.last_taps.take()
     }
 
     // The inherent methods (forward.rs) do the device copies; these make them the trait's.

@@ -195,6 +195,16 @@ impl Backend for TpCudaBackend {
         lockstep(&mut self.ranks, |r| r.forward_and_sample(batch, specs), |r| r.forward_follow(batch)).map(Some)
     }
 
+    /// Rank 0 taps: its residual stream is whole after every layer's all-reduce, and only rank 0's
+    /// step results are read.
+    fn set_hidden_taps(&mut self, layers: &[usize]) -> Result<(), BackendError> {
+        self.ranks[0].set_hidden_taps(layers)
+    }
+
+    fn take_hidden_taps(&mut self) -> Option<crate::backend::HiddenTaps> {
+        self.ranks[0].take_hidden_taps()
+    }
+
     fn device_free_memory(&self) -> Option<u64> {
         self.ranks.iter().map(|r| r.device_free_memory()).min().flatten()
     }

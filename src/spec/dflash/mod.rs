@@ -24,9 +24,24 @@ use self::config::DFlashConfig;
 use self::model::{BlockSeq, ContextCache, DFlashModel, DFlashWeights, SharedHead};
 use super::{DraftError, DraftRequest, DraftSource, HiddenChunk, SeqId};
 use crate::backend::cpu::linear::{CpuLinear, LinearScratch};
+pub use crate::backend::cuda::dflash::DFlashCudaOptions;
+use crate::backend::cuda::dflash::{BlockRequest, CudaDFlash};
 use crate::model::llama::LlamaSpec;
 use crate::model::quant::simd_available;
 use crate::model::{ModelBundle, WeightSource};
+
+/// Where a DFlash drafter for a target on `device` runs its forward pass: on the target's GPU
+/// when the target runs on one CUDA device (a tensor-parallel target keeps it on the CPU), unless
+/// `SHELFSERVE_DFLASH_DEVICE=cpu` asks for the CPU (comparisons).
+pub fn device_for(device: &crate::generate::ResolvedDevice) -> Option<DFlashCudaOptions> {
+    let cpu_asked = std::env::var("SHELFSERVE_DFLASH_DEVICE").is_ok_and(|v| v == "cpu");
+    device_choice(device, cpu_asked)
+}
+
+fn device_choice(device: &crate::generate::ResolvedDevice, cpu_asked: bool) -> Option<DFlashCudaOptions> {
+    (device.kind == crate::generate::ResolvedKind::Cuda && device.tensor_parallel == 1 && !cpu_asked)
+        .then_some(DFlashCudaOptions { ordinal: device.cuda_ordinal, precision: device.cuda_precision })
+}
 
 #[derive(Debug, Default)]
 struct DFlashSeq {
@@ -47,12 +62,26 @@ pub struct DFlashDrafter {
     target_norm: Vec<f32>,
     target_eps: f32,
     target_last_layer: usize,
+    /// The forward pass on the target's GPU (`backend::cuda::dflash`), when the target runs
+    /// there; the CPU `model` then only supplies the config (its context caches keep positions).
+    cuda: Option<CudaDFlash>,
 }
 
 impl DFlashDrafter {
     /// Open the drafter at `path` for `target` (a llama-family bundle: its embedding and output
     /// head are shared), on `threads` CPU threads (0 = every core).
     pub fn open(path: &str, target: &ModelBundle, threads: usize) -> Result<Self, DraftError> {
+        Self::open_on(path, target, threads, None)
+    }
+
+    /// [`DFlashDrafter::open`], with the forward pass on the target's GPU when `cuda` is given
+    /// (DFlash; a DFlash2 drafter stays on the CPU, whose selector has no CUDA kernels).
+    pub fn open_on(
+        path: &str,
+        target: &ModelBundle,
+        threads: usize,
+        cuda: Option<DFlashCudaOptions>,
+    ) -> Result<Self, DraftError> {
         let fail = |msg: String| DraftError::DraftModel { path: path.to_string(), msg };
         let dir = Path::new(path);
         if !dir.is_dir() {
@@ -62,7 +91,7 @@ impl DFlashDrafter {
         }
         let cfg = DFlashConfig::read(dir)?;
         let weights = crate::model::hf::SafetensorsWeights::open_dir(dir).map_err(|e| fail(e.to_string()))?;
-        Self::from_parts(path, cfg, &weights, target, threads)
+        Self::from_parts_on(path, cfg, &weights, target, threads, cuda)
     }
 
     pub fn from_parts(
@@ -71,6 +100,17 @@ impl DFlashDrafter {
         weights: &dyn WeightSource,
         target: &ModelBundle,
         threads: usize,
+    ) -> Result<Self, DraftError> {
+        Self::from_parts_on(path, cfg, weights, target, threads, None)
+    }
+
+    pub fn from_parts_on(
+        path: &str,
+        cfg: DFlashConfig,
+        weights: &dyn WeightSource,
+        target: &ModelBundle,
+        threads: usize,
+        cuda: Option<DFlashCudaOptions>,
     ) -> Result<Self, DraftError> {
         let fail = |msg: String| DraftError::DraftModel { path: path.to_string(), msg };
         let t = &target.config;
@@ -108,6 +148,14 @@ impl DFlashDrafter {
             .thread_name(|i| format!("dflash-{i}"))
             .build()
             .map_err(|e| fail(format!("thread pool: {e}")))?;
+        let cuda = match cuda {
+            Some(_) if cfg.dflash2.is_some() => {
+                tracing::info!(path, "DFlash2 drafter on the CPU (its candidate selector has no CUDA kernels)");
+                None
+            }
+            Some(opts) => Some(CudaDFlash::open(&cfg, weights, target, opts).map_err(|e| fail(e.to_string()))?),
+            None => None,
+        };
         let weights = pool.install(|| DFlashWeights::load(&cfg, weights)).map_err(|e| fail(e.to_string()))?;
         let name = if cfg.dflash2.is_some() { "dflash2" } else { "dflash" };
         tracing::info!(
@@ -116,7 +164,8 @@ impl DFlashDrafter {
             layers = cfg.num_layers,
             block = cfg.block_size,
             taps = ?cfg.target_layer_ids,
-            "DFlash drafter loaded on the CPU"
+            device = if cuda.is_some() { "cuda" } else { "cpu" },
+            "DFlash drafter loaded"
         );
         Ok(DFlashDrafter {
             model: DFlashModel { cfg, weights, head: SharedHead { embed, lm_head }, simd: simd_available() },
@@ -127,6 +176,7 @@ impl DFlashDrafter {
             target_norm,
             target_eps: t.rms_norm_eps,
             target_last_layer: t.num_hidden_layers - 1,
+            cuda,
         })
     }
 
@@ -207,6 +257,15 @@ impl DFlashDrafter {
         if owners.is_empty() {
             return Ok(());
         }
+        if let Some(cuda) = self.cuda.as_mut() {
+            cuda.add_context(&owners, &feats, &positions)?;
+            for (id, p) in owners.iter().zip(positions) {
+                if let Some(s) = self.seqs.get_mut(id) {
+                    s.cache.positions.extend(p);
+                }
+            }
+            return Ok(());
+        }
         let mut caches: Vec<(SeqId, ContextCache)> =
             owners.iter().map(|id| (*id, std::mem::take(&mut self.seqs.get_mut(id).expect("owner").cache))).collect();
         let result = {
@@ -238,6 +297,16 @@ impl DFlashDrafter {
         }
         let ids: Vec<SeqId> = active.iter().map(|&i| requests[i].seq).collect();
         self.ingest(&ids)?;
+        if self.cuda.is_some() {
+            let blocks: Vec<BlockRequest> =
+                active.iter().map(|&i| self.block_request(requests[i].seq, wanted[i])).collect();
+            if let Some(cuda) = self.cuda.as_mut() {
+                for (&i, d) in active.iter().zip(cuda.propose(&blocks)?) {
+                    out[i] = d;
+                }
+            }
+            return Ok(out);
+        }
         let blocks: Vec<BlockSeq<'_>> = active
             .iter()
             .map(|&i| {
@@ -261,9 +330,25 @@ impl DFlashDrafter {
         Ok(out)
     }
 
+    /// A sequence's next block for the CUDA pass (the sequence has tokens).
+    fn block_request(&self, seq: SeqId, rows: usize) -> BlockRequest {
+        let s = &self.seqs[&seq];
+        BlockRequest { seq, anchor: *s.tokens.last().expect("non-empty"), anchor_pos: s.tokens.len() - 1, rows }
+    }
+
+    /// Whether the forward pass runs on the GPU.
+    pub fn on_cuda(&self) -> bool {
+        self.cuda.is_some()
+    }
+
     /// The draft logits of one sequence's next block (tests compare them with the reference).
     pub fn block_logits(&mut self, seq: SeqId, rows: usize) -> Option<Vec<f32>> {
         self.ingest(&[seq]).ok()?;
+        if self.cuda.is_some() {
+            self.seqs.get(&seq).filter(|s| !s.tokens.is_empty())?;
+            let b = self.block_request(seq, rows);
+            return self.cuda.as_mut()?.block_logits(&[b]).ok();
+        }
         let s = self.seqs.get(&seq).filter(|s| !s.tokens.is_empty())?;
         let b = BlockSeq { cache: &s.cache, anchor: *s.tokens.last()?, anchor_pos: s.tokens.len() - 1, rows };
         let (model, scratch) = (&self.model, &mut self.scratch);
@@ -305,6 +390,9 @@ impl DraftSource for DFlashDrafter {
 
     fn forget(&mut self, seq: SeqId) {
         self.seqs.remove(&seq);
+        if let Some(cuda) = self.cuda.as_mut() {
+            cuda.forget(seq);
+        }
     }
 
     fn truncate(&mut self, seq: SeqId, len: usize) {
@@ -313,6 +401,9 @@ impl DraftSource for DFlashDrafter {
             s.tokens.truncate(len);
             s.cache.truncate(len, kvd);
             s.pending.retain(|c| c.start_pos < len);
+            if let Some(cuda) = self.cuda.as_mut() {
+                cuda.truncate(seq, s.cache.positions.len());
+            }
         }
     }
 
@@ -322,5 +413,26 @@ impl DraftSource for DFlashDrafter {
 
     fn sequences(&self) -> usize {
         self.seqs.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::Precision;
+    use crate::generate::{ResolvedDevice, ResolvedKind};
+
+    #[test]
+    fn the_drafter_runs_on_the_gpu_of_a_single_gpu_cuda_target_only() {
+        let gpu = ResolvedDevice {
+            kind: ResolvedKind::Cuda,
+            cuda_ordinal: 2,
+            cuda_precision: Precision::F32,
+            ..ResolvedDevice::cpu(4)
+        };
+        assert_eq!(device_choice(&gpu, false), Some(DFlashCudaOptions { ordinal: 2, precision: Precision::F32 }));
+        assert_eq!(device_choice(&gpu, true), None, "SHELFSERVE_DFLASH_DEVICE=cpu");
+        assert_eq!(device_choice(&ResolvedDevice { tensor_parallel: 2, ..gpu }, false), None, "tensor parallel");
+        assert_eq!(device_choice(&ResolvedDevice::cpu(4), false), None);
     }
 }
