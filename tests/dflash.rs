@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use shelfserve::actors::{start_engine, Engine, EngineOptions, GenerationRequest, InferenceEngine, StreamEvent};
+use shelfserve::actors::{start_engine, Engine, EngineOptions};
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
 use shelfserve::config::engine::EngineConfig;
 use shelfserve::generate::{any_cpu_backend, single_sequence_geometry, DeviceSelection, GenerateOptions, Runner};
@@ -132,12 +132,7 @@ fn runner_with_dflash_drafts_equals_plain_generate() {
 
 fn engine_config(method: SpeculativeMethod) -> EngineConfig {
     let mut cfg = EngineConfig::builtin();
-    cfg.lanes = common::engine::draft_length_lanes(&cfg, 0..=7, &method);
-    // Price drafting at nothing, so the adaptive length keeps drafting random-weight proposals.
-    for l in &mut cfg.lanes {
-        l.speculative_row_cost = Some(0.0);
-        l.speculative_draft_cost = Some(0.0);
-    }
+    cfg.lanes = common::engine::free_drafting_lanes(&cfg, 0..=7, &method);
     cfg.scheduler.max_num_seqs = 48;
     cfg.scheduler.max_num_batched_tokens = 1024;
     cfg.scheduler.kv_pool_tokens = 16_384;
@@ -145,17 +140,7 @@ fn engine_config(method: SpeculativeMethod) -> EngineConfig {
 }
 
 async fn generate(engine: &Engine, lane: &str, prompt: &[u32]) -> Vec<u32> {
-    let mut events =
-        engine.submit(GenerationRequest::greedy_fixed_length(lane, prompt.to_vec(), 32)).expect("admitted");
-    let mut ids = Vec::new();
-    loop {
-        match tokio::time::timeout(Duration::from_secs(60), events.recv()).await.expect("no event in 60 s") {
-            Some(StreamEvent::Delta { tokens, .. }) => ids.extend(tokens.iter().map(|t| t.id)),
-            Some(StreamEvent::Finished { .. }) => return ids,
-            Some(StreamEvent::Error(e)) => panic!("request failed: {e}"),
-            None => panic!("stream ended without a finish event"),
-        }
-    }
+    common::engine::greedy_ids(engine, lane, prompt, 32).await
 }
 
 /// Through scheduler, drafter and executor: the target taps the drafter's layers, the drafter

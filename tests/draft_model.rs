@@ -76,16 +76,7 @@ fn request(lane: &str, prompt: &[u32], max_tokens: usize) -> GenerationRequest {
 }
 
 async fn generate(engine: &Engine, lane: &str, prompt: &[u32]) -> Vec<u32> {
-    let mut events = engine.submit(request(lane, prompt, MAX_TOKENS)).expect("admitted");
-    let mut ids = Vec::new();
-    loop {
-        match tokio::time::timeout(Duration::from_secs(60), events.recv()).await.expect("no event in 60 s") {
-            Some(StreamEvent::Delta { tokens, .. }) => ids.extend(tokens.iter().map(|t| t.id)),
-            Some(StreamEvent::Finished { .. }) => return ids,
-            Some(StreamEvent::Error(e)) => panic!("request failed: {e}"),
-            None => panic!("stream ended without a finish event"),
-        }
-    }
+    common::engine::greedy_ids(engine, lane, prompt, MAX_TOKENS).await
 }
 
 /// Every prompt on the un-drafted lane, one at a time.

@@ -14,7 +14,7 @@ mod common;
 
 use std::time::Duration;
 
-use shelfserve::actors::{start_engine, Engine, EngineOptions, GenerationRequest, InferenceEngine, StreamEvent};
+use shelfserve::actors::{start_engine, Engine, EngineOptions};
 use shelfserve::backend::cuda::{CudaBackend, CudaOptions, Precision};
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
 use shelfserve::config::engine::EngineConfig;
@@ -206,12 +206,7 @@ fn runner_drafted_equals_undrafted_on_cuda_bf16() {
 
 fn engine_config(method: SpeculativeMethod) -> EngineConfig {
     let mut cfg = EngineConfig::builtin();
-    cfg.lanes = common::engine::draft_length_lanes(&cfg, [0, 3, 7], &method);
-    // Price drafting at nothing, so the adaptive length keeps drafting random-weight proposals.
-    for l in &mut cfg.lanes {
-        l.speculative_row_cost = Some(0.0);
-        l.speculative_draft_cost = Some(0.0);
-    }
+    cfg.lanes = common::engine::free_drafting_lanes(&cfg, [0, 3, 7], &method);
     cfg.scheduler.max_num_seqs = 32;
     cfg.scheduler.max_num_batched_tokens = 1024;
     cfg.scheduler.kv_pool_tokens = 16_384;
@@ -219,17 +214,7 @@ fn engine_config(method: SpeculativeMethod) -> EngineConfig {
 }
 
 async fn generate(engine: &Engine, lane: &str, prompt: &[u32]) -> Vec<u32> {
-    let mut events =
-        engine.submit(GenerationRequest::greedy_fixed_length(lane, prompt.to_vec(), 32)).expect("admitted");
-    let mut ids = Vec::new();
-    loop {
-        match tokio::time::timeout(Duration::from_secs(60), events.recv()).await.expect("no event in 60 s") {
-            Some(StreamEvent::Delta { tokens, .. }) => ids.extend(tokens.iter().map(|t| t.id)),
-            Some(StreamEvent::Finished { .. }) => return ids,
-            Some(StreamEvent::Error(e)) => panic!("request failed: {e}"),
-            None => panic!("stream ended without a finish event"),
-        }
-    }
+    common::engine::greedy_ids(engine, lane, prompt, 32).await
 }
 
 async fn engine_case(precision: Precision) {

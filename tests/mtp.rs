@@ -135,12 +135,7 @@ fn checkpoints_without_an_mtp_layer_and_other_targets_are_refused() {
 
 fn engine_config() -> EngineConfig {
     let mut cfg = EngineConfig::builtin();
-    cfg.lanes = common::engine::draft_length_lanes(&cfg, 0..=7, &SpeculativeMethod::Mtp);
-    // Price drafting at nothing, so the adaptive length keeps drafting on every lane.
-    for l in &mut cfg.lanes {
-        l.speculative_row_cost = Some(0.0);
-        l.speculative_draft_cost = Some(0.0);
-    }
+    cfg.lanes = common::engine::free_drafting_lanes(&cfg, 0..=7, &SpeculativeMethod::Mtp);
     cfg.scheduler.block_size = BLOCK;
     cfg.scheduler.page_tokens = PAGE;
     cfg.scheduler.max_num_seqs = 40;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use shelfserve::actors::kvpool::PoolStats;
-use shelfserve::actors::{start_engine, Engine, EngineOptions, GenerationRequest, InferenceEngine, Usage};
+use shelfserve::actors::{start_engine, Engine, EngineOptions, GenerationRequest, InferenceEngine, StreamEvent, Usage};
 use shelfserve::config::engine::{EngineConfig, LaneConfig};
 use shelfserve::kv::MissReason;
 use shelfserve::model::ModelBundle;
@@ -59,6 +59,36 @@ pub fn draft_length_lanes(
             l
         })
         .collect()
+}
+
+/// [`draft_length_lanes`] with drafting priced at nothing, so the adaptive draft length keeps
+/// proposing even when the drafts (random weights) are rarely right.
+pub fn free_drafting_lanes(
+    cfg: &EngineConfig,
+    ks: impl IntoIterator<Item = usize>,
+    method: &SpeculativeMethod,
+) -> Vec<LaneConfig> {
+    let mut lanes = draft_length_lanes(cfg, ks, method);
+    for l in &mut lanes {
+        l.speculative_row_cost = Some(0.0);
+        l.speculative_draft_cost = Some(0.0);
+    }
+    lanes
+}
+
+/// The ids of one greedy request of exactly `max_tokens` tokens on `lane`.
+pub async fn greedy_ids(e: &Engine, lane: &str, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
+    let mut events =
+        e.submit(GenerationRequest::greedy_fixed_length(lane, prompt.to_vec(), max_tokens)).expect("admitted");
+    let mut ids = Vec::new();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(60), events.recv()).await.expect("no event in 60 s") {
+            Some(StreamEvent::Delta { tokens, .. }) => ids.extend(tokens.iter().map(|t| t.id)),
+            Some(StreamEvent::Finished { .. }) => return ids,
+            Some(StreamEvent::Error(e)) => panic!("request failed: {e}"),
+            None => panic!("stream ended without a finish event"),
+        }
+    }
 }
 
 /// The spill tier on `dir` with a 1 GiB budget, or off.
