@@ -6,12 +6,13 @@
 mod common;
 
 use std::process::Command;
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::engine::wait_ready;
 use common::serve::{blocking, on_free_ports, Lanes};
 use serde_json::Value;
-use shelfserve::actors::{start_engine, EngineOptions};
+use shelfserve::actors::{start_engine, Engine, EngineOptions};
 use shelfserve::config::engine::EngineConfig;
 
 const MODEL: &str = "bench-serve-e2e";
@@ -50,9 +51,9 @@ fn check_report(doc: &Value, want_tokens: u64) {
     assert!(r["ttft"]["p50_ms"].as_f64() <= r["e2e"]["p50_ms"].as_f64());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bench_serve_drives_the_cpu_server_and_reports_what_it_measured() {
-    let Some(bundle) = common::open_default_model() else { return };
+/// The default model served on both lanes (free ports), loaded; `None` without the model.
+async fn serve_default_model() -> Option<(Arc<Engine>, Lanes)> {
+    let bundle = common::open_default_model()?;
     let cfg = on_free_ports(EngineConfig::builtin());
     let engine = start_engine(
         bundle,
@@ -63,6 +64,12 @@ async fn bench_serve_drives_the_cpu_server_and_reports_what_it_measured() {
     .expect("start the engine");
     let lanes = Lanes::serve(&engine, &cfg, MODEL);
     wait_ready(&engine, Duration::from_secs(120)).await;
+    Some((engine, lanes))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_serve_drives_the_cpu_server_and_reports_what_it_measured() {
+    let Some((engine, lanes)) = serve_default_model().await else { return };
     let base = format!("http://{}/v1", lanes.addr("agent"));
     let dir = tempfile::tempdir().unwrap();
 
@@ -102,17 +109,7 @@ async fn bench_serve_drives_the_cpu_server_and_reports_what_it_measured() {
 /// reported, voice TTFT is set against its idle value, and the agents' throughput is counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_serve_mixed_lanes_reports_each_lane() {
-    let Some(bundle) = common::open_default_model() else { return };
-    let cfg = on_free_ports(EngineConfig::builtin());
-    let engine = start_engine(
-        bundle,
-        cfg.clone(),
-        EngineOptions { device: Default::default(), served_model_name: MODEL.into() },
-    )
-    .await
-    .expect("start the engine");
-    let lanes = Lanes::serve(&engine, &cfg, MODEL);
-    wait_ready(&engine, Duration::from_secs(120)).await;
+    let Some((engine, lanes)) = serve_default_model().await else { return };
     let (agent, voice) = (format!("http://{}/v1", lanes.addr("agent")), format!("http://{}/v1", lanes.addr("voice")));
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("m.json");
