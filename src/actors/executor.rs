@@ -352,7 +352,12 @@ fn encode_step_images(
 
 /// Run `plan` on `backend`. Images are encoded first; the sequences whose images fail to encode
 /// are left out of the step and reported in `StepResult::rejected`, the others run.
-fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize, encoders: &mut EncoderCache) -> StepResult {
+pub(super) fn run_plan(
+    backend: &mut dyn Backend,
+    plan: &StepPlan,
+    rank: usize,
+    encoders: &mut EncoderCache,
+) -> StepResult {
     if plan.seqs.iter().all(|s| s.images.is_empty()) {
         return run_encoded(backend, plan, rank, None);
     }
