@@ -104,8 +104,10 @@ mod tests {
         }
     }
 
-    /// Token, logprob bits and top alternatives of every sampled sequence.
-    fn emitted(r: &StepResult) -> Vec<(u64, u32, u32, Vec<(u32, u32)>)> {
+    /// Sequence, token, logprob bits and top alternatives (id, logprob bits) of every sample.
+    type Emitted = (u64, u32, u32, Vec<(u32, u32)>);
+
+    fn emitted(r: &StepResult) -> Vec<Emitted> {
         assert_eq!(r.error, None);
         r.sampled
             .iter()
