@@ -588,10 +588,10 @@ async fn a_voice_request_during_a_long_agent_prefill_is_answered_before_that_pre
 }
 
 /// One agent prefill step long enough to be caught in flight (the whole ~1,500-token prompt in
-/// one step: voice targets so loose that pacing lets the agent take the full budget), and a voice
-/// request that arrives while it runs. The step stops at a layer boundary, voice is answered, and
-/// the step resumes: the agent's first token (sampled at the end of that very step) comes after
-/// the voice reply. Without yielding voice waits for the step, and the order is the other way
+/// one step: a voice TTFT target so loose that pacing lets the agent take the full budget), and a
+/// voice request that arrives while it runs. The step stops at a layer boundary, voice is
+/// prefilled, and while voice decodes the step resumes in slices of voice's (tiny) ITL target:
+/// the agent's first token (sampled at the end of that very step) comes after the voice reply. Without yielding voice waits for the step, and the order is the other way
 /// round; a step that ended before voice arrived fails the test too (never passes by luck).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_voice_request_during_one_long_agent_prefill_step_is_answered_before_that_step_completes() {
@@ -601,7 +601,7 @@ async fn a_voice_request_during_one_long_agent_prefill_step_is_answered_before_t
     assert!(cfg.scheduler.yield_lower_prefill, "on by default");
     for lane in cfg.lanes.iter_mut().filter(|l| l.name == "voice") {
         lane.target_ttft_ms = Some(1e6);
-        lane.target_itl_ms = Some(1e6);
+        lane.target_itl_ms = Some(1.0);
     }
     let Some(h) = Harness::start(cfg).await else { return };
     let before = h.stats().await;

@@ -3,8 +3,9 @@
 //! it when a request of a higher lane arrives, takes the step's suspension, and sends
 //! `ExecutorMsg::Resume` when the planner says the step may continue.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::{ExecutorMsg, SchedulerState, StepResult};
 use crate::actors::handle::EngineError;
@@ -20,6 +21,8 @@ pub(super) struct YieldWatch {
     shape: StepShape,
     /// It was suspended at least once (its measured time no longer fits its shape).
     resumed: bool,
+    /// Counts resumes: a time slice's timer raises the signal only for the resume that set it.
+    resumes: Arc<AtomicU64>,
 }
 
 impl SchedulerState {
@@ -35,6 +38,7 @@ impl SchedulerState {
             signal: Arc::clone(&signal),
             shape: StepShape::default(),
             resumed: false,
+            resumes: Arc::default(),
         });
         Some(signal)
     }
@@ -82,6 +86,8 @@ impl SchedulerState {
             tracing::error!("a suspended step has no yield watch");
             return;
         };
+        // While a lane above decodes, the step runs for a slice and then gives way again.
+        let slice = policy.resume_slice();
         if !policy.resume_suspended() {
             return;
         }
@@ -95,7 +101,17 @@ impl SchedulerState {
             return;
         }
         self.in_flight.push_back(w.shape);
-        tracing::debug!(step = step_id, "suspended prefill resumed");
+        let resume = w.resumes.fetch_add(1, Ordering::AcqRel) + 1;
+        if let Some(secs) = slice {
+            let (signal, resumes) = (Arc::clone(&w.signal), Arc::clone(&w.resumes));
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs_f64(secs)).await;
+                if resumes.load(Ordering::Acquire) == resume {
+                    signal.store(true, Ordering::Release);
+                }
+            });
+        }
+        tracing::debug!(step = step_id, slice_secs = slice, "suspended prefill resumed");
     }
 
     /// Step `step_id` completed (or failed): forgets its watch. True when it had been suspended.

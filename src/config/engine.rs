@@ -107,7 +107,8 @@ pub struct SchedulerConfig {
     #[serde(default = "default_overlap_scheduling")]
     pub overlap_scheduling: bool,
     /// With lane pacing: a step that carries only lower-lane prefill stops at a layer boundary
-    /// when a higher lane gets work, and resumes once that lane is idle (`sched::yielding`; CPU
+    /// when a higher lane gets work, and resumes after that lane's prefill, in slices between its
+    /// decodes (`sched::yielding`; CPU
     /// llama-family backends, one rank).
     #[serde(default = "default_yield_lower_prefill")]
     pub yield_lower_prefill: bool,

@@ -634,6 +634,7 @@ impl Planner {
             self.remove_seq(id);
         }
         self.release_cancelled();
+        self.count_step_while_suspended();
         length_finished
     }
 
@@ -652,6 +653,7 @@ impl Planner {
             }
         }
         self.release_cancelled();
+        self.count_step_while_suspended();
         ids
     }
 

@@ -8,9 +8,12 @@
 //! - keeps the suspended step's sequences in flight: no other step carries them, nobody preempts
 //!   them, their blocks stay theirs (their KV is written up to the layer reached);
 //! - plans the next steps without them (the higher lane's turn, anyone else's paced chunks);
-//! - resumes the suspended step (`resume_suspended`) once no lane above its level has work, so
-//!   the higher lane's decodes never wait behind it, or when nothing else can be planned (so a
-//!   higher-lane request that cannot be admitted never deadlocks it);
+//! - resumes the suspended step (`resume_suspended`) once no lane above its level has a request
+//!   waiting or prefilling and at least one step ran since it stopped (or when nothing else can
+//!   be planned, so a higher-lane request that cannot be admitted never deadlocks it). While a lane
+//!   above still decodes, the resumed step gets a time slice (`resume_slice`: that lane's ITL
+//!   target less its decode step) after which the scheduler raises the signal again: the step's
+//!   remaining layers interleave with the higher lane's decodes instead of delaying them;
 //! - defers a cancellation of one of its sequences until the step has completed: its blocks are
 //!   written by the resumed step, so they are released only after it.
 //!
@@ -22,6 +25,7 @@
 //! yieldable one.
 
 use super::{Planned, Planner};
+use crate::sched::cost::StepShape;
 use crate::sched::SeqId;
 
 #[derive(Debug, Default)]
@@ -34,7 +38,12 @@ pub(super) struct YieldState {
     suspended: Option<Vec<Planned>>,
     /// Sequences of that step cancelled meanwhile: released once it completes.
     cancelled: Vec<SeqId>,
+    /// Steps completed since it last stopped: it resumes only after the lanes above had one.
+    steps_since_suspended: u32,
 }
+
+/// The shortest time slice a resumed step gets (it always runs at least one layer anyway).
+const MIN_SLICE_SECS: f64 = 0.005;
 
 impl Planner {
     /// Marks steps that carry only lower-lane prefill yieldable (with lane pacing on, for lanes
@@ -92,6 +101,7 @@ impl Planner {
             return None;
         }
         self.yield_state.suspended = self.in_flight.pop_front();
+        self.yield_state.steps_since_suspended = 0;
         Some(self.yield_state.level)
     }
 
@@ -101,13 +111,44 @@ impl Planner {
     }
 
     /// A step is suspended, nothing else is in flight or being planned, and no lane above its
-    /// level has work (waiting or running).
+    /// level has a request waiting or prefilling; if a lane above still decodes, a step ran since
+    /// the suspension (its decodes were served).
     pub fn may_resume(&self) -> bool {
         let Some(level) = self.suspended_level() else { return false };
+        let above = |p: &i32| *p > level;
+        let decoding_above = self.running.iter().any(|((p, _), _)| above(&p.0));
         self.in_flight.is_empty()
             && self.awaiting.is_none()
-            && !self.waiting.keys().any(|p| p.0 > level)
-            && !self.running.iter().any(|((p, _), _)| p.0 > level)
+            && !self.waits_above(level)
+            && !self.running.iter().any(|((p, _), id)| above(&p.0) && self.seqs.get(id).is_some_and(|s| !s.is_decode()))
+            && (!decoding_above || self.yield_state.steps_since_suspended > 0)
+    }
+
+    /// How long the step about to be resumed may run before it yields again, in seconds: `None`
+    /// when no lane above with targets has work (it runs to its end); otherwise the strictest such
+    /// lane's ITL target less the predicted cost of that lane's next decode step.
+    pub fn resume_slice(&self) -> Option<f64> {
+        let level = self.yield_state.level;
+        let pacing = self.pacing.as_ref()?;
+        let mut decodes = StepShape::default();
+        let mut itl = f64::INFINITY;
+        for ((p, _), id) in self.running.iter().filter(|((p, _), _)| p.0 > level) {
+            if let (Some(t), Some(s)) = (pacing.targets().iter().find(|t| t.priority == p.0), self.seqs.get(id)) {
+                itl = itl.min(t.itl);
+                decodes.add(s.num_computed, 1, true);
+            }
+        }
+        if decodes.is_empty() {
+            return None;
+        }
+        Some((itl - pacing.model().predict(&decodes)).max(MIN_SLICE_SECS))
+    }
+
+    /// Called for every completed step.
+    pub(super) fn count_step_while_suspended(&mut self) {
+        if self.yield_state.suspended.is_some() {
+            self.yield_state.steps_since_suspended += 1;
+        }
     }
 
     /// Puts the suspended step back in flight (the caller tells the executor to continue it).

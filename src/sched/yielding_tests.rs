@@ -114,28 +114,43 @@ fn a_suspended_step_waits_while_voice_runs_then_resumes_with_nothing_lost() {
     assert_eq!(p.planner().suspended_level(), Some(AGENT));
     assert!(!p.planner().may_resume(), "voice waits");
     let held = p.seq(1).unwrap().block_table.to_vec();
-    // Voice runs first, alone with whatever lower work pacing allows; the suspended agent is in
-    // none of these steps and keeps its blocks.
-    let mut voice_steps = 0;
-    while p.seq(9).is_some() {
-        assert!(!p.planner().may_resume(), "voice still has work");
-        let s = step(&mut p);
-        assert!(ids(&s).contains(&9), "every step carries voice while it has work");
+    let voice_step = |p: &mut Policy| {
+        let s = step(p);
+        assert!(ids(&s).contains(&9), "the step carries voice");
         assert!(!ids(&s).contains(&1), "the suspended sequence stays out");
         assert_eq!(s.yield_level, None, "one yieldable step at a time");
         assert!(s.preempted.is_empty());
         assert_eq!(p.seq(1).unwrap().block_table, held.as_slice(), "its blocks stay its own");
-        voice_steps += 1;
-    }
-    assert_eq!(voice_steps, 3, "one prefill and two decodes");
-    // Voice idle: it resumes, and its chunk counts in full when it completes.
+    };
+    // Voice's prefill first.
+    voice_step(&mut p);
+    // Voice now decodes: the agent resumes for a slice of voice's ITL target less its decode step
+    // (50 − 10 − 2 ms), then gives way again; voice's decode runs before it resumes once more.
     assert!(p.planner().may_resume());
+    let slice = p.planner().resume_slice().expect("voice decodes");
+    assert!((slice - 0.038).abs() < 1e-9, "{slice}");
     assert!(p.resume_suspended());
     assert!(!p.resume_suspended(), "resumed once");
     assert_eq!(p.plan_step(), None, "nothing else is planned while it runs");
+    assert_eq!(p.on_step_suspended(), Some(AGENT), "the slice ran out");
+    assert!(!p.planner().may_resume(), "voice's decode goes first");
+    voice_step(&mut p);
+    assert!(p.planner().may_resume());
+    assert!(p.resume_suspended());
+    // It completes: its chunk counts in full.
     done(&mut p, &agents);
     assert_eq!(p.seq(1).unwrap().num_computed, chunk, "no work lost");
     assert!(!p.planner().yields_to(VOICE));
+    step(&mut p);
+    assert!(p.seq(9).is_none(), "voice finished after 3 tokens");
+    // With voice idle, a suspended step resumes to its end (no slice).
+    let s = p.plan_step().unwrap();
+    assert_eq!(s.yield_level, Some(AGENT));
+    assert_eq!(p.on_step_suspended(), Some(AGENT));
+    assert!(p.planner().may_resume());
+    assert_eq!(p.planner().resume_slice(), None);
+    assert!(p.resume_suspended());
+    done(&mut p, &s);
     // Both agents run to the end; every block comes back.
     while !p.is_idle() {
         step(&mut p);
