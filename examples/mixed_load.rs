@@ -95,6 +95,10 @@ struct Args {
     /// Overlapped scheduling in every phase (`true`/`false`; the engine's default is on).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     overlap_scheduling: bool,
+    /// Lower-lane prefill steps yield at a layer boundary to voice (`true`/`false`; the engine's
+    /// default is on; only with lane pacing).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    yield_lower_prefill: bool,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -231,6 +235,7 @@ fn start(args: &Args, pacing: bool) -> Result<Local, String> {
         .resolve(&SchedulerKnobs::default(), None, family, class)?;
     cfg.scheduler.lane_pacing = pacing;
     cfg.scheduler.overlap_scheduling = args.overlap_scheduling;
+    cfg.scheduler.yield_lower_prefill = args.yield_lower_prefill;
     if let Some(ms) = args.voice_target_ttft_ms {
         cfg.lanes.iter_mut().filter(|l| l.name == "voice").for_each(|l| l.target_ttft_ms = Some(ms));
     }

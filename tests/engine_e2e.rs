@@ -13,7 +13,8 @@
 //!   `max_num_seqs` requests is accepted whole (429 only once every slot and the lane's queue are
 //!   taken); `/health` is 503 before the model is loaded (when the load is slow enough to observe);
 //! - lane pacing: a voice request that arrives during a long agent prefill is answered before
-//!   that prefill completes (an ordering of events, not a time);
+//!   that prefill completes (an ordering of events, not a time), also when that prefill is one
+//!   long step already in flight (it yields at a layer boundary and resumes after voice);
 //! - idleness: with nothing in flight the process uses under 1% of one core over 5 s.
 //!
 //! Tests run one at a time (`SERIAL`): they measure time and CPU, and CI has two cores.
@@ -583,6 +584,65 @@ async fn a_voice_request_during_a_long_agent_prefill_is_answered_before_that_pre
     let order = events.lock().expect("log").clone();
     assert_eq!(order, ["voice answered", "agent first token"], "voice must not wait for the agent prefill");
     h.wait_idle().await;
+    h.stop().await;
+}
+
+/// One agent prefill step long enough to be caught in flight (the whole ~1,500-token prompt in
+/// one step: a voice TTFT target so loose that pacing lets the agent take the full budget), and a
+/// voice request that arrives while it runs. The step stops at a layer boundary, voice is
+/// prefilled, and while voice decodes the step resumes in slices of voice's (tiny) ITL target:
+/// the agent's first token (sampled at the end of that very step) comes after the voice reply. Without yielding voice waits for the step, and the order is the other way
+/// round; a step that ended before voice arrived fails the test too (never passes by luck).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_voice_request_during_one_long_agent_prefill_step_is_answered_before_that_step_completes() {
+    let _serial = SERIAL.lock().await;
+    let mut cfg = config();
+    cfg.scheduler.max_num_batched_tokens = 2048;
+    assert!(cfg.scheduler.yield_lower_prefill, "on by default");
+    for lane in cfg.lanes.iter_mut().filter(|l| l.name == "voice") {
+        lane.target_ttft_ms = Some(1e6);
+        lane.target_itl_ms = Some(1.0);
+    }
+    let Some(h) = Harness::start(cfg).await else { return };
+    let before = h.stats().await;
+    let events: Arc<std::sync::Mutex<Vec<&'static str>>> = Arc::default();
+    let mut body = stream_chat(&"The quick brown fox jumps over the lazy dog. ".repeat(150), 1);
+    body["ignore_eos"] = json!(true);
+    let (target, log) = (h.agent.clone(), Arc::clone(&events));
+    let agent = std::thread::spawn(move || {
+        let mut s = target.stream(CHAT, &body).expect("send").expect("200");
+        s.read_tokens(1).expect("agent token");
+        log.lock().expect("log").push("agent first token");
+        s.finish().expect("agent stream")
+    });
+    // The agent's one prefill step is in flight: no step has completed since it was sent.
+    let start = Instant::now();
+    loop {
+        let s = h.stats().await;
+        if s.running == 1 && s.steps_in_flight == 1 {
+            assert_eq!(s.steps, before.steps, "the agent prompt took more than one step");
+            break;
+        }
+        assert!(start.elapsed() < PATIENCE, "the agent prefill never started: {s:?}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let mut voice_body = chat("Quick: what is two plus two?", 4);
+    voice_body["ignore_eos"] = json!(true);
+    let (target, log) = (h.voice.clone(), Arc::clone(&events));
+    let voice = blocking(move || {
+        let r = target.post(CHAT, &voice_body).expect("send");
+        log.lock().expect("log").push("voice answered");
+        r
+    })
+    .await;
+    assert_eq!(voice.status, 200, "{}", voice.text());
+    assert_eq!(voice.json()["usage"]["completion_tokens"], 4, "{}", voice.text());
+    let agent = blocking(move || agent.join().expect("agent thread")).await;
+    assert_eq!(agent.count, 1, "{agent:?}");
+    let order = events.lock().expect("log").clone();
+    assert_eq!(order, ["voice answered", "agent first token"], "voice must not wait for the agent's step in flight");
+    let (_, after) = h.wait_idle().await;
+    assert!(after.prefill_yields > before.prefill_yields, "the agent step yielded: {after:?}");
     h.stop().await;
 }
 

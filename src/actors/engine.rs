@@ -371,6 +371,7 @@ pub async fn start_engine(
             world: makers.len(),
             pacing: lane_pacing(&config, device.kind),
             overlap: config.scheduler.overlap_scheduling,
+            yield_lower_prefill: config.scheduler.yield_lower_prefill,
         },
     )
     .await

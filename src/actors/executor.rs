@@ -4,6 +4,7 @@
 //! collectives, and the others report only success or failure), and reports the result to the
 //! scheduler. No policy lives here.
 
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -14,8 +15,9 @@ use super::handle::PromptImage;
 use super::previous_samples::PreviousSamples;
 use super::scheduler::SchedulerMsg;
 use super::spill::SpillMsg;
+use super::yielding;
 use crate::backend::{
-    Backend, BackendError, DeviceSampleSpec, EmbeddedRows, HiddenTaps, ImageEmbedding, ImageInput, SeqStep,
+    Backend, BackendError, DeviceSampleSpec, EmbeddedRows, HiddenTaps, ImageEmbedding, ImageInput, SeqStep, StepLogits,
 };
 use crate::kv::{EvictedPage, PageHash, SlotSnapshot};
 use crate::sampling::{PenaltyState, SamplingParams};
@@ -68,6 +70,11 @@ pub struct PlanSeq {
 pub struct StepPlan {
     pub step_id: u64,
     pub seqs: Vec<PlanSeq>,
+    /// Present when the step carries only lower-lane prefill and may give way to a higher lane
+    /// (`sched::yielding`): the scheduler raises it, and a backend that can yield stops the step at
+    /// the next layer boundary, reported as `StepResult::suspended_after`; `ExecutorMsg::Resume`
+    /// continues it.
+    pub yield_signal: Option<Arc<AtomicBool>>,
 }
 
 #[derive(Debug)]
@@ -92,6 +99,9 @@ pub struct StepResult {
     /// Sequences left out of the step because one of their images failed to encode, with the
     /// reason: their requests fail (400); the rest of the step ran.
     pub rejected: Vec<(SeqId, String)>,
+    /// The step stopped after this decoder layer to give way (`StepPlan::yield_signal`): nothing
+    /// was sampled, the executor keeps it until `ExecutorMsg::Resume`.
+    pub suspended_after: Option<usize>,
 }
 
 impl StepResult {
@@ -108,12 +118,18 @@ impl StepResult {
             snapshots: Vec::new(),
             hidden: Vec::new(),
             rejected: Vec::new(),
+            suspended_after: None,
         }
     }
 }
 
 pub enum ExecutorMsg {
     Run(StepPlan),
+    /// Continue the suspended step `step_id` (see `StepPlan::yield_signal`) from the layer after
+    /// the one it stopped at; it reports `StepDone` like any step.
+    Resume {
+        step_id: u64,
+    },
     /// Copy evicted pages out of KV memory (KV image + recurrent snapshot, one unit each) and send
     /// them to the spill tier. Queued before any step that may reuse their blocks (the KV pool
     /// sends it before answering the scheduler), and run in order with steps.
@@ -143,6 +159,7 @@ pub enum ExecutorMsg {
 /// Work for the compute thread, in arrival order.
 enum Job {
     Step(StepPlan),
+    Resume(u64),
     Read(Vec<EvictedPage>, ActorRef<SpillMsg>, Option<ractor::RpcReplyPort<bool>>),
     Write(PageHash, Vec<u32>, bytes::Bytes),
     WriteState(u32, Arc<[u8]>),
@@ -335,7 +352,12 @@ fn encode_step_images(
 
 /// Run `plan` on `backend`. Images are encoded first; the sequences whose images fail to encode
 /// are left out of the step and reported in `StepResult::rejected`, the others run.
-fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize, encoders: &mut EncoderCache) -> StepResult {
+pub(super) fn run_plan(
+    backend: &mut dyn Backend,
+    plan: &StepPlan,
+    rank: usize,
+    encoders: &mut EncoderCache,
+) -> StepResult {
     if plan.seqs.iter().all(|s| s.images.is_empty()) {
         return run_encoded(backend, plan, rank, None);
     }
@@ -350,6 +372,7 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize, encoders: &
     let keep: Vec<bool> = plan.seqs.iter().map(|s| !rejected.iter().any(|(id, _)| *id == s.seq)).collect();
     let kept = StepPlan {
         step_id: plan.step_id,
+        yield_signal: None,
         seqs: plan.seqs.iter().zip(&keep).filter(|(_, k)| **k).map(|(s, _)| s.clone()).collect(),
     };
     let embeds: StepEmbeds = embeds.into_iter().zip(&keep).filter(|(_, k)| **k).map(|(e, _)| e).collect();
@@ -365,6 +388,7 @@ fn run_plan(backend: &mut dyn Backend, plan: &StepPlan, rank: usize, encoders: &
             snapshots: Vec::new(),
             hidden: Vec::new(),
             rejected: Vec::new(),
+            suspended_after: None,
         }
     } else {
         run_encoded(backend, &kept, rank, Some(embeds))
@@ -403,6 +427,7 @@ fn run_encoded(backend: &mut dyn Backend, plan: &StepPlan, rank: usize, encoded:
         snapshots: Vec::new(),
         hidden: Vec::new(),
         rejected: Vec::new(),
+        suspended_after: None,
     };
     // Sequences verifying drafts ask the backend to keep per-token recurrent state, and are
     // committed to their accepted length right after sampling (a no-op without recurrent state).
@@ -558,42 +583,54 @@ fn sample_on_host(
         backend.forward(steps)
     };
     match forward {
-        Ok(_) if rank != 0 => {}
-        Ok(logits) => {
-            for (i, s) in plan.seqs.iter().enumerate() {
-                let Some(spec) = &s.sample else { continue };
-                let rows: Vec<&[f32]> = logits.rows(i).collect();
-                if rows.len() != s.num_draft + 1 {
-                    result.error = Some(format!(
-                        "backend returned {} logits rows for sequence {}, expected {}",
-                        rows.len(),
-                        s.seq,
-                        s.num_draft + 1
-                    ));
-                    result.sampled.clear();
-                    break;
-                }
-                let draft = &s.tokens[s.tokens.len() - s.num_draft..];
-                let penalties: Option<&PenaltyState> = spec.penalties.as_deref();
-                let emitted = match &spec.grammar {
-                    None => sample_with_drafts(&rows, draft, &spec.params, penalties, spec.step),
-                    Some(pending) => {
-                        let masked = masked_rows(&rows, pending);
-                        let masked: Vec<&[f32]> = masked.iter().map(Vec::as_slice).collect();
-                        sample_with_drafts(&masked, draft, &spec.params, penalties, spec.step)
-                    }
-                };
-                if s.num_draft > 0 {
-                    if let Err(e) = backend.commit_verified(s.state_slot, emitted.accepted + 1) {
-                        result.error = Some(format!("rolling back sequence {} after verification: {e}", s.seq));
-                        result.sampled.clear();
-                        break;
-                    }
-                }
-                result.sampled.push((s.seq, emitted));
+        Ok(logits) => sample_logits(backend, &logits, plan, rank, result),
+        Err(e) => result.error = Some(e.to_string()),
+    }
+}
+
+/// Rank 0 samples the step's logits rows (and verifies drafts) into `result`; other ranks only ran
+/// the forward pass.
+pub(super) fn sample_logits(
+    backend: &mut dyn Backend,
+    logits: &StepLogits,
+    plan: &StepPlan,
+    rank: usize,
+    result: &mut StepResult,
+) {
+    if rank != 0 {
+        return;
+    }
+    for (i, s) in plan.seqs.iter().enumerate() {
+        let Some(spec) = &s.sample else { continue };
+        let rows: Vec<&[f32]> = logits.rows(i).collect();
+        if rows.len() != s.num_draft + 1 {
+            result.error = Some(format!(
+                "backend returned {} logits rows for sequence {}, expected {}",
+                rows.len(),
+                s.seq,
+                s.num_draft + 1
+            ));
+            result.sampled.clear();
+            break;
+        }
+        let draft = &s.tokens[s.tokens.len() - s.num_draft..];
+        let penalties: Option<&PenaltyState> = spec.penalties.as_deref();
+        let emitted = match &spec.grammar {
+            None => sample_with_drafts(&rows, draft, &spec.params, penalties, spec.step),
+            Some(pending) => {
+                let masked = masked_rows(&rows, pending);
+                let masked: Vec<&[f32]> = masked.iter().map(Vec::as_slice).collect();
+                sample_with_drafts(&masked, draft, &spec.params, penalties, spec.step)
+            }
+        };
+        if s.num_draft > 0 {
+            if let Err(e) = backend.commit_verified(s.state_slot, emitted.accepted + 1) {
+                result.error = Some(format!("rolling back sequence {} after verification: {e}", s.seq));
+                result.sampled.clear();
+                break;
             }
         }
-        Err(e) => result.error = Some(e.to_string()),
+        result.sampled.push((s.seq, emitted));
     }
 }
 
@@ -688,6 +725,8 @@ impl Actor for ExecutorActor {
             };
             let mut encoders = EncoderCache::new(ENCODER_CACHE_IMAGES);
             let mut previous = PreviousSamples::default();
+            // The step that stopped at a layer boundary to give way, until resumed.
+            let mut suspended: Option<StepPlan> = None;
             while let Ok(job) = rx.recv() {
                 match job {
                     Job::Step(mut plan) => {
@@ -695,13 +734,45 @@ impl Actor for ExecutorActor {
                             Err(e) => StepResult::failed(plan.step_id, rank, e),
                             // A panicking backend must still answer, or the scheduler waits forever.
                             Ok(()) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                run_plan(backend.as_mut(), &plan, rank, &mut encoders)
+                                if yielding::yields(backend.as_ref(), &plan, rank) && suspended.is_none() {
+                                    yielding::run(backend.as_mut(), &plan, rank, false)
+                                } else {
+                                    run_plan(backend.as_mut(), &plan, rank, &mut encoders)
+                                }
                             }))
                             .unwrap_or_else(|_| {
                                 let error = format!("the backend of rank {rank} panicked");
                                 backend.abort_collectives(&error);
                                 StepResult::failed(plan.step_id, rank, error)
                             }),
+                        };
+                        previous.record(&result);
+                        if result.suspended_after.is_some() {
+                            suspended = Some(plan);
+                        }
+                        if scheduler.cast(SchedulerMsg::StepDone(result)).is_err() {
+                            break;
+                        }
+                    }
+                    Job::Resume(step_id) => {
+                        let result = match suspended.take() {
+                            Some(plan) if plan.step_id == step_id => {
+                                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                    yielding::run(backend.as_mut(), &plan, rank, true)
+                                }))
+                                .unwrap_or_else(|_| {
+                                    backend.drop_suspended();
+                                    StepResult::failed(step_id, rank, format!("the backend of rank {rank} panicked"))
+                                });
+                                if result.suspended_after.is_some() {
+                                    suspended = Some(plan);
+                                }
+                                result
+                            }
+                            other => {
+                                suspended = other;
+                                StepResult::failed(step_id, rank, format!("step {step_id} is not suspended here"))
+                            }
                         };
                         previous.record(&result);
                         if scheduler.cast(SchedulerMsg::StepDone(result)).is_err() {
@@ -749,6 +820,7 @@ impl Actor for ExecutorActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             ExecutorMsg::Run(plan) => send(state, Job::Step(plan))?,
+            ExecutorMsg::Resume { step_id } => send(state, Job::Resume(step_id))?,
             ExecutorMsg::ReadPages { pages, spill, sync } => send(state, Job::Read(pages, spill, sync))?,
             ExecutorMsg::WritePage { hash, blocks, image } => send(state, Job::Write(hash, blocks, image))?,
             ExecutorMsg::WriteState { slot, image } => send(state, Job::WriteState(slot, image))?,
@@ -805,6 +877,7 @@ mod tests {
         };
         let plan = StepPlan {
             step_id: 1,
+            yield_signal: None,
             seqs: vec![
                 plan_seq(1, vec![10, 11, 12], 0, 0, false),     // a prefill chunk: every row
                 plan_seq(2, vec![20, 21, 22, 23], 40, 3, true), // last token + 3 drafts, 1 accepted

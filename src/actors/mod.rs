@@ -14,6 +14,7 @@ pub mod ranks;
 pub mod request;
 pub mod scheduler;
 pub mod spill;
+mod yielding;
 
 pub use engine::{start_engine, DrainReport, Engine, EngineOptions};
 pub use handle::{

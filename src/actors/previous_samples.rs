@@ -82,8 +82,11 @@ mod tests {
     fn lookahead_rows_take_the_last_token_the_step_before_sampled() {
         let mut prev = PreviousSamples::default();
         prev.record(&result(vec![sampled(1, &[7]), sampled(2, &[3, 4, 9])], None));
-        let mut plan =
-            StepPlan { step_id: 2, seqs: vec![row(1, vec![0], true), row(2, vec![0], true), row(3, vec![42], false)] };
+        let mut plan = StepPlan {
+            step_id: 2,
+            yield_signal: None,
+            seqs: vec![row(1, vec![0], true), row(2, vec![0], true), row(3, vec![42], false)],
+        };
         prev.fill(&mut plan).unwrap();
         let inputs: Vec<Vec<u32>> = plan.seqs.iter().map(|s| s.tokens.clone()).collect();
         assert_eq!(inputs, vec![vec![7], vec![9], vec![42]]);
@@ -93,7 +96,7 @@ mod tests {
     fn a_row_without_a_previous_sample_fails_the_step() {
         let mut prev = PreviousSamples::default();
         prev.record(&result(vec![sampled(1, &[7])], None));
-        let mut plan = StepPlan { step_id: 2, seqs: vec![row(2, vec![0], true)] };
+        let mut plan = StepPlan { step_id: 2, yield_signal: None, seqs: vec![row(2, vec![0], true)] };
         assert!(prev.fill(&mut plan).unwrap_err().contains("sequence 2"));
         // A failed step leaves nothing to continue, and only the last step counts.
         prev.record(&result(vec![sampled(2, &[5])], Some("device lost".into())));

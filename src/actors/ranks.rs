@@ -108,6 +108,7 @@ mod tests {
             error: error.map(String::from),
             hidden: Vec::new(),
             rejected: Vec::new(),
+            suspended_after: None,
         }
     }
 

@@ -95,6 +95,8 @@ pub struct SchedulerStats {
     /// finished sequence's last lookahead step may still run (its result is dropped): the engine
     /// is idle only once this is 0 as well.
     pub steps_in_flight: usize,
+    /// Steps of lower-lane prefill that stopped at a layer boundary to give way (`sched::yielding`).
+    pub prefill_yields: u64,
 }
 
 /// Shared with the engine handle: what admission control reads without a round trip.
@@ -130,6 +132,9 @@ pub struct SchedulerArgs {
     /// Plan each step while the executor runs the one before it when that step can only be
     /// continued (`sched::lookahead`); one rank only.
     pub overlap: bool,
+    /// Steps of lower-lane prefill stop at a layer boundary when a higher lane gets work
+    /// (`sched::yielding`): with lane pacing and one rank only.
+    pub yield_lower_prefill: bool,
 }
 
 struct LiveSeq {
@@ -204,9 +209,14 @@ pub struct SchedulerState {
     targets: Vec<LaneTargetSecs>,
     /// Where structured outputs' token masks are computed while the executor runs a step.
     mask_pool: Arc<rayon::ThreadPool>,
+    /// The yieldable step in flight or suspended, with its yield signal.
+    yield_watch: Option<yield_watch::YieldWatch>,
 }
 
 pub struct SchedulerActor;
+
+#[path = "scheduler_yield.rs"]
+mod yield_watch;
 
 /// Threads that compute grammar masks during forward passes: a mask takes well under a
 /// millisecond for most grammars, so two keep up with a batch of constrained sequences.
@@ -337,9 +347,18 @@ impl SchedulerState {
         else {
             return;
         };
+        if policy.may_resume() {
+            self.resume_suspended();
+            return;
+        }
         let (ops, for_step) = match policy.plan_step() {
             Some(ops) => (ops, true),
             None if policy.has_pending() => (policy.take_pending(), false),
+            // Nothing else can run: a suspended step continues even if a lane above waits.
+            None if policy.suspended_level().is_some() => {
+                self.resume_suspended();
+                return;
+            }
             None => {
                 // Nothing to run: the device goes idle for want of work, not for the host.
                 self.step_done_at = None;
@@ -424,7 +443,7 @@ impl SchedulerState {
             // fresh view.
             return;
         }
-        let Some(exec) = self.executor.as_ref() else { return };
+        let Some(exec) = self.executor.clone() else { return };
         let snapshot_page = self.snapshot_page;
         let seqs = out
             .seqs
@@ -472,7 +491,8 @@ impl SchedulerState {
             })
             .collect();
         self.next_step += 1;
-        let plan = StepPlan { step_id: self.next_step, seqs };
+        let yield_signal = self.arm_yield(self.next_step, out.yield_level);
+        let plan = StepPlan { step_id: self.next_step, seqs, yield_signal };
         let followers_sent = self.followers.iter().all(|f| f.cast(ExecutorMsg::Run(plan.clone())).is_ok());
         if followers_sent && exec.cast(ExecutorMsg::Run(plan)).is_ok() {
             // Queued behind a step still running, it starts with no host time in between.
@@ -502,6 +522,12 @@ impl SchedulerState {
     }
 
     fn on_step_done(&mut self, mut r: StepResult) {
+        if r.suspended_after.is_some() && r.error.is_none() {
+            self.on_step_suspended(&r);
+            return;
+        }
+        // A resumed step's time covers only its second part: it does not refit the cost model.
+        let resumed = self.end_yield_watch(r.step_id);
         let shape = self.in_flight.pop_front().unwrap_or_default();
         if self.in_flight.is_empty() {
             self.step_done_at = Some(Instant::now());
@@ -516,7 +542,7 @@ impl SchedulerState {
             self.fail(*id, EngineError::Invalid(format!("the vision tower could not encode an image: {why}")));
         }
         let Some(policy) = self.policy.as_mut() else { return };
-        if r.error.is_none() && rejected.is_empty() {
+        if r.error.is_none() && rejected.is_empty() && !resumed {
             // A step far over its prediction is what keeps a waiting high lane past its target:
             // name its shape (before the fit learns from it) so such outliers can be traced.
             if let Some(pacing) = policy.pacing() {
@@ -720,6 +746,7 @@ impl Actor for SchedulerActor {
             snapshot_page: 0,
             snapshots_inside_step: true,
             spill_on: false,
+            yield_watch: None,
         })
     }
 
@@ -793,7 +820,10 @@ impl Actor for SchedulerActor {
                 };
                 st.restore_wait = false;
                 match added {
-                    Ok(()) => st.plan_next_step().await,
+                    Ok(()) => {
+                        st.raise_yield(priority);
+                        st.plan_next_step().await
+                    }
                     Err(e) => st.fail(id, EngineError::Invalid(e)),
                 }
             }
@@ -884,6 +914,11 @@ impl Actor for SchedulerActor {
                 let mut pool = KvPool::new(pool_cfg, &st.args.pool_identity).map_err(|e| e.to_string())?;
                 let mut planner = Planner::new(cfg.clone()).map_err(|e| e.to_string())?;
                 planner.set_pacing(st.args.pacing.take());
+                // Yielding needs pacing (its targets say which lanes are above) and a single rank
+                // (all would have to stop at the same layer). Lookahead steps never yield, and none
+                // is planned behind a yieldable step (`sched::yielding`).
+                let yielding = st.args.yield_lower_prefill && planner.pacing().is_some() && st.ranks.world() == 1;
+                planner.set_yielding(yielding);
                 let planner_cost = planner.pacing().map(|p| p.model().cost());
                 st.policy = Some(planner);
                 let executor = st.executor.clone().ok_or("no executor is attached")?;

@@ -9,6 +9,8 @@ pub mod cuda;
 pub mod glm5_steps;
 pub mod tp;
 
+use std::sync::atomic::AtomicBool;
+
 use crate::model::ModelError;
 use crate::sampling::{PenaltyState, Sampled, SamplingParams};
 
@@ -184,6 +186,17 @@ pub fn check_tap_layers(layers: &[usize], num_layers: usize) -> Result<(), Backe
     }
 }
 
+/// How a step run by [`Backend::forward_yielding`] or [`Backend::resume_suspended`] ended.
+#[derive(Clone, Debug)]
+pub enum StepRun {
+    /// It ran to the end.
+    Done(StepLogits),
+    /// It stopped between two decoder layers because the yield signal was raised: the KV of
+    /// layers `0..=after_layer` is written for every row of the step, and the backend keeps the
+    /// rows' residual stream until [`Backend::resume_suspended`] (or [`Backend::drop_suspended`]).
+    Suspended { after_layer: usize },
+}
+
 /// What to sample on the device for one sequence of a step: its last logits row, drawn exactly as
 /// [`crate::sampling::sample`] draws it on the host (same order of operations, same tie rules,
 /// the same `uniform(seed, step)`).
@@ -313,6 +326,28 @@ pub trait Backend: Send {
         }
         self.forward_verify(batch, verify)
     }
+
+    /// Whether [`Backend::forward_yielding`] can stop a step between layers and resume it later
+    /// (the CPU llama backend, unsharded and without hidden-state taps). Others run steps whole.
+    fn can_yield(&self) -> bool {
+        false
+    }
+    /// [`Backend::forward`] for a step that gives way to more urgent work: between two decoder
+    /// layers, if `yield_now` is set, the step stops and the backend keeps its partial state (one
+    /// suspended step at a time; other steps may run meanwhile, on other sequences' blocks).
+    /// Resuming it gives bitwise the logits an uninterrupted run gives. The default runs whole.
+    fn forward_yielding(&mut self, batch: &[SeqStep<'_>], yield_now: &AtomicBool) -> Result<StepRun, BackendError> {
+        let _ = yield_now;
+        self.forward(batch).map(StepRun::Done)
+    }
+    /// Continue the suspended step from the layer after the one it stopped at; `batch` must be
+    /// the batch it was started with. It may suspend again when `yield_now` is set.
+    fn resume_suspended(&mut self, batch: &[SeqStep<'_>], yield_now: &AtomicBool) -> Result<StepRun, BackendError> {
+        let _ = (batch, yield_now);
+        Err(BackendError::InvalidStep("this backend has no suspended step to resume".into()))
+    }
+    /// Forget the suspended step, if any (its sequences were cancelled or failed).
+    fn drop_suspended(&mut self) {}
 
     /// Bytes one block takes in a [`Backend::read_kv_blocks`] image (every layer's K and V).
     fn kv_block_bytes(&self) -> usize;

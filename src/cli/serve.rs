@@ -66,6 +66,11 @@ pub struct ServeArgs {
     /// [default: true; one rank only].
     #[arg(long, env = "SHELFSERVE_OVERLAP_SCHEDULING", value_name = "BOOL")]
     pub overlap_scheduling: Option<bool>,
+    /// With lane pacing: a step of lower-lane prefill stops at a layer boundary when a higher
+    /// lane gets work, and resumes after it (`true`/`false`) [default: true; CPU llama-family
+    /// models, one rank].
+    #[arg(long, env = "SHELFSERVE_YIELD_LOWER_PREFILL", value_name = "BOOL")]
+    pub yield_lower_prefill: Option<bool>,
     /// Speculative decoding for every lane: `none`, `ngram` (model-free suffix match), `mtp`
     /// (a glm5_next checkpoint's own MTP layer; CPU backend), `draft:PATH` or `dflash:DIR` (a
     /// DFlash block drafter reading the target's hidden states);
@@ -240,6 +245,7 @@ impl ServeArgs {
             gpu_memory_utilization: self.gpu_memory_utilization,
             lane_pacing: self.lane_pacing,
             overlap_scheduling: self.overlap_scheduling,
+            yield_lower_prefill: self.yield_lower_prefill,
         }
     }
 

@@ -106,6 +106,12 @@ pub struct SchedulerConfig {
     /// continued (SGLang's overlap scheduler; `sched::lookahead`). One rank only.
     #[serde(default = "default_overlap_scheduling")]
     pub overlap_scheduling: bool,
+    /// With lane pacing: a step that carries only lower-lane prefill stops at a layer boundary
+    /// when a higher lane gets work, and resumes after that lane's prefill, in slices between its
+    /// decodes (`sched::yielding`; CPU
+    /// llama-family backends, one rank).
+    #[serde(default = "default_yield_lower_prefill")]
+    pub yield_lower_prefill: bool,
 }
 
 fn default_gpu_memory_utilization() -> f64 {
@@ -117,6 +123,10 @@ fn default_lane_pacing() -> bool {
 }
 
 fn default_overlap_scheduling() -> bool {
+    true
+}
+
+fn default_yield_lower_prefill() -> bool {
     true
 }
 

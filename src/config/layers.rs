@@ -71,6 +71,7 @@ pub struct SchedulerKnobs {
     pub gpu_memory_utilization: Option<f64>,
     pub lane_pacing: Option<bool>,
     pub overlap_scheduling: Option<bool>,
+    pub yield_lower_prefill: Option<bool>,
 }
 
 /// GPU scheduler defaults: a step wide enough to keep an H200 busy at 256 decoding streams
@@ -114,6 +115,7 @@ pub fn device_defaults(device: DeviceClass) -> SchedulerKnobs {
         // On a GPU the host time between steps idles the device; on the CPU the host is the
         // device, and a step there lasts far longer than the planning it would hide.
         overlap_scheduling: Some(device == DeviceClass::Cuda),
+        yield_lower_prefill: Some(true),
     }
 }
 
@@ -201,6 +203,7 @@ impl EngineFile {
             gpu_memory_utilization: pick!(gpu_memory_utilization).unwrap_or(DEFAULT_GPU_MEMORY_UTILIZATION),
             lane_pacing: pick!(lane_pacing).unwrap_or(true),
             overlap_scheduling: pick!(overlap_scheduling).unwrap_or(true),
+            yield_lower_prefill: pick!(yield_lower_prefill).unwrap_or(true),
         };
         let mut lanes = self.lanes.clone();
         for lane in lanes.iter_mut().filter(|l| l.max_queue == 0) {

@@ -26,7 +26,7 @@ impl Planner {
     /// work like `plan_step`; `finish_step` completes it with the pool's reply. `None` when such a
     /// step must not be planned now: the caller waits for the result and plans normally.
     pub fn plan_lookahead(&mut self, may_continue: impl Fn(SeqId) -> bool) -> Option<Vec<PoolOp>> {
-        if self.in_flight.len() != 1 || self.awaiting.is_some() || self.num_waiting() > 0 {
+        if self.in_flight.len() != 1 || self.awaiting.is_some() || self.num_waiting() > 0 || self.has_yieldable_step() {
             return None;
         }
         let current = &self.in_flight[0];

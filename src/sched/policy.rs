@@ -138,6 +138,12 @@ impl Seq {
     fn is_decode(&self) -> bool {
         self.tokens.len() == self.num_computed + 1
     }
+
+    /// A decode not carried by a step in flight (only a suspended step's sequences are, while
+    /// another step is planned).
+    fn is_plannable_decode(&self) -> bool {
+        self.is_decode() && self.in_flight == 0
+    }
 }
 
 /// A sequence's share of the step being planned (turned into a `PlannedSeq` at the end) and,
@@ -200,6 +206,10 @@ pub struct Planner {
     /// Lane latency targets and the step cost model that shrink lower lanes' prefill chunks
     /// (`sched::pacing`); `None` plans by the token budget alone.
     pacing: Option<Pacing>,
+    /// Mark steps of lower-lane prefill yieldable (`sched::yielding`).
+    yielding: bool,
+    /// The yieldable step in flight or suspended, and cancellations that wait for it.
+    yield_state: yielding::YieldState,
 }
 
 impl std::fmt::Debug for Planner {
@@ -231,6 +241,8 @@ impl Planner {
             step: 0,
             in_flight: VecDeque::new(),
             pacing: None,
+            yielding: false,
+            yield_state: yielding::YieldState::default(),
         })
     }
 
@@ -354,6 +366,10 @@ impl Planner {
     /// flight, its results are ignored when they arrive (the blocks are not handed out again
     /// before `on_step_done`, since planning waits for it). Unknown ids return false.
     pub fn abort(&mut self, id: SeqId) -> bool {
+        // The suspended step still writes its KV when resumed: its blocks go after that.
+        if self.defer_release_if_suspended(id) {
+            return true;
+        }
         self.remove_seq(id)
     }
 
@@ -394,8 +410,12 @@ impl Planner {
         };
 
         // 1. Decodes.
-        let decodes: Vec<SeqId> =
-            self.running.iter().map(|&(_, id)| id).filter(|id| self.seqs.get(id).is_some_and(Seq::is_decode)).collect();
+        let decodes: Vec<SeqId> = self
+            .running
+            .iter()
+            .map(|&(_, id)| id)
+            .filter(|id| self.seqs.get(id).is_some_and(Seq::is_plannable_decode))
+            .collect();
         for id in decodes {
             if b.budget == 0 {
                 break;
@@ -419,7 +439,9 @@ impl Planner {
             let mids: Vec<SeqId> = self
                 .running
                 .iter()
-                .filter(|((p, _), id)| *p == level && self.seqs.get(id).is_some_and(|s| !s.is_decode()))
+                .filter(|((p, _), id)| {
+                    *p == level && self.seqs.get(id).is_some_and(|s| !s.is_decode() && s.in_flight == 0)
+                })
                 .map(|&(_, id)| id)
                 .collect();
             for id in mids {
@@ -551,7 +573,8 @@ impl Planner {
         for s in &out {
             shape.add(s.start_pos, s.tokens.len(), s.is_decode() && s.num_draft == 0);
         }
-        StepPlanOut { seqs: out, preempted: b.preempted, prefix_hits, shape }
+        let yield_level = if b.lookahead || out.is_empty() { None } else { self.mark_yieldable() };
+        StepPlanOut { seqs: out, preempted: b.preempted, prefix_hits, shape, yield_level }
     }
 
     /// Records the results of the step in flight. `sampled` holds, for each sequence that wanted
@@ -574,6 +597,9 @@ impl Planner {
         let samples: IdMap<&[u32]> = sampled.iter().map(|(id, t)| (*id, t.as_slice())).collect();
         let mut length_finished = Vec::new();
         for p in planned {
+            if self.release_deferred(p.id) {
+                continue;
+            }
             let Some(seq) = self.seqs.get_mut(&p.id) else { continue };
             seq.in_flight = seq.in_flight.saturating_sub(1);
             let before = seq.tokens.len();
@@ -607,6 +633,8 @@ impl Planner {
         for &id in finished.iter().chain(&length_finished) {
             self.remove_seq(id);
         }
+        self.release_cancelled();
+        self.count_step_while_suspended();
         length_finished
     }
 
@@ -616,11 +644,16 @@ impl Planner {
         let planned = self.in_flight.pop_front().unwrap_or_default();
         let mut ids = Vec::with_capacity(planned.len());
         for p in planned {
+            if self.release_deferred(p.id) {
+                continue;
+            }
             if let Some(seq) = self.seqs.get_mut(&p.id) {
                 seq.in_flight = seq.in_flight.saturating_sub(1);
                 ids.push(p.id);
             }
         }
+        self.release_cancelled();
+        self.count_step_while_suspended();
         ids
     }
 
@@ -781,7 +814,11 @@ impl Planner {
             match self.running.last() {
                 // A running sequence holds at least one block, so this also guarantees the chunk
                 // below gets at least one token: the preemption is never in vain.
-                Some(&((Reverse(victim_prio), _), victim)) if victim_prio < prio => self.preempt(victim, b),
+                Some(&((Reverse(victim_prio), _), victim))
+                    if victim_prio < prio && self.seqs.get(&victim).is_some_and(|s| s.in_flight == 0) =>
+                {
+                    self.preempt(victim, b)
+                }
                 _ => return false,
             }
         }
@@ -825,15 +862,20 @@ impl Planner {
         if self.avail < need_min {
             // Preempt only if it will actually let this sequence run.
             let first_behind = self.running.partition_point(|(k, _)| *k <= key);
-            let reclaimable: usize =
-                self.running[first_behind..].iter().map(|(_, v)| self.seqs.get(v).map_or(0, |s| s.exclusive)).sum();
+            // A suspended step's sequences are never preempted: their blocks are not reclaimable.
+            let reclaimable: usize = self.running[first_behind..]
+                .iter()
+                .rev()
+                .map_while(|(_, v)| self.seqs.get(v).filter(|s| s.in_flight == 0))
+                .map(|s| s.exclusive)
+                .sum();
             if self.avail + reclaimable < need_min {
                 return 0;
             }
         }
         while self.avail < need_want {
             let Some(&(victim_key, victim)) = self.running.last() else { break };
-            if victim_key <= key {
+            if victim_key <= key || self.seqs.get(&victim).is_some_and(|s| s.in_flight > 0) {
                 break;
             }
             let strictly_lower = victim_key.0 .0 < prio;
@@ -945,3 +987,5 @@ impl Planner {
 
 #[path = "lookahead.rs"]
 mod lookahead;
+#[path = "yielding.rs"]
+mod yielding;

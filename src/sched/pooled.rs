@@ -100,7 +100,24 @@ impl Policy {
     }
 
     pub fn on_step_failed(&mut self) -> Vec<SeqId> {
-        self.planner.on_step_failed()
+        let failed = self.planner.on_step_failed();
+        self.flush();
+        failed
+    }
+
+    /// See `Planner::set_yielding` (`sched::yielding`).
+    pub fn set_yielding(&mut self, on: bool) {
+        self.planner.set_yielding(on);
+    }
+
+    /// See `Planner::on_step_suspended`.
+    pub fn on_step_suspended(&mut self) -> Option<i32> {
+        self.planner.on_step_suspended()
+    }
+
+    /// See `Planner::resume_suspended`.
+    pub fn resume_suspended(&mut self) -> bool {
+        self.planner.resume_suspended()
     }
 
     pub fn num_waiting(&self) -> usize {
@@ -167,3 +184,7 @@ mod tests;
 #[cfg(test)]
 #[path = "pacing_tests.rs"]
 mod pacing_tests;
+
+#[cfg(test)]
+#[path = "yielding_tests.rs"]
+mod yielding_tests;

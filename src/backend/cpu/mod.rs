@@ -7,8 +7,11 @@ mod attention;
 pub mod glm5_next;
 pub mod linear;
 mod tp;
+#[cfg(test)]
+mod yield_tests;
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use rayon::prelude::*;
@@ -19,7 +22,7 @@ use self::linear::{load_vector, CpuLinear, LinearScratch};
 pub use self::tp::{TpCpuBackend, COLLECTIVE_TIMEOUT};
 use super::{
     check_tap_layers, check_token_ids, validate_batch, validate_kv_image, Backend, BackendError, HiddenTaps,
-    KvGeometry, SeqStep, StepLogits, TapRecorder,
+    KvGeometry, SeqStep, StepLogits, StepRun, TapRecorder,
 };
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::model::llama::{LinearSpec, LlamaSpec};
@@ -131,6 +134,8 @@ pub struct CpuBackend {
     /// Layers whose hidden states each step records (`Backend::set_hidden_taps`).
     tap_layers: Vec<usize>,
     last_taps: Option<HiddenTaps>,
+    /// The step `forward_yielding` stopped between layers, until resumed or dropped.
+    suspended: Option<SuspendedStep>,
 }
 
 /// RMSNorm of each `dim`-sized row of `x` in place: `x · w / sqrt(mean(x²) + eps)`, with GGML's
@@ -391,6 +396,7 @@ impl CpuBackend {
             scratch: LinearScratch::default(),
             tap_layers: Vec::new(),
             last_taps: None,
+            suspended: None,
         })
     }
 
@@ -408,7 +414,15 @@ impl CpuBackend {
         self.pool.current_num_threads()
     }
 
-    fn forward_inner(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {
+    /// Runs `batch` from its embeddings, or from a suspended step's residual stream (`resume`),
+    /// through the layers and the head; between two layers it stops when `yield_now` is set and
+    /// keeps the residual stream in `self.suspended`.
+    fn forward_inner(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        resume: Option<SuspendedStep>,
+        yield_now: Option<&AtomicBool>,
+    ) -> Result<StepRun, BackendError> {
         let c = &self.cfg;
         let (h, hd, nh, nkv) = (c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads);
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
@@ -420,17 +434,10 @@ impl CpuBackend {
         let ids: Vec<u32> = batch.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let t = ids.len();
 
-        // Vocabulary-parallel embedding: a rank fills the rows it holds, the rest stay zero, and
-        // the all-reduce assembles every row (exactly: one rank contributes each value).
-        let vocab_start = self.tp.as_ref().map_or(0, |tp| tp.vocab.start);
-        let mut x = vec![0f32; t * h];
-        for (row, &id) in x.chunks_exact_mut(h).zip(&ids) {
-            let local = (id as usize).wrapping_sub(vocab_start);
-            if local < self.embed.rows {
-                self.embed.row_f32(local, row);
-            }
-        }
-        self.all_reduce(&mut x)?;
+        let (mut x, first_layer) = match resume {
+            Some(r) => (r.x, r.next_layer),
+            None => (self.embed_rows(&ids)?, 0),
+        };
         // cos/sin per token, shared by all heads and layers.
         let half = hd / 2;
         let mut cos = vec![0f32; t * half];
@@ -442,7 +449,8 @@ impl CpuBackend {
         let shape = AttnShape { n_heads: nh, n_kv_heads: nkv, head_dim: hd, sliding_window: c.sliding_window };
         let qkv_w = qd + 2 * kvd;
         let mut taps = TapRecorder::new(&self.tap_layers, h, batch);
-        for (li, layer) in self.layers.iter().enumerate() {
+        let last_layer = self.layers.len().saturating_sub(1);
+        for (li, layer) in self.layers.iter().enumerate().skip(first_layer) {
             let mut xn = x.clone();
             rms_norm_rows(&mut xn, &layer.input_norm, c.rms_norm_eps);
             let mut qkv = layer.qkv.forward(&xn, t, &mut self.scratch, simd)?;
@@ -497,6 +505,11 @@ impl CpuBackend {
             if let Some(taps) = taps.as_mut() {
                 taps.offer(li, |r, out| out.copy_from_slice(&x[r * h..(r + 1) * h]));
             }
+            if li < last_layer && yield_now.is_some_and(|y| y.load(Ordering::Acquire)) {
+                let rows = batch.iter().map(|s| (s.start_pos, s.tokens.len())).collect();
+                self.suspended = Some(SuspendedStep { x, next_layer: li + 1, rows });
+                return Ok(StepRun::Suspended { after_layer: li });
+            }
         }
         self.last_taps = taps.map(TapRecorder::finish);
 
@@ -524,7 +537,42 @@ impl CpuBackend {
             None => local,
             Some(tp) => gather_vocab(tp, &local, m, c.vocab_size)?,
         };
-        Ok(StepLogits { vocab: c.vocab_size, data, offsets })
+        Ok(StepRun::Done(StepLogits { vocab: c.vocab_size, data, offsets }))
+    }
+
+    /// Vocabulary-parallel embedding: a rank fills the rows it holds, the rest stay zero, and
+    /// the all-reduce assembles every row (exactly: one rank contributes each value).
+    fn embed_rows(&self, ids: &[u32]) -> Result<Vec<f32>, BackendError> {
+        let h = self.cfg.hidden_size;
+        let vocab_start = self.tp.as_ref().map_or(0, |tp| tp.vocab.start);
+        let mut x = vec![0f32; ids.len() * h];
+        for (row, &id) in x.chunks_exact_mut(h).zip(ids) {
+            let local = (id as usize).wrapping_sub(vocab_start);
+            if local < self.embed.rows {
+                self.embed.row_f32(local, row);
+            }
+        }
+        self.all_reduce(&mut x)?;
+        Ok(x)
+    }
+
+    /// Checks, runs and (under tensor parallelism) fails the group together: every forward entry.
+    fn run_checked(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        resume: Option<SuspendedStep>,
+        yield_now: Option<&AtomicBool>,
+    ) -> Result<StepRun, BackendError> {
+        self.last_taps = None;
+        validate_batch(batch, self.kv.geom)?;
+        check_token_ids(batch, self.cfg.vocab_size)?;
+        let pool = std::sync::Arc::clone(&self.pool);
+        let out = pool.install(|| self.forward_inner(batch, resume, yield_now));
+        // A rank that fails mid-step releases the others from the collective they wait in.
+        if let (Err(e), Some(tp)) = (&out, &self.tp) {
+            tp.comm.abort(&e.to_string());
+        }
+        out
     }
 
     fn all_reduce(&self, buf: &mut [f32]) -> Result<(), BackendError> {
@@ -622,17 +670,57 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {
-        self.last_taps = None;
-        validate_batch(batch, self.kv.geom)?;
-        check_token_ids(batch, self.cfg.vocab_size)?;
-        let pool = std::sync::Arc::clone(&self.pool);
-        let out = pool.install(|| self.forward_inner(batch));
-        // A rank that fails mid-step releases the others from the collective they wait in.
-        if let (Err(e), Some(tp)) = (&out, &self.tp) {
-            tp.comm.abort(&e.to_string());
+        match self.run_checked(batch, None, None)? {
+            StepRun::Done(logits) => Ok(logits),
+            StepRun::Suspended { .. } => {
+                Err(BackendError::InvalidStep("a step without a yield signal suspended".into()))
+            }
         }
-        out
     }
+
+    /// Only unsharded (every rank would have to stop at the same layer) and without hidden-state
+    /// taps (a drafter reads every layer's rows of one step).
+    fn can_yield(&self) -> bool {
+        self.tp.is_none() && self.tap_layers.is_empty()
+    }
+
+    fn forward_yielding(&mut self, batch: &[SeqStep<'_>], yield_now: &AtomicBool) -> Result<StepRun, BackendError> {
+        if !self.can_yield() {
+            return self.forward(batch).map(StepRun::Done);
+        }
+        if self.suspended.is_some() {
+            return Err(BackendError::InvalidStep("a step is suspended already; resume or drop it first".into()));
+        }
+        self.run_checked(batch, None, Some(yield_now))
+    }
+
+    fn resume_suspended(&mut self, batch: &[SeqStep<'_>], yield_now: &AtomicBool) -> Result<StepRun, BackendError> {
+        let Some(s) = self.suspended.take() else {
+            return Err(BackendError::InvalidStep("no suspended step to resume".into()));
+        };
+        let rows: Vec<(usize, usize)> = batch.iter().map(|s| (s.start_pos, s.tokens.len())).collect();
+        if rows != s.rows {
+            return Err(BackendError::InvalidStep(format!(
+                "resuming a suspended step of rows {:?} with a batch of rows {rows:?}",
+                s.rows
+            )));
+        }
+        self.run_checked(batch, Some(s), Some(yield_now))
+    }
+
+    fn drop_suspended(&mut self) {
+        self.suspended = None;
+    }
+}
+
+/// A step stopped between layers (`Backend::forward_yielding`): what resuming it needs besides
+/// its batch, which the caller keeps.
+struct SuspendedStep {
+    /// The residual stream of every row after the last layer run.
+    x: Vec<f32>,
+    next_layer: usize,
+    /// `(start_pos, tokens)` per sequence: the batch a resume must bring back.
+    rows: Vec<(usize, usize)>,
 }
 
 #[cfg(test)]

@@ -1,0 +1,243 @@
+//! Lower-lane prefill that yields at a layer boundary (`sched::yielding`), as plain data: which
+//! steps are yieldable, which arrivals make them yield, that a suspended step's sequences stay out
+//! of other steps and are never preempted, the resume order, and cancellation of a suspended
+//! sequence, with the pool's accounting checked after every move.
+
+use super::*;
+use crate::sched::{LaneTarget, Pacing, PolicyConfig, SeqId, StepCost, StepCostModel, StepPlanOut};
+
+const VOICE: i32 = 10;
+const AGENT: i32 = 0;
+const COST: StepCost =
+    StepCost { fixed: 0.010, per_prefill_token: 0.001, per_decode_seq: 0.002, per_million_attended: 0.0 };
+
+fn cfg(num_blocks: usize) -> PolicyConfig {
+    PolicyConfig {
+        max_num_batched_tokens: 512,
+        max_num_seqs: 8,
+        block_size: 16,
+        num_blocks,
+        page_tokens: 0,
+        recurrent_state: false,
+        page_aligned_chunks: false,
+    }
+}
+
+fn policy_with(cfg: PolicyConfig, paced: bool, yielding: bool) -> Policy {
+    let mut p = Policy::new(cfg).expect("valid config");
+    if paced {
+        let voice = LaneTarget { priority: VOICE, ttft: 0.200, itl: 0.050 };
+        p.set_pacing(Some(Pacing::new(vec![voice], StepCostModel::new(COST, 0.9), 16)));
+    }
+    p.set_yielding(yielding);
+    p
+}
+
+fn policy() -> Policy {
+    policy_with(cfg(1024), true, true)
+}
+
+fn add(p: &mut Policy, id: SeqId, priority: i32, prompt_len: usize, max_tokens: usize) {
+    let prompt = (0..prompt_len).map(|i| (id as u32) * 1000 + i as u32 % 500).collect();
+    p.add(NewSeq { id, priority, prompt, max_tokens }).expect("add");
+}
+
+/// Completes the step in flight (every chunk that wants logits samples token 7).
+fn done(p: &mut Policy, plan: &StepPlanOut) {
+    let sampled: Vec<(SeqId, Vec<u32>)> =
+        plan.seqs.iter().filter(|s| s.wants_logits).map(|s| (s.id, vec![7])).collect();
+    p.on_step_done(&sampled, &[]);
+    p.assert_accounting();
+}
+
+fn step(p: &mut Policy) -> StepPlanOut {
+    let plan = p.plan_step().expect("something to plan");
+    done(p, &plan);
+    plan
+}
+
+fn ids(plan: &StepPlanOut) -> Vec<SeqId> {
+    plan.seqs.iter().map(|s| s.id).collect()
+}
+
+#[test]
+fn only_steps_of_lower_lane_prefill_below_a_lane_with_targets_are_yieldable() {
+    // Off, or without pacing (no lane has targets): never.
+    for (paced, yielding) in [(true, false), (false, true)] {
+        let mut p = policy_with(cfg(1024), paced, yielding);
+        add(&mut p, 1, AGENT, 2000, 4);
+        assert_eq!(p.plan_step().unwrap().yield_level, None, "paced {paced}, yielding {yielding}");
+    }
+    // A hybrid model's steps never yield (its recurrent state is not checked layer by layer).
+    let mut p = policy_with(PolicyConfig { recurrent_state: true, ..cfg(1024) }, true, true);
+    add(&mut p, 1, AGENT, 2000, 4);
+    assert_eq!(p.plan_step().unwrap().yield_level, None);
+
+    let mut p = policy();
+    add(&mut p, 1, AGENT, 300, 2);
+    let s = p.plan_step().unwrap();
+    assert_eq!(s.yield_level, Some(AGENT), "agent prefill alone");
+    assert!(p.planner().yields_to(VOICE) && !p.planner().yields_to(AGENT), "only a higher lane interrupts it");
+    done(&mut p, &s);
+    assert!(!p.planner().yields_to(VOICE), "nothing is yieldable once it completed");
+    // The agent's last chunk ends its prompt (it samples there): still prefill, still yieldable.
+    let s = p.plan_step().unwrap();
+    assert_eq!((s.seqs[0].wants_logits, s.yield_level), (true, Some(AGENT)));
+    done(&mut p, &s);
+    // A decode is never interrupted (it is one token; voice does not wait long behind it).
+    let s = p.plan_step().unwrap();
+    assert!(s.seqs[0].is_decode());
+    assert_eq!(s.yield_level, None);
+    done(&mut p, &s);
+    // A step that carries voice runs whole.
+    add(&mut p, 2, AGENT, 2000, 4);
+    add(&mut p, 3, VOICE, 40, 4);
+    let s = p.plan_step().unwrap();
+    assert!(ids(&s).contains(&3));
+    assert_eq!(s.yield_level, None);
+    assert!(!p.planner().yields_to(VOICE + 1));
+}
+
+#[test]
+fn a_suspended_step_waits_while_voice_runs_then_resumes_with_nothing_lost() {
+    let mut p = policy();
+    add(&mut p, 1, AGENT, 2000, 4);
+    add(&mut p, 2, AGENT, 1000, 4);
+    let agents = p.plan_step().unwrap();
+    assert_eq!(agents.yield_level, Some(AGENT));
+    assert_eq!(ids(&agents), vec![1], "pacing gives the first agent the step");
+    let chunk = agents.seqs[0].tokens.len();
+    // Voice arrives mid-step: the step stops at a layer boundary.
+    add(&mut p, 9, VOICE, 60, 3);
+    assert!(p.planner().yields_to(VOICE));
+    assert_eq!(p.on_step_suspended(), Some(AGENT));
+    assert_eq!(p.planner().suspended_level(), Some(AGENT));
+    assert!(!p.planner().may_resume(), "voice waits");
+    let held = p.seq(1).unwrap().block_table.to_vec();
+    let voice_step = |p: &mut Policy| {
+        let s = step(p);
+        assert!(ids(&s).contains(&9), "the step carries voice");
+        assert!(!ids(&s).contains(&1), "the suspended sequence stays out");
+        assert_eq!(s.yield_level, None, "one yieldable step at a time");
+        assert!(s.preempted.is_empty());
+        assert_eq!(p.seq(1).unwrap().block_table, held.as_slice(), "its blocks stay its own");
+    };
+    // Voice's prefill first.
+    voice_step(&mut p);
+    // Voice now decodes: the agent resumes for a slice of voice's ITL target less its decode step
+    // (50 − 10 − 2 ms), then gives way again; voice's decode runs before it resumes once more.
+    assert!(p.planner().may_resume());
+    let slice = p.planner().resume_slice().expect("voice decodes");
+    assert!((slice - 0.038).abs() < 1e-9, "{slice}");
+    assert!(p.resume_suspended());
+    assert!(!p.resume_suspended(), "resumed once");
+    assert_eq!(p.plan_step(), None, "nothing else is planned while it runs");
+    assert_eq!(p.on_step_suspended(), Some(AGENT), "the slice ran out");
+    assert!(!p.planner().may_resume(), "voice's decode goes first");
+    voice_step(&mut p);
+    assert!(p.planner().may_resume());
+    assert!(p.resume_suspended());
+    // It completes: its chunk counts in full.
+    done(&mut p, &agents);
+    assert_eq!(p.seq(1).unwrap().num_computed, chunk, "no work lost");
+    assert!(!p.planner().yields_to(VOICE));
+    step(&mut p);
+    assert!(p.seq(9).is_none(), "voice finished after 3 tokens");
+    // With voice idle, a suspended step resumes to its end (no slice).
+    let s = p.plan_step().unwrap();
+    assert_eq!(s.yield_level, Some(AGENT));
+    assert_eq!(p.on_step_suspended(), Some(AGENT));
+    assert!(p.planner().may_resume());
+    assert_eq!(p.planner().resume_slice(), None);
+    assert!(p.resume_suspended());
+    done(&mut p, &s);
+    // Both agents run to the end; every block comes back.
+    while !p.is_idle() {
+        step(&mut p);
+    }
+    assert_eq!(p.blocks_used(), 0);
+}
+
+#[test]
+fn when_nothing_else_can_run_the_suspended_step_may_resume_and_is_never_preempted() {
+    // 32 blocks of 16: the agent's 500-token prompt takes them all.
+    let mut p = policy_with(PolicyConfig { max_num_seqs: 2, ..cfg(32) }, false, true);
+    // A TTFT target so loose that pacing lets the agent take the whole budget.
+    let voice = LaneTarget { priority: VOICE, ttft: 100.0, itl: 100.0 };
+    p.set_pacing(Some(Pacing::new(vec![voice], StepCostModel::new(COST, 0.9), 16)));
+    add(&mut p, 1, AGENT, 500, 2);
+    let agents = p.plan_step().unwrap();
+    assert_eq!((ids(&agents), agents.seqs[0].tokens.len(), agents.yield_level), (vec![1], 500, Some(AGENT)));
+    add(&mut p, 9, VOICE, 100, 2);
+    assert_eq!(p.on_step_suspended(), Some(AGENT));
+    assert!(!p.planner().may_resume(), "voice waits");
+    // Voice cannot be admitted without preempting the suspended agent, which is not allowed:
+    // nothing is planned, so the caller resumes the suspended step (it never deadlocks).
+    assert_eq!(p.plan_step(), None);
+    assert_eq!(p.seq(1).unwrap().num_computed, 0);
+    assert_eq!(p.seq(1).unwrap().block_table.len(), 32, "not preempted");
+    p.assert_accounting();
+    assert!(p.resume_suspended());
+    done(&mut p, &agents);
+    // Now the agent is between chunks: voice preempts it as usual.
+    let s = step(&mut p);
+    assert!(ids(&s).contains(&9));
+    while !p.is_idle() {
+        step(&mut p);
+    }
+    assert_eq!(p.blocks_used(), 0);
+}
+
+#[test]
+fn cancelling_a_suspended_sequence_releases_its_blocks_once_the_step_completes() {
+    for fails in [false, true] {
+        let mut p = policy();
+        add(&mut p, 1, AGENT, 2000, 4);
+        let agents = p.plan_step().unwrap();
+        add(&mut p, 9, VOICE, 60, 1);
+        assert_eq!(p.on_step_suspended(), Some(AGENT));
+        assert!(p.abort(1), "known");
+        assert!(p.abort(1), "still known until its step completes");
+        // Its blocks stay referenced: the resumed step still writes them.
+        assert!(!p.seq(1).unwrap().block_table.is_empty());
+        let s = step(&mut p);
+        assert_eq!(ids(&s), vec![9], "the cancelled agent is not planned");
+        assert!(p.seq(1).is_some());
+        assert!(p.planner().may_resume());
+        assert!(p.resume_suspended());
+        if fails {
+            assert_eq!(p.on_step_failed(), Vec::<SeqId>::new(), "a cancelled sequence is not retried");
+        } else {
+            done(&mut p, &agents);
+        }
+        assert!(p.seq(1).is_none(), "released once the step completed");
+        p.assert_accounting();
+        assert!(p.is_idle());
+        assert_eq!(p.blocks_used(), 0, "no block leaks");
+    }
+}
+
+#[test]
+fn a_sequence_cancelled_while_its_yieldable_step_runs_is_released_after_it() {
+    let mut p = policy();
+    add(&mut p, 1, AGENT, 2000, 4);
+    let agents = p.plan_step().unwrap();
+    // Cancelled before the step had a chance to yield: it may still suspend and resume later.
+    assert!(p.abort(1));
+    assert!(p.seq(1).is_some());
+    done(&mut p, &agents);
+    assert!(p.seq(1).is_none());
+    assert_eq!(p.blocks_used(), 0);
+}
+
+#[test]
+fn a_higher_request_waiting_when_the_step_is_dispatched_is_seen() {
+    let mut p = policy();
+    add(&mut p, 1, AGENT, 2000, 4);
+    let s = p.plan_step().unwrap();
+    assert_eq!(s.yield_level, Some(AGENT));
+    assert!(!p.planner().waits_above(AGENT));
+    add(&mut p, 9, VOICE, 60, 1);
+    assert!(p.planner().waits_above(AGENT) && !p.planner().waits_above(VOICE));
+    done(&mut p, &s);
+}
