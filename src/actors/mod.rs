@@ -5,6 +5,7 @@
 //! holds no policy (that is `sched`) and no compute (that is `backend`).
 
 pub mod drafter;
+mod encoders;
 pub mod engine;
 pub mod executor;
 pub mod handle;
