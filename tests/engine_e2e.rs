@@ -534,6 +534,38 @@ async fn a_burst_of_max_num_seqs_requests_is_accepted_whole() {
     h.stop().await;
 }
 
+/// The order in which the voice and agent tests saw their answers.
+type Order = Arc<std::sync::Mutex<Vec<&'static str>>>;
+
+/// An agent request with a ~1,500-token prompt and one output token, streamed on its own thread;
+/// logs "agent first token" when that token arrives.
+fn long_agent_prefill(h: &Harness, events: &Order) -> std::thread::JoinHandle<Streamed> {
+    let mut body = stream_chat(&"The quick brown fox jumps over the lazy dog. ".repeat(150), 1);
+    body["ignore_eos"] = json!(true);
+    let (target, log) = (h.agent.clone(), Arc::clone(events));
+    std::thread::spawn(move || {
+        let mut s = target.stream(CHAT, &body).expect("send").expect("200");
+        s.read_tokens(1).expect("agent token");
+        log.lock().expect("log").push("agent first token");
+        s.finish().expect("agent stream")
+    })
+}
+
+/// A short voice turn of exactly `tokens` tokens; logs "voice answered" when its reply is in.
+async fn voice_turn(h: &Harness, events: &Order, tokens: usize) {
+    let mut body = chat("Quick: what is two plus two?", tokens);
+    body["ignore_eos"] = json!(true);
+    let (target, log) = (h.voice.clone(), Arc::clone(events));
+    let voice = blocking(move || {
+        let r = target.post(CHAT, &body).expect("send");
+        log.lock().expect("log").push("voice answered");
+        r
+    })
+    .await;
+    assert_eq!(voice.status, 200, "{}", voice.text());
+    assert_eq!(voice.json()["usage"]["completion_tokens"], tokens, "{}", voice.text());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_voice_request_during_a_long_agent_prefill_is_answered_before_that_prefill_completes() {
     let _serial = SERIAL.lock().await;
@@ -546,17 +578,9 @@ async fn a_voice_request_during_a_long_agent_prefill_is_answered_before_that_pre
         lane.target_itl_ms = Some(1.0);
     }
     let Some(h) = Harness::start(cfg).await else { return };
-    let events: Arc<std::sync::Mutex<Vec<&'static str>>> = Arc::default();
+    let events: Order = Arc::default();
     // About 1,500 prompt tokens: six page-sized chunks without pacing.
-    let mut body = stream_chat(&"The quick brown fox jumps over the lazy dog. ".repeat(150), 1);
-    body["ignore_eos"] = json!(true);
-    let (target, log) = (h.agent.clone(), Arc::clone(&events));
-    let agent = std::thread::spawn(move || {
-        let mut s = target.stream(CHAT, &body).expect("send").expect("200");
-        s.read_tokens(1).expect("agent token");
-        log.lock().expect("log").push("agent first token");
-        s.finish().expect("agent stream")
-    });
+    let agent = long_agent_prefill(&h, &events);
     // The agent prefill is under way: steps ran, the agent holds its sequence, no token yet.
     let start = Instant::now();
     loop {
@@ -568,17 +592,7 @@ async fn a_voice_request_during_a_long_agent_prefill_is_answered_before_that_pre
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     assert!(events.lock().expect("log").is_empty(), "the agent prompt was prefilled before voice could arrive");
-    let mut voice_body = chat("Quick: what is two plus two?", 8);
-    voice_body["ignore_eos"] = json!(true);
-    let (target, log) = (h.voice.clone(), Arc::clone(&events));
-    let voice = blocking(move || {
-        let r = target.post(CHAT, &voice_body).expect("send");
-        log.lock().expect("log").push("voice answered");
-        r
-    })
-    .await;
-    assert_eq!(voice.status, 200, "{}", voice.text());
-    assert_eq!(voice.json()["usage"]["completion_tokens"], 8, "{}", voice.text());
+    voice_turn(&h, &events, 8).await;
     let agent = blocking(move || agent.join().expect("agent thread")).await;
     assert_eq!(agent.count, 1, "{agent:?}");
     let order = events.lock().expect("log").clone();
@@ -605,16 +619,8 @@ async fn a_voice_request_during_one_long_agent_prefill_step_is_answered_before_t
     }
     let Some(h) = Harness::start(cfg).await else { return };
     let before = h.stats().await;
-    let events: Arc<std::sync::Mutex<Vec<&'static str>>> = Arc::default();
-    let mut body = stream_chat(&"The quick brown fox jumps over the lazy dog. ".repeat(150), 1);
-    body["ignore_eos"] = json!(true);
-    let (target, log) = (h.agent.clone(), Arc::clone(&events));
-    let agent = std::thread::spawn(move || {
-        let mut s = target.stream(CHAT, &body).expect("send").expect("200");
-        s.read_tokens(1).expect("agent token");
-        log.lock().expect("log").push("agent first token");
-        s.finish().expect("agent stream")
-    });
+    let events: Order = Arc::default();
+    let agent = long_agent_prefill(&h, &events);
     // The agent's one prefill step is in flight: no step has completed since it was sent.
     let start = Instant::now();
     loop {
@@ -626,17 +632,7 @@ async fn a_voice_request_during_one_long_agent_prefill_step_is_answered_before_t
         assert!(start.elapsed() < PATIENCE, "the agent prefill never started: {s:?}");
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    let mut voice_body = chat("Quick: what is two plus two?", 4);
-    voice_body["ignore_eos"] = json!(true);
-    let (target, log) = (h.voice.clone(), Arc::clone(&events));
-    let voice = blocking(move || {
-        let r = target.post(CHAT, &voice_body).expect("send");
-        log.lock().expect("log").push("voice answered");
-        r
-    })
-    .await;
-    assert_eq!(voice.status, 200, "{}", voice.text());
-    assert_eq!(voice.json()["usage"]["completion_tokens"], 4, "{}", voice.text());
+    voice_turn(&h, &events, 4).await;
     let agent = blocking(move || agent.join().expect("agent thread")).await;
     assert_eq!(agent.count, 1, "{agent:?}");
     let order = events.lock().expect("log").clone();
