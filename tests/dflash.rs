@@ -5,6 +5,9 @@
 
 mod common;
 
+use common::argmax;
+use common::dflash::{golden, path, target};
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,46 +16,9 @@ use shelfserve::backend::{Backend, KvGeometry, SeqStep};
 use shelfserve::config::engine::EngineConfig;
 use shelfserve::generate::{any_cpu_backend, single_sequence_geometry, DeviceSelection, GenerateOptions, Runner};
 use shelfserve::model::default_model::CacheDir;
-use shelfserve::model::ModelBundle;
 use shelfserve::sampling::SamplingParams;
 use shelfserve::spec::dflash::DFlashDrafter;
 use shelfserve::spec::{DraftSource, HiddenChunk, SpeculativeMethod};
-
-fn path(rel: &str) -> String {
-    common::fixture(rel).to_str().unwrap().to_string()
-}
-
-fn target() -> ModelBundle {
-    shelfserve::model::open(&path("hf/llama3-tiny"), &CacheDir::from_env()).expect("open the target")
-}
-
-struct Case {
-    context: Vec<u32>,
-    dflash: Vec<u32>,
-    dflash2: Vec<u32>,
-    logits: Option<Vec<Vec<f32>>>,
-}
-
-fn golden() -> Vec<Case> {
-    let text = std::fs::read_to_string(common::fixture("dflash/golden.json")).expect("golden.json");
-    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> { serde_json::from_value(v.clone()).unwrap() };
-    json["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| Case {
-            context: ids(&c["context"]),
-            dflash: ids(&c["proposals"]["dflash"]),
-            dflash2: ids(&c["proposals"]["dflash2"]),
-            logits: c.get("dflash_logits").map(|v| serde_json::from_value(v.clone()).unwrap()),
-        })
-        .collect()
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    row.iter().enumerate().fold(0, |b, (i, &v)| if v > row[b] { i } else { b }) as u32
-}
 
 /// Runs the target over `tokens` at `start` and returns the taps as one chunk, plus the last row's
 /// argmax.

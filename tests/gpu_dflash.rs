@@ -12,6 +12,9 @@
 
 mod common;
 
+use common::argmax;
+use common::dflash::{golden, path, target};
+
 use std::time::Duration;
 
 use shelfserve::actors::{start_engine, Engine, EngineOptions};
@@ -19,18 +22,9 @@ use shelfserve::backend::cuda::{CudaBackend, CudaOptions, Precision};
 use shelfserve::backend::{Backend, KvGeometry, SeqStep};
 use shelfserve::config::engine::EngineConfig;
 use shelfserve::generate::{any_cpu_backend, single_sequence_geometry, DeviceKind, DeviceSelection, Runner};
-use shelfserve::model::default_model::CacheDir;
 use shelfserve::model::ModelBundle;
 use shelfserve::spec::dflash::{DFlashCudaOptions, DFlashDrafter};
 use shelfserve::spec::{DraftSource, HiddenChunk, SpeculativeMethod};
-
-fn path(rel: &str) -> String {
-    common::fixture(rel).to_str().unwrap().to_string()
-}
-
-fn target() -> ModelBundle {
-    shelfserve::model::open(&path("hf/llama3-tiny"), &CacheDir::from_env()).expect("open the target")
-}
 
 fn cuda(bundle: &ModelBundle, kv: KvGeometry, precision: Precision) -> Box<dyn Backend> {
     let opts = CudaOptions { ordinal: 0, kv, precision };
@@ -39,10 +33,6 @@ fn cuda(bundle: &ModelBundle, kv: KvGeometry, precision: Precision) -> Box<dyn B
 
 fn on_gpu(precision: Precision) -> Option<DFlashCudaOptions> {
     Some(DFlashCudaOptions { ordinal: 0, precision })
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    row.iter().enumerate().fold(0, |b, (i, &v)| if v > row[b] { i } else { b }) as u32
 }
 
 fn worst_rel(a: &[f32], b: &[f32]) -> f32 {
@@ -89,28 +79,6 @@ fn cuda_taps_equal_cpu_taps() {
     gpu.forward(&[step]).unwrap();
     assert!(gpu.take_hidden_taps().is_none(), "nothing recorded without taps");
     println!("TABLE|taps: CUDA f32 vs CPU (prefill, graph decode, verify)|ok|worst rel {worst:.2e}");
-}
-
-struct Case {
-    context: Vec<u32>,
-    dflash: Vec<u32>,
-    logits: Option<Vec<Vec<f32>>>,
-}
-
-fn golden() -> Vec<Case> {
-    let text = std::fs::read_to_string(common::fixture("dflash/golden.json")).expect("golden.json");
-    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> { serde_json::from_value(v.clone()).unwrap() };
-    json["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| Case {
-            context: ids(&c["context"]),
-            dflash: ids(&c["proposals"]["dflash"]),
-            logits: c.get("dflash_logits").map(|v| serde_json::from_value(v.clone()).unwrap()),
-        })
-        .collect()
 }
 
 /// The reference's cases, fed from the CUDA target's taps, proposed by the CUDA drafter (f32).

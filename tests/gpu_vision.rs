@@ -18,6 +18,8 @@
 
 mod common;
 
+use common::argmax;
+
 use common::{tensor_f32s as floats, tensor_ids as ints};
 use shelfserve::backend::cpu::glm5_next::Glm5Backend;
 use shelfserve::backend::cuda::glm5_next::Glm5CudaBackend;
@@ -130,10 +132,6 @@ fn synthetic(seed: u32, grid: [usize; 3], patch_dim: usize) -> Vec<f32> {
 
 fn step<'a>(tokens: &'a [u32], start_pos: usize, table: &'a [u32], logits_rows: usize) -> SeqStep<'a> {
     SeqStep { tokens, start_pos, block_table: table, logits_rows, state_slot: 0 }
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32
 }
 
 /// Logits of the image prompt (every row) and a greedy continuation of `n` tokens after it.

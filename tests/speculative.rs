@@ -7,6 +7,8 @@
 
 mod common;
 
+use common::argmax;
+
 use std::time::Duration;
 
 use shelfserve::actors::{
@@ -147,10 +149,6 @@ fn glm5_backend(bundle: &ModelBundle) -> Glm5Backend {
     let cfg = read_config(bundle.weights.origin()).unwrap();
     let geom = KvGeometry { block_size: 4, num_blocks: 64, state_slots: 3 };
     Glm5Backend::new(cfg, bundle.weights.as_ref(), 2, geom).unwrap()
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32
 }
 
 fn bits(rows: &[f32]) -> Vec<u32> {

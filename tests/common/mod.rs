@@ -2,6 +2,7 @@
 //! starting engines and watching their KV pool (`engine`), serving them over HTTP (`serve`).
 #![allow(dead_code)]
 
+pub mod dflash;
 pub mod engine;
 pub mod serve;
 
@@ -68,6 +69,11 @@ pub fn tensor_f32s(st: &safetensors::SafeTensors<'_>, name: &str) -> Vec<f32> {
 
 pub fn fixture(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)
+}
+
+/// The index of a row's largest value (the first of equals): the greedy token.
+pub fn argmax(row: &[f32]) -> u32 {
+    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32
 }
 
 /// A greedy request on the voice lane that runs to `max_tokens` (EOS ignored).
