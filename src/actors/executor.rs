@@ -65,6 +65,20 @@ pub struct PlanSeq {
     pub follows_previous: bool,
 }
 
+impl PlanSeq {
+    /// The backend's view of this row: logits for the sampled position and every draft, none
+    /// for a prefill chunk that does not end its prompt.
+    pub(super) fn seq_step(&self) -> SeqStep<'_> {
+        SeqStep {
+            tokens: &self.tokens,
+            start_pos: self.start_pos,
+            block_table: &self.block_table,
+            logits_rows: if self.sample.is_some() { self.num_draft + 1 } else { 0 },
+            state_slot: self.state_slot,
+        }
+    }
+}
+
 /// Everything an executor needs to run one step.
 #[derive(Clone, Debug)]
 pub struct StepPlan {
@@ -293,17 +307,7 @@ pub(super) fn run_plan(
 /// rows that take image embeddings); rank 0 samples, the other ranks only run the forward pass.
 fn run_encoded(backend: &mut dyn Backend, plan: &StepPlan, rank: usize, encoded: Option<StepEmbeds>) -> StepResult {
     let start = Instant::now();
-    let steps: Vec<SeqStep<'_>> = plan
-        .seqs
-        .iter()
-        .map(|s| SeqStep {
-            tokens: &s.tokens,
-            start_pos: s.start_pos,
-            block_table: &s.block_table,
-            logits_rows: if s.sample.is_some() { s.num_draft + 1 } else { 0 },
-            state_slot: s.state_slot,
-        })
-        .collect();
+    let steps: Vec<SeqStep<'_>> = plan.seqs.iter().map(PlanSeq::seq_step).collect();
     // A decode carries its last token plus drafts; anything else is prefill work.
     let is_decode = |s: &PlanSeq| s.sample.is_some() && s.tokens.len() == s.num_draft + 1;
     let prefill_tokens = plan.seqs.iter().filter(|s| !is_decode(s)).map(|s| s.tokens.len()).sum();

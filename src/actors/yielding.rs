@@ -9,7 +9,7 @@
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-use super::executor::{sample_logits, StepPlan, StepResult};
+use super::executor::{sample_logits, PlanSeq, StepPlan, StepResult};
 use crate::backend::{Backend, SeqStep, StepRun};
 
 /// Whether `plan` runs on the yielding path: it carries a signal, the backend can stop between
@@ -31,17 +31,8 @@ pub(super) fn run(backend: &mut dyn Backend, plan: &StepPlan, rank: usize, resum
     let start = Instant::now();
     let never = AtomicBool::new(false);
     let signal = plan.yield_signal.as_deref().unwrap_or(&never);
-    let steps: Vec<SeqStep<'_>> = plan
-        .seqs
-        .iter()
-        .map(|s| SeqStep {
-            tokens: &s.tokens,
-            start_pos: s.start_pos,
-            block_table: &s.block_table,
-            logits_rows: usize::from(s.sample.is_some()),
-            state_slot: s.state_slot,
-        })
-        .collect();
+    // Yieldable rows carry no drafts (`yields`), so each takes at most its one sampled row.
+    let steps: Vec<SeqStep<'_>> = plan.seqs.iter().map(PlanSeq::seq_step).collect();
     let mut result = StepResult {
         prefill_tokens: plan.seqs.iter().map(|s| s.tokens.len()).sum(),
         error: None,
