@@ -590,11 +590,12 @@ def main():
 
     train_seconds = time.time() - t0
     kept_step = steps_done
-    if best is not None and best[0] > heldout_score(draft, target, held, args, device, layer_ids, amp)[1]:
+    per_pos, mean_len = heldout_score(draft, target, held, args, device, layer_ids, amp)
+    if best is not None and best[0] > mean_len:
         print(f"keeping the drafter of step {best[2]} (held-out {best[0]:.3f} accepted per block)", flush=True)
         draft.load_state_dict(best[1])
         kept_step = best[2]
-    per_pos, mean_len = heldout_score(draft, target, held, args, device, layer_ids, amp)
+        per_pos, mean_len = heldout_score(draft, target, held, args, device, layer_ids, amp)
     stats = {
         "target": os.path.basename(args.gguf),
         "train_generations": len(train),
