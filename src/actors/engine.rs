@@ -485,15 +485,7 @@ impl InferenceEngine for Engine {
             .iter()
             .position(|l| l.name == req.lane)
             .ok_or_else(|| EngineError::UnknownLane(req.lane.clone()))?;
-        if self.draining.load(Ordering::SeqCst) {
-            return Err(EngineError::ShuttingDown);
-        }
-        if let Some(e) = self.failure() {
-            return Err(EngineError::NotReady(format!("the executor failed ({e}); restart the engine")));
-        }
-        if !self.is_ready() {
-            return Err(EngineError::NotReady("the model is still loading".into()));
-        }
+        self.readiness()?;
         if req.prompt.is_empty() {
             return Err(EngineError::Invalid("the prompt is empty".into()));
         }

@@ -204,6 +204,19 @@ pub trait InferenceEngine: Send + Sync + 'static {
     fn failure(&self) -> Option<String> {
         None
     }
+    /// Whether requests are taken now, and if not, why: shutting down, a failed executor, or a
+    /// model still loading (checked in that order). `/health` and `submit` both answer with it.
+    fn readiness(&self) -> Result<(), EngineError> {
+        if self.is_draining() {
+            Err(EngineError::ShuttingDown)
+        } else if let Some(e) = self.failure() {
+            Err(EngineError::NotReady(format!("the executor failed ({e}); restart the engine")))
+        } else if !self.is_ready() {
+            Err(EngineError::NotReady("the model is still loading".into()))
+        } else {
+            Ok(())
+        }
+    }
     /// Queue a request. Errors that are known before queueing (unknown lane, full queue, too
     /// long, not ready) are returned here; later failures arrive as `StreamEvent::Error`.
     fn submit(&self, req: GenerationRequest) -> Result<EventStream, EngineError>;

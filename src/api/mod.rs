@@ -50,7 +50,7 @@ use futures_util::future::Either;
 use futures_util::StreamExt;
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use crate::actors::handle::{EngineError, EventStream, GenerationRequest, InferenceEngine};
+use crate::actors::handle::{EventStream, GenerationRequest, InferenceEngine};
 use crate::config::engine::{EngineConfig, LaneConfig};
 use crate::tokenizer::chat::ChatTemplate;
 use crate::tokenizer::literal::ChatEncoder;
@@ -389,15 +389,7 @@ pub(crate) struct LaneState {
 
 impl LaneState {
     pub fn ensure_ready(&self) -> Result<(), ApiError> {
-        if self.shared.engine.is_draining() {
-            Err(ApiError::engine(EngineError::ShuttingDown, None))
-        } else if let Some(e) = self.shared.engine.failure() {
-            Err(ApiError::engine(EngineError::NotReady(format!("the executor failed ({e}); restart the engine")), None))
-        } else if self.shared.engine.is_ready() {
-            Ok(())
-        } else {
-            Err(ApiError::engine(EngineError::NotReady("the model is still loading".into()), None))
-        }
+        self.shared.engine.readiness().map_err(|e| ApiError::engine(e, None))
     }
 
     /// Submit every request or none: if one is refused, the receivers already obtained are
