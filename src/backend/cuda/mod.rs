@@ -243,10 +243,13 @@ impl CudaBackend {
         validate_batch(batch, self.geom)?;
         check_sample_specs(batch, specs)?;
         self.gpu.bind()?;
-        let (logits, vocab) = (self.scratch.logits_ptr(), self.cfg.vocab_size);
-        let out = self
-            .forward_device(batch)
-            .and_then(|layout| self.sampler.draw(&mut self.gpu, logits, vocab, &layout.offsets, specs));
+        // The logits buffer is looked up after the step: a step with more logits rows than any
+        // before it grows (re-allocates) it.
+        let vocab = self.cfg.vocab_size;
+        let out = self.forward_device(batch).and_then(|layout| {
+            let logits = self.scratch.logits_ptr();
+            self.sampler.draw(&mut self.gpu, logits, vocab, &layout.offsets, specs)
+        });
         self.abort_group_on(out)
     }
 
@@ -267,10 +270,11 @@ impl CudaBackend {
     pub fn forward_greedy(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<u32>, BackendError> {
         validate_batch(batch, self.geom)?;
         self.gpu.bind()?;
-        let (logits, vocab) = (self.scratch.logits_ptr(), self.cfg.vocab_size);
-        let out = self
-            .forward_device(batch)
-            .and_then(|layout| self.sampler.argmax(&mut self.gpu, logits, vocab, layout.logit_rows.len()));
+        let vocab = self.cfg.vocab_size;
+        let out = self.forward_device(batch).and_then(|layout| {
+            let logits = self.scratch.logits_ptr();
+            self.sampler.argmax(&mut self.gpu, logits, vocab, layout.logit_rows.len())
+        });
         self.abort_group_on(out)
     }
 
