@@ -351,3 +351,87 @@ fn glm5_bad_input_is_an_error_on_cuda() {
     b.write_state_slot(0, &snapshot).unwrap();
     b.forward(&[step(&[4], 3, 0)]).unwrap();
 }
+
+/// Per-row relative L2 distance of `ours` from `reference` (rows of `vocab`), the largest.
+fn worst_rel_l2(reference: &[f32], ours: &[f32], vocab: usize) -> f32 {
+    reference
+        .chunks(vocab)
+        .zip(ours.chunks(vocab))
+        .map(|(r, o)| {
+            let diff: f32 = r.iter().zip(o).map(|(a, b)| (a - b) * (a - b)).sum();
+            let norm: f32 = r.iter().map(|a| a * a).sum();
+            (diff / norm.max(f32::MIN_POSITIVE)).sqrt()
+        })
+        .fold(0.0, f32::max)
+}
+
+/// The MLA attention on the tensor cores (bf16, `glm5_mla.cu`) against the split kernel at
+/// GLM-5.3-Flash widths (64 heads, latent rank 512, the full indexer), random weights generated
+/// on the device, 4 layers (3 KDA, then MLA/DSA with a MoE FFN): a 3,000-token prompt in two
+/// chunks (past the 2,048-position DSA budget, so later rows select sparsely) and 4 decode rows,
+/// run once with each form on the same inputs. The two differ only in rounding (q̃, the latents
+/// and P in bf16): held to a bound a wrong index or a lost tile crosses by far. Also prints the
+/// time of each form's prefill.
+#[test]
+#[ignore = "needs a CUDA device; run scripts/gpu_validate_glm5.sh"]
+fn glm5_mla_tensor_cores_match_the_split_kernel_at_full_width() {
+    use shelfserve::model::glm5_next::Glm5Config;
+    let cfg = Glm5Config::from_hf_json(
+        r#"{"model_type": "glm5_next", "num_hidden_layers": 4}"#,
+        std::path::Path::new("<test>"),
+    )
+    .unwrap();
+    let (prompt, chunk, decodes, rows) = (3000usize, 1500usize, 4usize, 8usize);
+    let geom = KvGeometry { block_size: 64, num_blocks: (prompt + decodes).div_ceil(64) + 1, state_slots: 1 };
+    let mut b = Glm5CudaBackend::synthetic(cfg.clone(), 77, 0, geom, Precision::Bf16).unwrap();
+    let vocab = cfg.vocab_size;
+    let ids: Vec<u32> = (0..prompt as u32).map(|i| (i * 7919 + 13) % vocab as u32).collect();
+    let table: Vec<u32> = (0..geom.num_blocks as u32).collect();
+    let run = |b: &mut Glm5CudaBackend, feed: Option<&[u32]>| -> (Vec<f32>, Vec<u32>, f64) {
+        let mut logits = Vec::new();
+        let t0 = std::time::Instant::now();
+        for start in (0..prompt).step_by(chunk) {
+            let step = SeqStep {
+                tokens: &ids[start..start + chunk],
+                start_pos: start,
+                block_table: &table,
+                logits_rows: rows,
+                state_slot: 0,
+            };
+            logits.extend(b.forward(&[step]).unwrap().data);
+        }
+        let prefill_secs = t0.elapsed().as_secs_f64();
+        let mut fed = Vec::new();
+        for d in 0..decodes {
+            let token = match feed {
+                Some(f) => f[d],
+                None => common::argmax(&logits[logits.len() - vocab..]),
+            };
+            fed.push(token);
+            let step =
+                SeqStep { tokens: &[token], start_pos: prompt + d, block_table: &table, logits_rows: 1, state_slot: 0 };
+            logits.extend(b.forward(&[step]).unwrap().data);
+        }
+        (logits, fed, prefill_secs)
+    };
+    b.set_mla_mma_min_rows(0);
+    let _ = run(&mut b, None); // warm-up: kernel modules, cuBLAS plans, scratch
+    let (split, fed, split_secs) = run(&mut b, None);
+    b.set_mla_mma_min_rows(1);
+    let _ = run(&mut b, Some(&fed));
+    let (mma, _, mma_secs) = run(&mut b, Some(&fed));
+    assert_eq!(split.len(), mma.len());
+    assert!(split.iter().chain(&mma).all(|v| v.is_finite()), "non-finite logits");
+    let worst = worst_rel_l2(&split, &mma, vocab);
+    let agree =
+        split.chunks(vocab).zip(mma.chunks(vocab)).filter(|(a, b)| common::argmax(a) == common::argmax(b)).count();
+    let total = split.len() / vocab;
+    println!(
+        "TABLE|glm5 MLA tensor cores vs split (64 heads, r 512, {prompt}-token prompt + {decodes} decodes)|{}|worst row rel L2 {worst:.2e}, argmax {agree}/{total}; prefill {:.1} ms split, {:.1} ms tensor cores ({:.1}x)",
+        if worst < 0.05 { "ok" } else { "FAIL" },
+        split_secs * 1e3,
+        mma_secs * 1e3,
+        split_secs / mma_secs
+    );
+    assert!(worst < 0.05, "the tensor-core MLA is {worst:.3e} from the split kernel");
+}

@@ -25,6 +25,8 @@ pub const MODULES: &[(&str, &str)] = &[
 pub const GEMV_SOURCE: &str = include_str!("../../../cuda/gemv.cu");
 /// `glm5_next`'s layer kernels: compiled only by backends of that model ([`Gpu::load_glm5`]).
 pub const GLM5_SOURCE: &str = include_str!("../../../cuda/glm5.cu");
+/// `glm5_next`'s tensor-core MLA attention (bf16), compiled with [`GLM5_SOURCE`].
+pub const GLM5_MLA_SOURCE: &str = include_str!("../../../cuda/glm5_mla.cu");
 /// `glm5_next`'s vision tower kernels: compiled only by backends of a model with a tower (or
 /// one given image embeddings) ([`Gpu::load_vision`]).
 pub const VISION_SOURCE: &str = include_str!("../../../cuda/vision.cu");
@@ -306,9 +308,9 @@ impl Gpu {
         }
     }
 
-    /// Compile `glm5_next`'s kernel module (`cuda/glm5.cu`).
+    /// Compile `glm5_next`'s kernel modules (`cuda/glm5.cu`, `cuda/glm5_mla.cu`).
     pub fn load_glm5(&mut self) -> Result<(), BackendError> {
-        self.compile("glm5", GLM5_SOURCE)
+        self.compile_all(&[("glm5", GLM5_SOURCE.to_string()), ("glm5_mla", GLM5_MLA_SOURCE.to_string())])
     }
 
     /// Compile the vision tower's kernel module (`cuda/vision.cu`) once.
@@ -572,6 +574,73 @@ impl Gpu {
     }
 }
 
+/// One operand of a strided batched GEMM in cuBLAS's column-major view: batch `i` starts
+/// `stride · i` elements after `ptr`, columns `ld` elements apart.
+#[derive(Clone, Copy, Debug)]
+pub struct Strided {
+    pub ptr: u64,
+    pub ld: usize,
+    pub stride: usize,
+}
+
+impl Gpu {
+    /// `batch` bf16 GEMMs with f32 accumulation, column-major: `C_i[m, n] = op(A_i) · B_i[k, n]`,
+    /// `op` the transpose when `transpose_a` (A stored `[k, m]`), else A stored `[m, k]`. C is
+    /// bf16 when `c_bf16`, else f32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_batched_bf16(
+        &self,
+        transpose_a: bool,
+        (m, n, k): (usize, usize, usize),
+        a: Strided,
+        b: Strided,
+        c: Strided,
+        c_bf16: bool,
+        batch: usize,
+    ) -> Result<(), BackendError> {
+        if m == 0 || n == 0 || batch == 0 {
+            return Ok(());
+        }
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let bf16 = cublas_sys::cudaDataType::CUDA_R_16BF;
+        let c_type = if c_bf16 { bf16 } else { cublas_sys::cudaDataType::CUDA_R_32F };
+        let op_a = if transpose_a {
+            cublas_sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            cublas_sys::cublasOperation_t::CUBLAS_OP_N
+        };
+        // SAFETY: the callers pass live device buffers holding `batch` operands of these shapes.
+        unsafe {
+            cudarc::cublas::result::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                op_a,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m as i32,
+                n as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                a.ptr as *const _,
+                bf16,
+                a.ld as i32,
+                a.stride as i64,
+                b.ptr as *const _,
+                bf16,
+                b.ld as i32,
+                b.stride as i64,
+                &beta as *const f32 as *const _,
+                c.ptr as *mut _,
+                c_type,
+                c.ld as i32,
+                c.stride as i64,
+                batch as i32,
+                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| dev_err(&format!("cuBLAS batched GEMM {batch}×{m}×{n}×{k}"), e))
+    }
+}
+
 /// Launch `f` with the given arguments (each pushed by reference).
 #[macro_export]
 macro_rules! launch {
@@ -628,6 +697,7 @@ mod tests {
             for (module, src) in MODULES.iter().chain([
                 &("gemv", GEMV_SOURCE),
                 &("glm5", GLM5_SOURCE),
+                &("glm5_mla", GLM5_MLA_SOURCE),
                 &("vision", VISION_SOURCE),
                 &("quant", QUANT_SOURCE),
             ]) {

@@ -10,13 +10,15 @@
 //! write each pair's output to its own row, and the combine sums a token's routed outputs in
 //! ascending expert order.
 //!
-//! The mHC kernels, the MoE combine and the MLA attention split each row into fixed pieces (column
-//! chunks, `MLA_SPLIT` selected positions) so that a batch-1 step fills the GPU; the pieces depend
-//! on a row's own sizes only, never on the batch.
+//! MLA attention (`mla.rs`): split over positions on the CUDA cores, or all heads of a row at once
+//! on the tensor cores (bf16).
+//!
+//! The mHC kernels and the MoE combine split each row into fixed column chunks so that a batch-1
+//! step fills the GPU; the pieces depend on a row's own sizes only, never on the batch.
 
 use super::weights::{DevLinear, Ffn, HyperConnection, Kda, Mixer, Mla, Mlp};
 use super::{DeviceCheckpoints, DeviceSnapshots, Glm5CudaBackend};
-use crate::backend::cuda::gpu::{cfg, cfg3, grid_for, Precision};
+use crate::backend::cuda::gpu::{cfg, grid_for, Precision};
 use crate::backend::glm5_steps::{logits_rows, plan_rows, SeqRows};
 use crate::backend::{BackendError, EmbeddedRows, SeqStep, StepLogits};
 use crate::launch;
@@ -108,12 +110,12 @@ pub(super) struct DeviceLogits {
 }
 
 /// Per-step inputs every layer reads.
-struct StepInputs {
-    n_rows: usize,
+pub(super) struct StepInputs {
+    pub(super) n_rows: usize,
     kda_seqs: u64,
     n_seqs: usize,
-    dsa_rows: u64,
-    tables: u64,
+    pub(super) dsa_rows: u64,
+    pub(super) tables: u64,
     /// Record offsets (f32 elements) of the tokens of every pool this step completes, `pool` per
     /// pool in position order.
     pool_recs: Option<(u64, usize)>,
@@ -129,15 +131,6 @@ pub(super) const BLOCK: u32 = 256;
 pub(super) const HC_CHUNK: usize = 256;
 /// Most mHC streams the kernels take (`HC_MAX` in cuda/glm5.cu).
 const HC_MAX: usize = 8;
-/// Selected positions per block of the split MLA attention (`MLA_SPLIT` in cuda/glm5.cu).
-const MLA_SPLIT: usize = 64;
-/// Threads (and latent values) per block of the absorbed query `q̃ = W^Kᵀ q`.
-const MLA_QT_THREADS: usize = 128;
-/// Blocks per (head, row) that share the MLA output projection `W^V ĉ`.
-const MLA_COMBINE_GROUPS: u32 = 4;
-/// Most bytes of split partials one MLA attention launch may use; a step with more rows runs in
-/// row tiles (the result of a row does not depend on its tile).
-const MLA_PART_BYTES: usize = 256 << 20;
 
 impl Glm5CudaBackend {
     fn i32_of(v: usize) -> Result<i32, BackendError> {
@@ -636,60 +629,19 @@ impl Glm5CudaBackend {
             )?;
         }
         let attn = self.scratch.get(&self.gpu, "mla_attn", 4 * n * h * dv)?;
-        let qt = self.scratch.get(&self.gpu, "mla_qt", 4 * n * h * r)?;
-        let splits = max_sel.div_ceil(MLA_SPLIT).max(1);
-        let part_row = 4 * h * splits * (r + 2);
-        let tile = (MLA_PART_BYTES / part_row).clamp(1, n);
-        let part = self.scratch.get(&self.gpu, "mla_part", part_row * tile)?;
-        let qt_f = self.gpu.func("glm5", &format!("mla_qt_{}", self.prec.suffix()))?;
-        let part_f = self.gpu.func("glm5", "mla_attend_part")?;
-        let comb_f = self.gpu.func("glm5", &format!("mla_attend_combine_{}", self.prec.suffix()))?;
-        let (kvb, hh, dni, dvi, ms, si) = (w.kv_b.ptr(), h as i32, dn as i32, dv as i32, max_sel as i32, splits as i32);
-        let scale = 1.0f32 / (dn as f32).sqrt();
-        let part_smem = (4 * (r + MLA_SPLIT).next_multiple_of(2) + 8 * MLA_SPLIT) as u32;
-        let mut row0 = 0usize;
-        while row0 < n {
-            let rows = tile.min(n - row0) as u32;
-            let r0 = row0 as i32;
-            let qt_cfg = cfg3((h as u32, rows, r.div_ceil(MLA_QT_THREADS) as u32), MLA_QT_THREADS as u32, 0);
-            launch!(self.gpu, qt_f.clone(), qt_cfg, &q, &kvb, &qt, &r0, &hh, &dni, &dvi, &ri)?;
-            launch!(
-                self.gpu,
-                part_f.clone(),
-                cfg3((h as u32, rows, splits as u32), BLOCK, part_smem),
-                &qt,
-                &kv,
-                &inp.dsa_rows,
-                &inp.tables,
-                &sel,
-                &sel_count,
-                &part,
-                &r0,
-                &bs,
-                &ts,
-                &lat_off,
-                &hh,
-                &ri,
-                &ms,
-                &si,
-                &scale
-            )?;
-            launch!(
-                self.gpu,
-                comb_f.clone(),
-                cfg3((h as u32, rows, MLA_COMBINE_GROUPS), BLOCK, (4 * r) as u32),
-                &part,
-                &kvb,
-                &sel_count,
-                &attn,
-                &r0,
-                &hh,
-                &dni,
-                &dvi,
-                &ri,
-                &si
-            )?;
-            row0 += rows as usize;
+        let att = super::mla::MlaAttend {
+            q,
+            kv_b: w.kv_b.ptr(),
+            sel,
+            sel_count,
+            latent_off: slots.latent,
+            max_sel,
+            out: attn,
+        };
+        if self.mla_on_tensor_cores(c, n) {
+            self.mla_attend_mma(c, inp, &att)?;
+        } else {
+            self.mla_attend_split(c, inp, &att)?;
         }
         let y = self.scratch.get(&self.gpu, "mixer_out", 4 * n * c.hidden_size)?;
         self.linear(attn, n, &w.o_proj, y)?;

@@ -13,6 +13,7 @@
 //! the accepted one back on the device.
 
 mod forward;
+mod mla;
 mod moe;
 mod synthetic;
 pub mod vision;
@@ -74,6 +75,9 @@ pub struct Glm5CudaBackend {
     /// `SHELFSERVE_CUDA_SAMPLING=0`, as for llama.
     device_sampling: bool,
     sampler: super::sample::DeviceSampler,
+    /// bf16 steps with at least this many rows run the MLA attention on the tensor cores (`mla.rs`;
+    /// 0: never), from `SHELFSERVE_GLM5_MLA_MMA_MIN_ROWS`.
+    mla_mma_min_rows: usize,
 }
 
 /// What profiled steps measured, summed over the steps since `start_profile`: each layer's
@@ -174,6 +178,7 @@ impl Glm5CudaBackend {
             profile: None,
             device_sampling: std::env::var("SHELFSERVE_CUDA_SAMPLING").map_or(true, |v| v != "0"),
             sampler: super::sample::DeviceSampler::default(),
+            mla_mma_min_rows: mla::mma_min_rows_from_env()?,
         })
     }
 
