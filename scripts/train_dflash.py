@@ -538,7 +538,10 @@ def main():
     else:
         seqs = self_distillation_data(target, tok, args, device)
         if args.data_cache:
-            json.dump(seqs, open(args.data_cache, "w"))
+            # Written whole, then renamed: a second run waiting for the cache never reads half.
+            with open(args.data_cache + ".tmp", "w") as f:
+                json.dump(seqs, f)
+            os.replace(args.data_cache + ".tmp", args.data_cache)
     rng.shuffle(seqs)
     n_held = max(1, int(len(seqs) * args.heldout))
     held, train = seqs[:n_held], seqs[n_held:] or seqs
@@ -548,8 +551,15 @@ def main():
     init_from_target(draft, target, c)
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     warm = max(1, args.steps // 20)
+    t_train = time.time()
+
+    def progress(s):
+        # Under a time budget the cosine ends with the budget, whichever comes first.
+        by_time = (time.time() - t_train) / (args.max_minutes * 60) if args.max_minutes else 0.0
+        return min(1.0, max(s / args.steps, by_time))
+
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * progress(s)))
     )
     weights = torch.exp(-torch.arange(args.block_size - 1, device=device) / args.decay)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
