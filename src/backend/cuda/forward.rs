@@ -50,10 +50,6 @@ impl Scratch {
         }
         Ok(ptr)
     }
-
-    pub fn logits_ptr(&self) -> u64 {
-        self.bufs.get("logits").map_or(0, DevBuf::ptr)
-    }
 }
 
 /// Threads per row for RMSNorm and the q/k/v RoPE kernel: one block per token row, so at decode
@@ -127,9 +123,10 @@ fn upload_layout(gpu: &Gpu, scratch: &mut Scratch, l: &StepLayout) -> Result<[u6
 }
 
 impl CudaBackend {
-    /// Run the step; leaves the logits rows in the `logits` scratch buffer (f32, row-major). With
+    /// Run the step; its logits rows (f32, row-major) are at the returned address until the next
+    /// step (a larger step may re-allocate the buffer, so the address is only taken here). With
     /// hidden-state taps on, the tapped rows come to the host once, after the step.
-    pub(super) fn forward_device(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLayout, BackendError> {
+    pub(super) fn forward_device(&mut self, batch: &[SeqStep<'_>]) -> Result<(StepLayout, u64), BackendError> {
         self.last_taps = None;
         let layout = self.enqueue_step(batch)?;
         if !self.tap_layers.is_empty() {
@@ -146,7 +143,8 @@ impl CudaBackend {
             self.last_taps =
                 Some(crate::backend::HiddenTaps { layers: self.tap_layers.clone(), hidden: h, data, offsets });
         }
-        Ok(layout)
+        let logits = self.scratch.bufs.get("logits").map_or(0, DevBuf::ptr);
+        Ok((layout, logits))
     }
 
     fn enqueue_step(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLayout, BackendError> {

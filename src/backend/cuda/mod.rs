@@ -243,13 +243,10 @@ impl CudaBackend {
         validate_batch(batch, self.geom)?;
         check_sample_specs(batch, specs)?;
         self.gpu.bind()?;
-        // The logits buffer is looked up after the step: a step with more logits rows than any
-        // before it grows (re-allocates) it.
         let vocab = self.cfg.vocab_size;
-        let out = self.forward_device(batch).and_then(|layout| {
-            let logits = self.scratch.logits_ptr();
-            self.sampler.draw(&mut self.gpu, logits, vocab, &layout.offsets, specs)
-        });
+        let out = self
+            .forward_device(batch)
+            .and_then(|(layout, logits)| self.sampler.draw(&mut self.gpu, logits, vocab, &layout.offsets, specs));
         self.abort_group_on(out)
     }
 
@@ -271,10 +268,9 @@ impl CudaBackend {
         validate_batch(batch, self.geom)?;
         self.gpu.bind()?;
         let vocab = self.cfg.vocab_size;
-        let out = self.forward_device(batch).and_then(|layout| {
-            let logits = self.scratch.logits_ptr();
-            self.sampler.argmax(&mut self.gpu, logits, vocab, layout.logit_rows.len())
-        });
+        let out = self
+            .forward_device(batch)
+            .and_then(|(layout, logits)| self.sampler.argmax(&mut self.gpu, logits, vocab, layout.logit_rows.len()));
         self.abort_group_on(out)
     }
 
@@ -399,10 +395,10 @@ impl Backend for CudaBackend {
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<StepLogits, BackendError> {
         validate_batch(batch, self.geom)?;
         self.gpu.bind()?;
-        let out = self.forward_device(batch).and_then(|layout| {
+        let out = self.forward_device(batch).and_then(|(layout, logits)| {
             let v = self.cfg.vocab_size;
             let mut data = vec![0f32; layout.logit_rows.len() * v];
-            self.gpu.copy_dtoh(&mut data, self.scratch.logits_ptr())?;
+            self.gpu.copy_dtoh(&mut data, logits)?;
             Ok(StepLogits { vocab: v, data, offsets: layout.offsets })
         });
         self.abort_group_on(out)
