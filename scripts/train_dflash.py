@@ -7,6 +7,8 @@ outside data:
   1. the target is the default model's own GGUF (the one `shelfserve fetch-default` caches);
   2. prompts: the model writes user requests itself from short built-in task kinds (code, JSON,
      lists, prose, ...), then answers them greedily — its own generations are the training text;
+     then it continues raw prefixes of those answers with no chat template (`--raw-share`), as
+     completion requests and agents' resent contexts arrive;
   3. the drafter learns, from the target's hidden states at a few layers (the context features)
      and the anchor token, to predict the next `block_size - 1` greedy tokens in one non-causal
      pass (cross-entropy, earlier positions weighted more);
@@ -72,6 +74,8 @@ def parse_args():
     p.add_argument("--gen-tokens", type=int, default=256, help="tokens per answer")
     p.add_argument("--request-tokens", type=int, default=48, help="tokens per self-written request")
     p.add_argument("--gen-batch", type=int, default=128)
+    p.add_argument("--raw-share", type=float, default=0.5,
+                   help="raw continuations (no chat template) to add, as a share of the chat answers")
     p.add_argument("--steps", type=int, default=6000)
     p.add_argument("--batch", type=int, default=32, help="sequences per step")
     p.add_argument("--blocks", type=int, default=16, help="anchors per sequence per step")
@@ -304,6 +308,24 @@ def self_distillation_data(model, tok, args, device):
         ids = tok(p, add_special_tokens=False)["input_ids"]
         if len(a) > args.block_size:
             seqs.append((ids + a, len(ids)))
+    # 3. Raw continuations, with no chat template around them (what /v1/completions and an agent's
+    #    resent context look like): a prefix of one of its answers, continued greedily. Without
+    #    these, the drafter only ever saw assistant turns.
+    n_raw = min(int(len(seqs) * args.raw_share), len(answers))
+    if n_raw:
+        prefixes = []
+        for i in rng.sample(range(len(answers)), n_raw):
+            a = [t for t in answers[i] if t != tok.eos_token_id]
+            cut = rng.randint(min(8, len(a)), max(min(8, len(a)), min(len(a), 96)))
+            text = tok.decode(a[:cut], skip_special_tokens=True)
+            if text.strip():
+                prefixes.append(text)
+        print(f"continuing {len(prefixes)} raw prefixes", flush=True)
+        continued = generate(model, tok, prefixes, args.gen_tokens, args.gen_batch, device, greedy=True)
+        for p, c in zip(prefixes, continued):
+            ids = tok(p, add_special_tokens=False)["input_ids"]
+            if ids and len(c) > args.block_size:
+                seqs.append((ids + c, len(ids)))
     return seqs
 
 
@@ -613,6 +635,7 @@ def main():
         "steps": steps_done,
         "draft_layers": args.draft_layers,
         "intermediate_size": c["intermediate_size"],
+        "raw_share": args.raw_share,
         "train_seconds": round(train_seconds),
         "heldout_acceptance_by_position": [round(p, 4) for p in per_pos],
         "heldout_mean_accepted_per_block": round(mean_len, 3),
