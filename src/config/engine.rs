@@ -106,7 +106,7 @@ pub struct SchedulerConfig {
     /// continued (SGLang's overlap scheduler; `sched::lookahead`). One rank only.
     #[serde(default = "default_overlap_scheduling")]
     pub overlap_scheduling: bool,
-    /// With lane pacing: a step that carries only lower-lane prefill stops at a layer boundary
+    /// With lane pacing: a step that carries lower-lane prefill (with at most those lanes' decodes) stops at a layer boundary
     /// when a higher lane gets work, and resumes after that lane's prefill, in slices between its
     /// decodes (`sched::yielding`; CPU
     /// llama-family backends, one rank).

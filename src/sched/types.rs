@@ -109,7 +109,7 @@ pub struct StepPlanOut {
     pub prefix_hits: Vec<(SeqId, usize)>,
     /// What the step computes, for the step cost model (`Planner::observe_step` with its time).
     pub shape: crate::sched::cost::StepShape,
-    /// `Some(priority)` when the step carries only prefill of lanes at or below `priority` and a
+    /// `Some(priority)` when the step carries prefill (and maybe decodes) of lanes at or below `priority` and a
     /// lane above has latency targets: it may stop at a layer boundary when such a lane gets work
     /// (`sched::yielding`). `None` when yielding is off or the step must run whole.
     pub yield_level: Option<i32>,

@@ -1,7 +1,8 @@
 //! Lower-lane prefill that yields at a layer boundary (issue 24). Lane pacing sizes the chunks a
 //! step carries, but a voice turn that arrives while a long agent chunk runs still waits for that
-//! chunk. So a step that carries only prefill of lanes below one with latency targets is
-//! *yieldable*: the scheduler gives it a yield signal, raises it when a request of a higher lane
+//! chunk. So a step that carries prefill of lanes below one with latency targets, and nothing
+//! else but those lanes' decodes, is *yieldable* (its decode rows sample after the resume, like
+//! its prefill rows): the scheduler gives it a yield signal, raises it when a request of a higher lane
 //! arrives, and the executor stops the step at the next layer boundary and keeps its partial
 //! state (`actors::yielding`). The planner then:
 //!
@@ -46,7 +47,7 @@ pub(super) struct YieldState {
 const MIN_SLICE_SECS: f64 = 0.005;
 
 impl Planner {
-    /// Marks steps that carry only lower-lane prefill yieldable (with lane pacing on, for lanes
+    /// Marks steps that carry lower-lane prefill (and maybe lower-lane decodes) yieldable (with lane pacing on, for lanes
     /// below one with targets). The caller must be able to suspend and resume them: one rank, a
     /// backend that yields, no lookahead scheduling.
     pub fn set_yielding(&mut self, on: bool) {
@@ -60,14 +61,18 @@ impl Planner {
         }
         let pacing = self.pacing.as_ref()?;
         let step = self.in_flight.back()?;
-        let mut level = i32::MIN;
+        let (mut level, mut prefill) = (i32::MIN, false);
         for p in step {
             let seq = self.seqs.get(&p.id)?;
-            let decode = p.n_base == 1 && p.start + 1 == seq.tokens.len();
-            if decode || !p.draft.is_empty() {
+            if !p.draft.is_empty() {
                 return None;
             }
+            prefill |= !(p.n_base == 1 && p.start + 1 == seq.tokens.len());
             level = level.max(seq.priority);
+        }
+        // Decodes alone are one token each: voice does not wait long behind them.
+        if !prefill {
+            return None;
         }
         pacing.step_cap(level, |_| false)?;
         self.yield_state.step = step.iter().map(|p| p.id).collect();

@@ -84,7 +84,7 @@ fn only_steps_of_lower_lane_prefill_below_a_lane_with_targets_are_yieldable() {
     let s = p.plan_step().unwrap();
     assert_eq!((s.seqs[0].wants_logits, s.yield_level), (true, Some(AGENT)));
     done(&mut p, &s);
-    // A decode is never interrupted (it is one token; voice does not wait long behind it).
+    // A step of decodes alone is never interrupted (one token each; voice does not wait long).
     let s = p.plan_step().unwrap();
     assert!(s.seqs[0].is_decode());
     assert_eq!(s.yield_level, None);
@@ -96,6 +96,37 @@ fn only_steps_of_lower_lane_prefill_below_a_lane_with_targets_are_yieldable() {
     assert!(ids(&s).contains(&3));
     assert_eq!(s.yield_level, None);
     assert!(!p.planner().yields_to(VOICE + 1));
+}
+
+#[test]
+fn a_step_of_agent_prefill_and_agent_decodes_yields_and_its_decodes_sample_after_the_resume() {
+    let mut p = policy();
+    add(&mut p, 1, AGENT, 40, 8);
+    step(&mut p);
+    let view = p.seq(1).unwrap();
+    assert_eq!(view.num_computed + 1, view.tokens.len(), "agent 1 decodes from here");
+    add(&mut p, 2, AGENT, 2000, 4);
+    let mixed = p.plan_step().unwrap();
+    assert_eq!(ids(&mixed), vec![1, 2], "agent 1's decode beside agent 2's chunk");
+    assert!(mixed.seqs[0].is_decode() && !mixed.seqs[1].is_decode());
+    assert_eq!(mixed.yield_level, Some(AGENT), "decodes do not keep a prefill step from yielding");
+    let generated = p.seq(1).unwrap().tokens.len();
+    add(&mut p, 9, VOICE, 60, 3);
+    assert!(p.planner().yields_to(VOICE));
+    assert_eq!(p.on_step_suspended(), Some(AGENT));
+    let s = step(&mut p);
+    assert_eq!(ids(&s), vec![9], "voice runs alone while both agents are suspended");
+    assert_eq!(p.seq(1).unwrap().tokens.len(), generated, "the decode has not sampled yet");
+    while !p.planner().may_resume() {
+        step(&mut p);
+    }
+    assert!(p.resume_suspended());
+    done(&mut p, &mixed);
+    assert_eq!(p.seq(1).unwrap().tokens.len(), generated + 1, "it samples when the step completes");
+    while !p.is_idle() {
+        step(&mut p);
+    }
+    assert_eq!(p.blocks_used(), 0);
 }
 
 #[test]

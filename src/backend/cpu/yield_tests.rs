@@ -131,3 +131,33 @@ fn a_dropped_suspended_step_leaves_room_for_the_next() {
     assert_eq!(bits(&done(b.forward_yielding(&w.agents(), &signal).unwrap())), bits(&whole));
     assert_eq!(bits(&w.decode(&mut b)), bits(&w.decode(&mut reference)));
 }
+
+/// A decode row beside a prefill chunk (the agent lane's decodes ride in its yieldable steps):
+/// suspended twice, with voice in between, its logits and the chunk's equal the uninterrupted
+/// step's bitwise.
+#[test]
+fn a_decode_row_in_a_suspended_step_gives_the_uninterrupted_logits() {
+    let cfg = four_layers();
+    let w = Work::new();
+    let next = [7u32];
+    let mixed = [
+        SeqStep { tokens: &next, start_pos: 13, block_table: &[0, 1, 2, 3], logits_rows: 1, state_slot: 0 },
+        SeqStep { tokens: &w.b, start_pos: 0, block_table: &[4, 5, 6], logits_rows: 1, state_slot: 0 },
+    ];
+    let agent_a = [w.agents()[0]];
+    let mut reference = backend(&cfg);
+    reference.forward(&agent_a).unwrap();
+    let whole = reference.forward(&mixed).unwrap();
+
+    let mut b = backend(&cfg);
+    b.forward(&agent_a).unwrap();
+    let signal = AtomicBool::new(true);
+    assert!(matches!(b.forward_yielding(&mixed, &signal).unwrap(), StepRun::Suspended { after_layer: 0 }));
+    b.forward(&w.voice()).unwrap();
+    assert!(matches!(b.resume_suspended(&mixed, &signal).unwrap(), StepRun::Suspended { after_layer: 1 }));
+    b.forward(&w.voice()).unwrap();
+    signal.store(false, Ordering::Release);
+    let resumed = done(b.resume_suspended(&mixed, &signal).unwrap());
+    assert_eq!(resumed.offsets, whole.offsets);
+    assert_eq!(bits(&resumed), bits(&whole), "the decode row or the chunk computed differently");
+}
