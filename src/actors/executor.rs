@@ -137,6 +137,7 @@ impl StepResult {
     }
 }
 
+#[derive(ractor_cluster::RactorMessage)]
 pub enum ExecutorMsg {
     Run(StepPlan),
     /// Continue the suspended step `step_id` (see `StepPlan::yield_signal`) from the layer after

@@ -34,6 +34,7 @@ use crate::spec::HiddenChunk;
 use crate::structured::{GrammarHandle, PendingMasks};
 use crate::tokenizer::TokenizerBundle;
 
+#[derive(ractor_cluster::RactorMessage)]
 pub enum SchedulerMsg {
     /// A validated request for lane `lane` (index into the lane list).
     Submit {
