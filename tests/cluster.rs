@@ -5,7 +5,10 @@
 //!   ranks): the cross-process collective sums in the same rank order as the in-process one.
 //! - SIGKILL of the worker: the request in flight fails with an error naming rank 1 within a
 //!   bounded time (no hang), `/health` answers 503 naming the rank, new requests are refused,
-//!   and `/metrics` counts the failure.
+//!   and `/metrics` counts the failure. SIGSTOP (a silent worker): the same after
+//!   `--cluster-timeout`.
+//! - Four ranks (three workers, connected to each other as well) match one process.
+//! - A worker with the wrong cookie is turned away and says why.
 
 mod binary_server;
 mod common;
@@ -33,6 +36,8 @@ impl Worker {
             .arg("--model")
             .arg(model)
             .args(["--device", "cpu", "--threads", "1", "--head-addr", head, "--cookie", COOKIE])
+            // The workers connect to each other at this address (this host's name may not resolve).
+            .args(["--advertise-host", "127.0.0.1"])
             .args(["--rank", &rank.to_string(), "--join-timeout", "120"])
             .env("SHELFSERVE_LOG", "info")
             .env("NO_COLOR", "1")
@@ -47,6 +52,12 @@ impl Worker {
             }
         });
         Worker { child }
+    }
+
+    /// Stops the process without closing its connections (SIGSTOP): a silent rank.
+    fn freeze(&self) {
+        // SAFETY: sending a signal to our own child's pid.
+        assert_eq!(unsafe { libc::kill(self.child.id() as i32, libc::SIGSTOP) }, 0);
     }
 
     fn kill(&mut self) {
@@ -87,15 +98,16 @@ fn greedy_texts(server: &Server) -> Vec<String> {
         .collect()
 }
 
-/// A head of two ranks on `port`, its rank 1 started first (it keeps trying to reach the head).
-fn cluster(port: u16) -> (Server, Worker) {
+/// A head of `world` ranks on `port`, its workers started first (they keep trying to reach it).
+fn cluster(port: u16, world: usize, collective_timeout: &str) -> (Server, Vec<Worker>) {
     let addr = format!("127.0.0.1:{port}");
-    let worker = Worker::start(&model(), &addr, 1);
-    let head_args = ["--tp", "2", "--threads", "1", "--head", "--cluster-addr", &addr, "--cluster-cookie", COOKIE];
-    let head_args: Vec<&str> = head_args.into_iter().chain(["--cluster-timeout", "20"]).collect();
+    let workers = (1..world).map(|rank| Worker::start(&model(), &addr, rank)).collect();
+    let tp = world.to_string();
+    let head_args = ["--tp", &tp, "--threads", "1", "--head", "--cluster-addr", &addr, "--cluster-cookie", COOKIE];
+    let head_args: Vec<&str> = head_args.into_iter().chain(["--cluster-timeout", collective_timeout]).collect();
     // `Server::start` returns once /health is 200: every rank has reported ready.
     let head = Server::start(&model(), "t", &head_args, "head");
-    (head, worker)
+    (head, workers)
 }
 
 #[test]
@@ -107,22 +119,16 @@ fn a_worker_process_serves_rank_1_and_its_death_fails_requests_without_a_hang() 
     assert_eq!(greedy_texts(&in_process), expected, "--tp 2 in one process differs from --tp 1");
     drop(in_process);
 
-    let (head, mut worker) = cluster(free_port());
+    let (head, mut workers) = cluster(free_port(), 2, "20");
     assert_eq!(greedy_texts(&head), expected, "ranks in two processes differ from one process");
     let metrics = head.target("voice").get("/metrics").expect("metrics").text();
     assert!(metrics.contains("shelfserve_cluster_ranks_joined 2"), "{metrics}");
 
     // A long request streaming when the worker dies: its stream ends with an error naming the
     // rank, well before the collective timeout (the lost node session is noticed at once).
-    let mut body = completion("A long story:", 1900);
-    body["stream"] = json!(true);
-    let mut stream = match head.target("voice").stream("/v1/completions", &body).expect("send") {
-        Ok(s) => s,
-        Err(r) => panic!("status {}: {}", r.status, r.text()),
-    };
-    stream.read_tokens(3).expect("the first tokens");
+    let stream = streaming(&head);
     let killed = Instant::now();
-    worker.kill();
+    workers[0].kill();
     let streamed = stream.finish().expect("the stream ends");
     let took = killed.elapsed();
     assert!(streamed.count < 1900, "a request whose rank died cannot finish: {streamed:?}");
@@ -139,6 +145,44 @@ fn a_worker_process_serves_rank_1_and_its_death_fails_requests_without_a_hang() 
     let metrics = head.target("voice").get("/metrics").expect("metrics").text();
     assert!(metrics.contains("shelfserve_cluster_rank_failures_total{rank=\"1\"} 1"), "{metrics}");
     assert!(metrics.contains("shelfserve_cluster_rank_up{rank=\"1\"} 0"), "{metrics}");
+}
+
+/// A streaming request past its first tokens.
+fn streaming(head: &Server) -> e2e_http::ChatStream {
+    let mut body = completion("A long story:", 1900);
+    body["stream"] = json!(true);
+    let mut stream = match head.target("voice").stream("/v1/completions", &body).expect("send") {
+        Ok(s) => s,
+        Err(r) => panic!("status {}: {}", r.status, r.text()),
+    };
+    stream.read_tokens(3).expect("the first tokens");
+    stream
+}
+
+#[test]
+fn a_silent_worker_is_declared_failed_after_the_collective_timeout() {
+    let (head, workers) = cluster(free_port(), 2, "3");
+    let stream = streaming(&head);
+    let frozen = Instant::now();
+    workers[0].freeze();
+    let streamed = stream.finish().expect("the stream ends");
+    let took = frozen.elapsed();
+    let error = streamed.error.as_ref().map(Value::to_string).unwrap_or_default();
+    assert!(error.contains("rank 1") && error.contains("did not answer"), "{streamed:?}");
+    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(30), "failed after {took:?}");
+    let health = head.target("voice").get("/health").expect("health");
+    assert_eq!(health.status, 503, "{}", health.text());
+    assert!(health.text().contains("worker rank 1"), "{}", health.text());
+}
+
+#[test]
+fn four_ranks_in_four_processes_match_one_process() {
+    let single = Server::start(&model(), "t", &["--threads", "1"], "tp1");
+    let expected = greedy_texts(&single);
+    drop(single);
+    // Three workers: they connect to each other too (each collective goes to every rank).
+    let (head, _workers) = cluster(free_port(), 4, "20");
+    assert_eq!(greedy_texts(&head), expected, "ranks in four processes differ from one process");
 }
 
 #[test]

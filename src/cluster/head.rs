@@ -25,6 +25,8 @@ pub struct JoinRequest {
     pub rank: usize,
     /// `actors::engine::model_fingerprint` of the worker's model.
     pub fingerprint: String,
+    /// `host:port` of the worker's node server: the workers of higher rank connect to it.
+    pub address: String,
 }
 
 /// The head's answer: what the worker's rank must be.
@@ -42,6 +44,10 @@ pub enum HeadMsg {
     /// A postcard `JoinRequest`; answered with a postcard `Result<Assignment, String>`.
     #[rpc]
     Join(Vec<u8>, RpcReplyPort<Vec<u8>>),
+    /// The node addresses of the worker ranks that joined so far, by rank (postcard
+    /// `Vec<Option<String>>`; rank 0 is the head, `None`). The argument is unused.
+    #[rpc]
+    Peers(u8, RpcReplyPort<Vec<u8>>),
     /// A node session closed: (peer name, peer address). Sent by this process's session watcher.
     NodeDown(String, String),
 }
@@ -111,7 +117,7 @@ impl HeadSetup {
             collective_timeout: self.opts.collective_timeout,
         };
         let state = HeadState {
-            roster: Roster { assignment, fingerprint, joined: vec![false; self.world] },
+            roster: Roster { assignment, fingerprint, joined: vec![None; self.world] },
             scheduler,
             collective: self.collective,
         };
@@ -141,11 +147,12 @@ struct HeadState {
     collective: ActorRef<CollectiveMsg>,
 }
 
-/// Which worker ranks have joined: each once, and only with the head's model.
+/// Which worker ranks have joined (with their node addresses): each once, and only with the
+/// head's model.
 struct Roster {
     assignment: Assignment,
     fingerprint: String,
-    joined: Vec<bool>,
+    joined: Vec<Option<String>>,
 }
 
 impl Roster {
@@ -157,18 +164,19 @@ impl Roster {
         if req.fingerprint != self.fingerprint {
             return Err("the worker's model differs from the head's (give every host the same model files)".into());
         }
-        if std::mem::replace(&mut self.joined[req.rank], true) {
+        if self.joined[req.rank].is_some() {
             return Err(format!("rank {} has already joined", req.rank));
         }
+        self.joined[req.rank] = Some(req.address.clone());
         Ok(self.assignment.clone())
     }
 
     fn has(&self, rank: usize) -> bool {
-        self.joined.get(rank).copied().unwrap_or(false)
+        self.joined.get(rank).is_some_and(Option::is_some)
     }
 
     fn count(&self) -> usize {
-        self.joined.iter().filter(|j| **j).count()
+        self.joined.iter().flatten().count()
     }
 }
 
@@ -202,6 +210,9 @@ impl Actor for HeadActor {
                 };
                 let _ = reply.send(encode(&answer).unwrap_or_default());
             }
+            HeadMsg::Peers(_, reply) => {
+                let _ = reply.send(encode(&st.roster.joined).unwrap_or_default());
+            }
             HeadMsg::NodeDown(name, addr) => {
                 let Some(rank) = super::rank_of_node(&name) else { return Ok(()) };
                 if !st.roster.has(rank) {
@@ -211,8 +222,15 @@ impl Actor for HeadActor {
                 tracing::error!(rank, addr = %addr, "head: a worker disconnected; failing its requests");
                 metrics::gauge!("shelfserve_cluster_rank_up", "rank" => rank.to_string()).set(0.0);
                 metrics::counter!("shelfserve_cluster_rank_failures_total", "rank" => rank.to_string()).increment(1);
-                // Rank 0 stops waiting in its collective, and the scheduler fails the requests.
+                // Every rank stops waiting in its collective, and the scheduler fails the requests.
                 let _ = st.collective.cast(CollectiveMsg::Abort(rank as u64, why.clone()));
+                let group = &st.roster.assignment.group;
+                for r in (1..st.roster.assignment.world).filter(|&r| r != rank) {
+                    for peer in ractor::pg::get_members(&super::collective_group(group, r)) {
+                        let _ =
+                            ActorRef::<CollectiveMsg>::from(peer).cast(CollectiveMsg::Abort(rank as u64, why.clone()));
+                    }
+                }
                 let _ = st
                     .scheduler
                     .cast(SchedulerMsg::ExecutorFailed { rank, error: format!("worker rank {rank}: {why}") });
@@ -278,14 +296,46 @@ pub async fn head_rank0(
 }
 
 /// The worker's side of `Join`: ask the head (found in its process group) for rank `rank`.
-pub async fn join(rank: usize, fingerprint: String, wait: Duration) -> Result<Assignment, super::ClusterError> {
+pub async fn join(
+    rank: usize,
+    fingerprint: String,
+    address: String,
+    wait: Duration,
+) -> Result<(ActorRef<HeadMsg>, Assignment), super::ClusterError> {
     let head: ActorRef<HeadMsg> = super::wait_for_member(super::HEAD_GROUP, wait).await?.into();
-    let req = encode(&JoinRequest { rank, fingerprint }).map_err(|_| super::ClusterError::Node("encoding".into()))?;
+    let req = encode(&JoinRequest { rank, fingerprint, address })
+        .map_err(|_| super::ClusterError::Node("encoding".into()))?;
     let reply = ractor::call_t!(head, HeadMsg::Join, wait.as_millis() as u64, req)
         .map_err(|e| super::ClusterError::Node(format!("joining the head: {e}")))?;
     let answer: Result<Assignment, String> =
         decode(&reply).map_err(|_| super::ClusterError::Node("a malformed answer from the head".into()))?;
-    answer.map_err(|reason| super::ClusterError::Refused { rank, reason })
+    answer.map(|a| (head.clone(), a)).map_err(|reason| super::ClusterError::Refused { rank, reason })
+}
+
+/// The node addresses of worker ranks `1..below`, once all of them have joined the head (polled
+/// until `wait` is up).
+pub async fn lower_peers(
+    head: &ActorRef<HeadMsg>,
+    below: usize,
+    wait: Duration,
+) -> Result<Vec<String>, super::ClusterError> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let reply = ractor::call_t!(head, HeadMsg::Peers, 5000, 0)
+            .map_err(|e| super::ClusterError::Node(format!("asking the head for the other workers: {e}")))?;
+        let joined: Vec<Option<String>> =
+            decode(&reply).map_err(|_| super::ClusterError::Node("a malformed answer from the head".into()))?;
+        let lower: Vec<Option<String>> = (1..below).map(|r| joined.get(r).cloned().flatten()).collect();
+        if lower.iter().all(Option::is_some) {
+            return Ok(lower.into_iter().flatten().collect());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(super::ClusterError::Timeout(format!(
+                "the workers of ranks 1..{below} did not all join within {wait:?}"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[cfg(test)]
@@ -296,8 +346,8 @@ mod tests {
     fn the_head_takes_each_worker_rank_once_and_only_for_its_model() {
         let kv = KvGeometry { block_size: 16, num_blocks: 8, state_slots: 4 };
         let assignment = Assignment { group: "g".into(), world: 3, kv, collective_timeout: Duration::from_secs(1) };
-        let mut roster = Roster { assignment: assignment.clone(), fingerprint: "abc".into(), joined: vec![false; 3] };
-        let req = |rank, fp: &str| JoinRequest { rank, fingerprint: fp.into() };
+        let mut roster = Roster { assignment: assignment.clone(), fingerprint: "abc".into(), joined: vec![None; 3] };
+        let req = |rank, fp: &str| JoinRequest { rank, fingerprint: fp.into(), address: format!("h{rank}:1") };
         assert_eq!(roster.join(&req(2, "abc")), Ok(assignment));
         assert!(roster.join(&req(2, "abc")).unwrap_err().contains("already joined"));
         assert!(roster.join(&req(1, "xyz")).unwrap_err().contains("model differs"));
@@ -305,6 +355,7 @@ mod tests {
         assert!(roster.join(&req(3, "abc")).unwrap_err().contains("not a worker rank"));
         assert!(roster.has(2) && !roster.has(1) && !roster.has(7));
         assert_eq!(roster.count(), 1);
+        assert_eq!(roster.joined, [None, None, Some("h2:1".to_string())]);
         // The answer travels in postcard.
         let back: Result<Assignment, String> = decode(&encode(&roster.join(&req(1, "abc"))).unwrap()).unwrap();
         assert_eq!(back.unwrap().world, 3);

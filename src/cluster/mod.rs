@@ -77,9 +77,11 @@ pub enum ClusterError {
 }
 
 /// Starts this process's node server on `port` (0 = any free port; on `listen`, else every
-/// address) under `name`, accepting peers that present `cookie`. Nodes connect transitively: a
-/// worker that joins the head also connects to the other workers (ranks exchange collective
-/// parts directly), at the host name each advertises (`advertise`, else this host's name).
+/// address) under `name`, accepting peers that present `cookie`. Connections are made only where
+/// this crate makes them (ractor_cluster's isolated mode): every worker to the head, and each
+/// worker to the workers of lower rank at the addresses they gave the head (`head::Peers`), so
+/// every pair of nodes has exactly one session (transitive mode opens duplicates and closes one,
+/// which would look like a lost rank). `advertise` is the host name this node gives its peers.
 pub async fn start_node(
     listen: Option<std::net::IpAddr>,
     port: u16,
@@ -91,7 +93,7 @@ pub async fn start_node(
         return Err(ClusterError::Node("an empty cluster cookie would let anyone join: set one".into()));
     }
     let hostname = advertise.map_or_else(host_name, str::to_string);
-    let mode = Some(ractor_cluster::node::NodeConnectionMode::Transitive);
+    let mode = Some(ractor_cluster::node::NodeConnectionMode::Isolated);
     let mut server = NodeServer::new(port, cookie.to_string(), name.to_string(), hostname, None, mode);
     if let Some(ip) = listen {
         server = server.with_listen_addr(ip);
@@ -103,7 +105,7 @@ pub async fn start_node(
 }
 
 /// This host's name (what other nodes connect to), `localhost` if it has none.
-fn host_name() -> String {
+pub fn host_name() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: the buffer is valid for its length; gethostname NUL-terminates within it on success.
     let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;

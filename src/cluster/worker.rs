@@ -55,7 +55,7 @@ pub struct WorkerOptions {
     pub cookie: String,
     /// This node server's port (0 = any free port).
     pub port: u16,
-    /// The host name other workers reach this one at (default: this host's name).
+    /// The host name or address other workers reach this one at (default: this host's name).
     pub advertise_host: Option<String>,
     /// CPU threads of this rank (0 = every core of this host).
     pub threads: usize,
@@ -66,24 +66,32 @@ pub struct WorkerOptions {
 /// Runs worker `opts.rank` of `bundle` until the head disconnects (an error: the group is gone)
 /// or the process is told to stop.
 pub async fn run_worker(bundle: ModelBundle, opts: WorkerOptions) -> Result<(), ClusterError> {
-    let node = super::start_node(
-        None,
-        opts.port,
-        &opts.cookie,
-        &super::worker_node_name(opts.rank),
-        opts.advertise_host.as_deref(),
-    )
-    .await?;
-    let (head_gone_tx, mut head_gone) = tokio::sync::mpsc::unbounded_channel();
+    // A port of our own choice when none is given: the other workers are told it.
+    let port = match opts.port {
+        0 => std::net::TcpListener::bind("0.0.0.0:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| ClusterError::Node(format!("finding a free port: {e}")))?
+            .port(),
+        p => p,
+    };
+    let host = opts.advertise_host.clone().unwrap_or_else(super::host_name);
+    let node =
+        super::start_node(None, port, &opts.cookie, &super::worker_node_name(opts.rank), Some(host.as_str())).await?;
+    let (closed_tx, mut closed) = tokio::sync::mpsc::unbounded_channel();
     node.cast(NodeServerMessage::SubscribeToEvents {
         id: "shelfserve-worker".into(),
-        subscription: Box::new(HeadWatch { gone: head_gone_tx }),
+        subscription: Box::new(SessionWatch { closed: closed_tx }),
     })
     .map_err(|e| ClusterError::Node(e.to_string()))?;
     connect_with_retry(&node, &opts.head_addr, opts.join_wait).await?;
     let fingerprint = crate::actors::engine::model_fingerprint(&bundle);
     let joining = async {
-        let assignment = super::head::join(opts.rank, fingerprint, opts.join_wait).await?;
+        let (head, assignment) =
+            super::head::join(opts.rank, fingerprint, format!("{host}:{port}"), opts.join_wait).await?;
+        // One session per pair of nodes: this rank connects to the ranks below it.
+        for addr in super::head::lower_peers(&head, opts.rank, opts.join_wait).await? {
+            connect_with_retry(&node, &addr, opts.join_wait).await?;
+        }
         let scheduler: ActorRef<SchedulerMsg> =
             super::wait_for_member(&super::scheduler_group(&assignment.group), opts.join_wait).await?.into();
         Ok::<_, ClusterError>((assignment, scheduler))
@@ -91,14 +99,16 @@ pub async fn run_worker(bundle: ModelBundle, opts: WorkerOptions) -> Result<(), 
     // A refused cookie closes the session before anything is synchronised.
     let (assignment, scheduler) = tokio::select! {
         joined = joining => joined?,
-        Some(addr) = head_gone.recv() => {
-            return Err(ClusterError::Node(format!("the head ({addr}) closed the connection (is the cookie the head's?)")))
+        Some((name, addr)) = closed.recv() => {
+            let who = if super::rank_of_node(&name).is_some() { "a worker" } else { "the head" };
+            return Err(ClusterError::Node(format!("{who} ({addr}) closed the connection (is the cookie the head's?)")))
         }
     };
     tracing::info!(rank = opts.rank, world = assignment.world, group = %assignment.group, "worker: joined the head");
     let comm = ClusterComm::start(&assignment.group, opts.rank, assignment.world, assignment.collective_timeout)
         .await
         .map_err(|e| ClusterError::Node(e.to_string()))?;
+    let collective = comm.actor();
     let threads =
         if opts.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { opts.threads };
     let make = cpu_rank_maker(Arc::new(bundle), assignment.kv, threads, comm, opts.join_wait);
@@ -116,9 +126,18 @@ pub async fn run_worker(bundle: ModelBundle, opts: WorkerOptions) -> Result<(), 
     .await
     .map_err(|e| ClusterError::Node(format!("starting the executor: {e}")))?;
     let mut signals = shutdown_signals().map_err(|e| ClusterError::Node(e.to_string()))?;
-    let result = tokio::select! {
-        Some(addr) = head_gone.recv() => Err(ClusterError::Node(format!("the head ({addr}) disconnected; this rank's group is gone"))),
-        Some(()) = signals.recv() => Ok(()),
+    let result = loop {
+        tokio::select! {
+            Some((name, addr)) = closed.recv() => match super::rank_of_node(&name) {
+                // Another worker is gone: stop waiting for it (the head fails the group).
+                Some(rank) => {
+                    let why = format!("its node ({addr}) disconnected");
+                    let _ = collective.cast(super::collective::CollectiveMsg::Abort(rank as u64, why));
+                }
+                None => break Err(ClusterError::Node(format!("the head ({addr}) disconnected; this rank's group is gone"))),
+            },
+            Some(()) = signals.recv() => break Ok(()),
+        }
     };
     executor.stop(None);
     node.stop(None);
@@ -159,16 +178,17 @@ fn shutdown_signals() -> std::io::Result<tokio::sync::mpsc::UnboundedReceiver<()
     Ok(rx)
 }
 
-/// Tells the worker when its session with the head closes (the worker only talks to the head).
-struct HeadWatch {
-    gone: tokio::sync::mpsc::UnboundedSender<String>,
+/// Tells the worker which node's session closed: (peer name, peer address).
+struct SessionWatch {
+    closed: tokio::sync::mpsc::UnboundedSender<(String, String)>,
 }
 
-impl NodeEventSubscription for HeadWatch {
+impl NodeEventSubscription for SessionWatch {
     fn node_session_opened(&self, _: NodeServerSessionInformation) {}
 
     fn node_session_disconnected(&self, ses: NodeServerSessionInformation) {
-        let _ = self.gone.send(ses.peer_addr);
+        let name = ses.peer_name.map(|n| n.name).unwrap_or_default();
+        let _ = self.closed.send((name, ses.peer_addr));
     }
 
     fn node_session_authenticated(&self, _: NodeServerSessionInformation) {}
