@@ -28,8 +28,10 @@ pub use collective::ClusterComm;
 /// The process group of the head's `HeadActor` (one head per cluster).
 pub const HEAD_GROUP: &str = "shelfserve.head";
 
-/// The default port of the head's node server.
-pub const DEFAULT_CLUSTER_PORT: u16 = 7450;
+/// The largest message a node accepts. A collective part is one rank's activations for a whole
+/// step (tokens × hidden size × 4 bytes: 32 MiB for 2048 tokens of a 4096-wide model), above
+/// ractor_cluster's default of 16 MiB; nodes authenticate with the cookie before any step runs.
+pub const MAX_FRAME_BYTES: u64 = 256 << 20;
 
 /// How long a collective waits for another process's rank before declaring it failed. Longer
 /// than any step of a CPU rank in CI; a dead worker's node is noticed at once regardless (its
@@ -94,7 +96,8 @@ pub async fn start_node(
     }
     let hostname = advertise.map_or_else(host_name, str::to_string);
     let mode = Some(ractor_cluster::node::NodeConnectionMode::Isolated);
-    let mut server = NodeServer::new(port, cookie.to_string(), name.to_string(), hostname, None, mode);
+    let mut server = NodeServer::new(port, cookie.to_string(), name.to_string(), hostname, None, mode)
+        .with_max_inbound_frame_size(MAX_FRAME_BYTES);
     if let Some(ip) = listen {
         server = server.with_listen_addr(ip);
     }
