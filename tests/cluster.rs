@@ -30,7 +30,7 @@ struct Worker {
 }
 
 impl Worker {
-    fn start(model: &Path, head: &str, rank: usize) -> Worker {
+    fn start(model: &Path, head: &str, rank: usize, extra: &[String]) -> Worker {
         let mut child = Command::new(env!("CARGO_BIN_EXE_shelfserve"))
             .arg("worker")
             .arg("--model")
@@ -38,6 +38,7 @@ impl Worker {
             .args(["--device", "cpu", "--threads", "1", "--head-addr", head, "--cookie", COOKIE])
             // The workers connect to each other at this address (this host's name may not resolve).
             .args(["--advertise-host", "127.0.0.1"])
+            .args(extra)
             .args(["--rank", &rank.to_string(), "--join-timeout", "120"])
             .env("SHELFSERVE_LOG", "info")
             .env("NO_COLOR", "1")
@@ -100,11 +101,20 @@ fn greedy_texts(server: &Server) -> Vec<String> {
 
 /// A head of `world` ranks on `port`, its workers started first (they keep trying to reach it).
 fn cluster(port: u16, world: usize, collective_timeout: &str) -> (Server, Vec<Worker>) {
+    cluster_with(port, world, collective_timeout, &[])
+}
+
+/// [`cluster`] with `extra` flags for every node.
+fn cluster_with(port: u16, world: usize, collective_timeout: &str, extra: &[String]) -> (Server, Vec<Worker>) {
     let addr = format!("127.0.0.1:{port}");
-    let workers = (1..world).map(|rank| Worker::start(&model(), &addr, rank)).collect();
+    let workers = (1..world).map(|rank| Worker::start(&model(), &addr, rank, extra)).collect();
     let tp = world.to_string();
     let head_args = ["--tp", &tp, "--threads", "1", "--head", "--cluster-addr", &addr, "--cluster-cookie", COOKIE];
-    let head_args: Vec<&str> = head_args.into_iter().chain(["--cluster-timeout", collective_timeout]).collect();
+    let head_args: Vec<&str> = head_args
+        .into_iter()
+        .chain(["--cluster-timeout", collective_timeout])
+        .chain(extra.iter().map(String::as_str))
+        .collect();
     // `Server::start` returns once /health is 200: every rank has reported ready.
     let head = Server::start(&model(), "t", &head_args, "head");
     (head, workers)
@@ -185,6 +195,50 @@ fn four_ranks_in_four_processes_match_one_process() {
     assert_eq!(greedy_texts(&head), expected, "ranks in four processes differ from one process");
 }
 
+/// A CA, and one certificate for 127.0.0.1 signed by it, as the three `--cluster-tls-*` files.
+fn tls_files(dir: &Path) -> Vec<String> {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().expect("CA key");
+    let mut ca = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(DnType::CommonName, "shelfserve test cluster CA");
+    let ca_cert = ca.self_signed(&ca_key).expect("self-sign the CA");
+    let key = KeyPair::generate().expect("node key");
+    let cert = CertificateParams::new(vec!["127.0.0.1".to_string()])
+        .expect("node params")
+        .signed_by(&key, &ca_cert, &ca_key)
+        .expect("sign the node certificate");
+    let mut flags = Vec::new();
+    for (flag, file, pem) in [
+        ("--cluster-tls-cert", "node.pem", cert.pem()),
+        ("--cluster-tls-key", "node.key", key.serialize_pem()),
+        ("--cluster-tls-ca", "ca.pem", ca_cert.pem()),
+    ] {
+        let path = dir.join(file);
+        std::fs::write(&path, pem).expect("write a PEM file");
+        flags.extend([flag.to_string(), path.to_str().expect("a UTF-8 path").to_string()]);
+    }
+    flags
+}
+
+#[test]
+fn nodes_talk_over_tls_when_asked() {
+    let single = Server::start(&model(), "t", &["--threads", "1"], "tp1");
+    let expected = greedy_texts(&single);
+    drop(single);
+    let dir = tempfile::tempdir().expect("tmp");
+    // Four ranks: the workers' sessions with each other are TLS too.
+    let tls = tls_files(dir.path());
+    let port = free_port();
+    let (head, workers) = cluster_with(port, 4, "20", &tls);
+    assert_eq!(greedy_texts(&head), expected, "ranks over TLS differ from one process");
+    // A node without TLS cannot even authenticate (were TLS ignored, it would get as far as the
+    // head refusing a second rank 1).
+    let plain = worker_output(&format!("127.0.0.1:{port}"), COOKIE);
+    assert!(plain.contains("closed the connection") && !plain.contains("already joined"), "{plain}");
+    drop(workers);
+}
+
 #[test]
 fn a_worker_with_the_wrong_cookie_is_refused_and_says_so() {
     let addr = format!("127.0.0.1:{}", free_port());
@@ -199,24 +253,30 @@ fn a_worker_with_the_wrong_cookie_is_refused_and_says_so() {
         .stderr(Stdio::null())
         .spawn()
         .expect("spawn the head");
-    let bad = Command::new(env!("CARGO_BIN_EXE_shelfserve"))
+    // It keeps trying until the head listens, then is turned away at authentication.
+    let started = Instant::now();
+    let log = worker_output(&addr, "wrong");
+    let _ = head.kill();
+    let _ = head.wait();
+    assert!(log.contains("is the cookie the head's?"), "{log}");
+    assert!(started.elapsed() < Duration::from_secs(60), "{log}");
+}
+
+/// The log of a plain worker of rank 1 run against `addr` until it exits (which it must, with
+/// an error).
+fn worker_output(addr: &str, cookie: &str) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_shelfserve"))
         .arg("worker")
         .arg("--model")
         .arg(model())
-        .args(["--device", "cpu", "--threads", "1", "--head-addr", &addr, "--rank", "1", "--cookie", "wrong"])
+        .args(["--device", "cpu", "--threads", "1", "--head-addr", addr, "--rank", "1", "--cookie", cookie])
         .args(["--join-timeout", "60"])
         .env("NO_COLOR", "1")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn the worker");
-    // It keeps trying until the head listens, then is turned away at authentication.
-    let started = Instant::now();
-    let out = bad.wait_with_output().expect("the worker's exit");
-    let _ = head.kill();
-    let _ = head.wait();
-    let log = String::from_utf8_lossy(&out.stderr);
+        .output()
+        .expect("run a worker");
+    let log = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(!out.status.success(), "{log}");
-    assert!(log.contains("is the cookie the head's?"), "{log}");
-    assert!(started.elapsed() < Duration::from_secs(60), "{log}");
+    log
 }

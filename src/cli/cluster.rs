@@ -22,7 +22,7 @@ pub struct HeadArgs {
     #[arg(long, env = "SHELFSERVE_CLUSTER_ADDR", default_value = "0.0.0.0:7450", value_name = "HOST:PORT")]
     pub cluster_addr: String,
     /// The secret every node of the cluster presents (ractor_cluster's cookie authentication).
-    /// Node traffic is not encrypted: keep it on a trusted network.
+    /// Without the --cluster-tls-* flags node traffic is not encrypted: keep it on a trusted network.
     #[arg(long, env = "SHELFSERVE_CLUSTER_COOKIE", value_name = "SECRET")]
     pub cluster_cookie: Option<String>,
     /// Seconds to wait for every worker to join before the engine fails.
@@ -32,6 +32,35 @@ pub struct HeadArgs {
     /// worker's node is noticed at once regardless).
     #[arg(long, env = "SHELFSERVE_CLUSTER_TIMEOUT", default_value_t = crate::cluster::DEFAULT_COLLECTIVE_TIMEOUT.as_secs_f64(), value_name = "SECONDS")]
     pub cluster_timeout: f64,
+    #[command(flatten)]
+    pub tls: ClusterTlsArgs,
+}
+
+/// TLS between the cluster's nodes (head and workers alike).
+#[derive(Args, Debug, Clone)]
+pub struct ClusterTlsArgs {
+    /// TLS between cluster nodes: this node's PEM certificate chain, valid for the host it is
+    /// reached at (needs --cluster-tls-key and --cluster-tls-ca; every node of the cluster must
+    /// use TLS).
+    #[arg(long, env = "SHELFSERVE_CLUSTER_TLS_CERT", requires_all = ["cluster_tls_key", "cluster_tls_ca"])]
+    pub cluster_tls_cert: Option<std::path::PathBuf>,
+    /// The PEM private key of --cluster-tls-cert.
+    #[arg(long, env = "SHELFSERVE_CLUSTER_TLS_KEY", requires = "cluster_tls_cert")]
+    pub cluster_tls_key: Option<std::path::PathBuf>,
+    /// The PEM certificates this node trusts for the nodes it connects to.
+    #[arg(long, env = "SHELFSERVE_CLUSTER_TLS_CA", requires = "cluster_tls_cert")]
+    pub cluster_tls_ca: Option<std::path::PathBuf>,
+}
+
+impl ClusterTlsArgs {
+    fn load(&self) -> Result<Option<crate::cluster::NodeTls>, CliError> {
+        match (&self.cluster_tls_cert, &self.cluster_tls_key, &self.cluster_tls_ca) {
+            (Some(cert), Some(key), Some(ca)) => {
+                crate::cluster::NodeTls::from_files(cert, key, ca).map(Some).map_err(|e| CliError::Usage(e.to_string()))
+            }
+            _ => Ok(None),
+        }
+    }
 }
 
 impl HeadArgs {
@@ -48,9 +77,11 @@ impl HeadArgs {
             .cluster_addr
             .parse()
             .map_err(|e| CliError::Usage(format!("--cluster-addr `{}`: {e}", self.cluster_addr)))?;
-        let node = crate::cluster::start_node(Some(addr.ip()), addr.port(), &cookie, "shelfserve-head", None)
-            .await
-            .map_err(|e| CliError::Usage(e.to_string()))?;
+        let tls = self.tls.load()?;
+        let node =
+            crate::cluster::start_node(Some(addr.ip()), addr.port(), &cookie, "shelfserve-head", None, tls.as_ref())
+                .await
+                .map_err(|e| CliError::Usage(e.to_string()))?;
         tracing::info!(addr = %addr, "head: cluster node listening for workers");
         Ok(Some(HeadOptions {
             node,
@@ -93,6 +124,8 @@ pub struct WorkerArgs {
     /// Seconds to keep trying to reach the head, and to wait for the other ranks.
     #[arg(long, env = "SHELFSERVE_CLUSTER_JOIN_TIMEOUT", default_value_t = 300.0, value_name = "SECONDS")]
     pub join_timeout: f64,
+    #[command(flatten)]
+    pub tls: ClusterTlsArgs,
 }
 
 pub fn run_worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
@@ -108,6 +141,7 @@ pub fn run_worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
         advertise_host: args.advertise_host.clone(),
         threads: args.model.threads,
         join_wait: seconds(args.join_timeout, "--join-timeout")?,
+        tls: args.tls.load()?,
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(run_worker(bundle, opts)).map_err(|e| CliError::Usage(e.to_string()))

@@ -1,6 +1,6 @@
 //! Tensor-parallel ranks in several processes (and hosts) as one actor system, through
 //! `ractor_cluster`: every process runs a `NodeServer` (cookie authentication, TLS optional), the
-//! workers connect to the head, and the actors that must be reached from another process are
+//! workers connect to the head (and to each other), and the actors that must be reached from another process are
 //! members of process groups named here. The head's `SchedulerActor` sends steps to a worker's
 //! `ExecutorActor` exactly as to its own rank 0 (a remote `ActorRef`, the messages encoded by
 //! `wire`), and the ranks' collectives are messages between per-rank actors (`collective`).
@@ -78,6 +78,64 @@ pub enum ClusterError {
     Timeout(String),
 }
 
+/// TLS between nodes (`--cluster-tls-cert/-key/-ca`): this node's certificate for the sessions it
+/// accepts, and the roots it trusts for the sessions it opens (the peer's name is the host of the
+/// address it is reached at).
+#[derive(Clone)]
+pub struct NodeTls {
+    server: std::sync::Arc<rustls::ServerConfig>,
+    client: std::sync::Arc<rustls::ClientConfig>,
+}
+
+impl NodeTls {
+    pub fn from_files(
+        cert: &std::path::Path,
+        key: &std::path::Path,
+        ca: &std::path::Path,
+    ) -> Result<Self, ClusterError> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::CertificateDer;
+        let server = crate::api::tls::server_config(cert, key).map_err(|e| ClusterError::Node(e.to_string()))?;
+        let mut roots = rustls::RootCertStore::empty();
+        let cas = CertificateDer::pem_file_iter(ca)
+            .map_err(|e| ClusterError::Node(format!("{}: {e}", ca.display())))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| ClusterError::Node(format!("{}: not a PEM certificate file: {e}", ca.display())))?;
+        for c in cas {
+            roots.add(c).map_err(|e| ClusterError::Node(format!("{}: {e}", ca.display())))?;
+        }
+        if roots.is_empty() {
+            return Err(ClusterError::Node(format!("{}: no certificate in the file", ca.display())));
+        }
+        let client =
+            rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .map_err(|e| ClusterError::Node(e.to_string()))?
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+        Ok(NodeTls { server, client: std::sync::Arc::new(client) })
+    }
+}
+
+/// Opens a session from `node` to the node at `addr` (`host:port`), over TLS when `tls` is given.
+pub async fn connect(
+    node: &ActorRef<NodeServerMessage>,
+    addr: &str,
+    tls: Option<&NodeTls>,
+) -> Result<(), ClusterError> {
+    let result = match tls {
+        None => ractor_cluster::client_connect(node, addr).await,
+        Some(tls) => {
+            let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h).trim_matches(|c| c == '[' || c == ']');
+            let name = rustls::pki_types::ServerName::try_from(host.to_string())
+                .map_err(|e| ClusterError::Node(format!("`{host}` is not a TLS server name: {e}")))?;
+            let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::clone(&tls.client));
+            ractor_cluster::client_connect_enc(node, addr, connector, name).await
+        }
+    };
+    result.map_err(|e| ClusterError::Node(format!("connecting to {addr}: {e}")))
+}
+
 /// Starts this process's node server on `port` (0 = any free port; on `listen`, else every
 /// address) under `name`, accepting peers that present `cookie`. Connections are made only where
 /// this crate makes them (ractor_cluster's isolated mode): every worker to the head, and each
@@ -90,13 +148,17 @@ pub async fn start_node(
     cookie: &str,
     name: &str,
     advertise: Option<&str>,
+    tls: Option<&NodeTls>,
 ) -> Result<ActorRef<NodeServerMessage>, ClusterError> {
     if cookie.is_empty() {
         return Err(ClusterError::Node("an empty cluster cookie would let anyone join: set one".into()));
     }
     let hostname = advertise.map_or_else(host_name, str::to_string);
     let mode = Some(ractor_cluster::node::NodeConnectionMode::Isolated);
-    let mut server = NodeServer::new(port, cookie.to_string(), name.to_string(), hostname, None, mode)
+    let encryption = tls.map(|t| {
+        ractor_cluster::IncomingEncryptionMode::Tls(tokio_rustls::TlsAcceptor::from(std::sync::Arc::clone(&t.server)))
+    });
+    let mut server = NodeServer::new(port, cookie.to_string(), name.to_string(), hostname, encryption, mode)
         .with_max_inbound_frame_size(MAX_FRAME_BYTES);
     if let Some(ip) = listen {
         server = server.with_listen_addr(ip);

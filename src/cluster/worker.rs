@@ -61,6 +61,8 @@ pub struct WorkerOptions {
     pub threads: usize,
     /// How long to keep trying to reach the head and for the other ranks to join.
     pub join_wait: Duration,
+    /// TLS for this node's sessions (the head's must be on too).
+    pub tls: Option<super::NodeTls>,
 }
 
 /// Runs worker `opts.rank` of `bundle` until the head disconnects (an error: the group is gone)
@@ -75,22 +77,29 @@ pub async fn run_worker(bundle: ModelBundle, opts: WorkerOptions) -> Result<(), 
         p => p,
     };
     let host = opts.advertise_host.clone().unwrap_or_else(super::host_name);
-    let node =
-        super::start_node(None, port, &opts.cookie, &super::worker_node_name(opts.rank), Some(host.as_str())).await?;
+    let node = super::start_node(
+        None,
+        port,
+        &opts.cookie,
+        &super::worker_node_name(opts.rank),
+        Some(host.as_str()),
+        opts.tls.as_ref(),
+    )
+    .await?;
     let (closed_tx, mut closed) = tokio::sync::mpsc::unbounded_channel();
     node.cast(NodeServerMessage::SubscribeToEvents {
         id: "shelfserve-worker".into(),
         subscription: Box::new(SessionWatch { closed: closed_tx }),
     })
     .map_err(|e| ClusterError::Node(e.to_string()))?;
-    connect_with_retry(&node, &opts.head_addr, opts.join_wait).await?;
+    connect_with_retry(&node, &opts.head_addr, opts.tls.as_ref(), opts.join_wait).await?;
     let fingerprint = crate::actors::engine::model_fingerprint(&bundle);
     let joining = async {
         let (head, assignment) =
             super::head::join(opts.rank, fingerprint, format!("{host}:{port}"), opts.join_wait).await?;
         // One session per pair of nodes: this rank connects to the ranks below it.
         for addr in super::head::lower_peers(&head, opts.rank, opts.join_wait).await? {
-            connect_with_retry(&node, &addr, opts.join_wait).await?;
+            connect_with_retry(&node, &addr, opts.tls.as_ref(), opts.join_wait).await?;
         }
         let scheduler: ActorRef<SchedulerMsg> =
             super::wait_for_member(&super::scheduler_group(&assignment.group), opts.join_wait).await?.into();
@@ -148,14 +157,15 @@ pub async fn run_worker(bundle: ModelBundle, opts: WorkerOptions) -> Result<(), 
 async fn connect_with_retry(
     node: &ActorRef<NodeServerMessage>,
     addr: &str,
+    tls: Option<&super::NodeTls>,
     wait: Duration,
 ) -> Result<(), ClusterError> {
     let deadline = tokio::time::Instant::now() + wait;
     loop {
-        match ractor_cluster::client_connect(node, addr).await {
+        match super::connect(node, addr, tls).await {
             Ok(()) => return Ok(()),
             Err(e) if tokio::time::Instant::now() >= deadline => {
-                return Err(ClusterError::Timeout(format!("could not reach the head at {addr} within {wait:?}: {e}")))
+                return Err(ClusterError::Timeout(format!("could not reach {addr} within {wait:?}: {e}")))
             }
             Err(e) => tracing::debug!(addr, error = %e, "worker: the head is not reachable yet"),
         }
