@@ -6,6 +6,7 @@ pub mod api;
 pub mod backend;
 pub mod capacity;
 pub mod cli;
+pub mod cluster;
 pub mod config;
 pub mod fidelity;
 pub mod generate;

@@ -23,6 +23,7 @@ fn main() -> anyhow::Result<()> {
         Some(Command::Serve(a)) => run_serve(a),
         Some(Command::Bench(a)) => run_bench(a),
         Some(Command::BenchServe(a)) => run_bench_serve(a),
+        Some(Command::Worker(a)) => shelfserve::cli::cluster::run_worker_cmd(a),
         // No command: serve the default model with flags taken from the environment.
         None => match Cli::parse_from(["shelfserve", "serve"]).command {
             Some(Command::Serve(a)) => run_serve(&a),

@@ -35,6 +35,7 @@ pub struct DraftUpdate {
     pub k: usize,
 }
 
+#[derive(ractor_cluster::RactorMessage)]
 pub enum DrafterMsg {
     /// Extend and propose; the reply holds `(seq, draft)` for sequences with a non-empty draft.
     Propose { updates: Vec<DraftUpdate>, reply: RpcReplyPort<Vec<(SeqId, Vec<u32>)>> },

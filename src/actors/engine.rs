@@ -222,6 +222,17 @@ pub async fn start_engine(
     config: EngineConfig,
     opts: EngineOptions,
 ) -> Result<Arc<Engine>, EngineError> {
+    start_engine_with(bundle, config, opts, None).await
+}
+
+/// [`start_engine`], as the head of a cluster when `head` is given (`serve --head`): rank 0 runs
+/// here, ranks 1.. are `shelfserve worker` processes that join it (`cluster`).
+pub async fn start_engine_with(
+    bundle: ModelBundle,
+    config: EngineConfig,
+    opts: EngineOptions,
+    head: Option<crate::cluster::head::HeadOptions>,
+) -> Result<Arc<Engine>, EngineError> {
     config.validate().map_err(EngineError::Invalid)?;
     // The one place `auto` is settled (probing the driver once): the drafter's verification
     // price, the pool's KV layout and every rank's backend read this.
@@ -293,7 +304,7 @@ pub async fn start_engine(
     };
     let fingerprint = model_fingerprint(&bundle);
     let pool_identity = PoolIdentity {
-        model_fingerprint: fingerprint,
+        model_fingerprint: fingerprint.clone(),
         // The resolved device and its precision decide the bytes of a block image.
         kv_layout: device.kv_layout(kv.block_size),
         rank: 0,
@@ -352,7 +363,17 @@ pub async fn start_engine(
     };
     // One executor per tensor-parallel rank, each loading its shard on its own thread; the
     // scheduler learns them from their ready reports and sends every step to all of them.
-    let makers = rank_backend_makers(bundle, &device, kv).map_err(|e| EngineError::Invalid(e.to_string()))?;
+    let (makers, head) = match head {
+        None => (rank_backend_makers(bundle, &device, kv).map_err(|e| EngineError::Invalid(e.to_string()))?, None),
+        Some(h) => {
+            let (setup, rank0) = crate::cluster::head::head_rank0(h, bundle, &device, kv, &fingerprint)
+                .await
+                .map_err(EngineError::Invalid)?;
+            (vec![rank0], Some(setup))
+        }
+    };
+    // Every rank, those of other processes included.
+    let world = head.as_ref().map_or(makers.len(), |h| h.world);
     let (scheduler, _) = Actor::spawn(
         None,
         SchedulerActor,
@@ -368,7 +389,8 @@ pub async fn start_engine(
             spill,
             // The card's figure: the configured bytes capped by the host's available memory.
             spill_host_bytes: card.spill_host_bytes,
-            world: makers.len(),
+            world,
+            cluster_group: head.as_ref().map(|h| h.group.clone()),
             pacing: lane_pacing(&config, device.kind),
             overlap: config.scheduler.overlap_scheduling,
             yield_lower_prefill: config.scheduler.yield_lower_prefill,
@@ -376,9 +398,12 @@ pub async fn start_engine(
     )
     .await
     .map_err(|e| EngineError::Executor(e.to_string()))?;
+    if let Some(head) = head {
+        head.attach(scheduler.clone(), kv, fingerprint).await.map_err(EngineError::Executor)?;
+    }
     // One rank alone can run a profiling step; ranks joined by collectives would each have to.
     let workspace_probe =
-        card.gpu.filter(|_| makers.len() == 1).map(|g| WorkspaceProbe { tokens: budget, reserved: g.workspace });
+        card.gpu.filter(|_| world == 1).map(|g| WorkspaceProbe { tokens: budget, reserved: g.workspace });
     let mut executors = Vec::with_capacity(makers.len());
     for (rank, make) in makers.into_iter().enumerate() {
         let taps = hidden_taps.clone();
@@ -390,7 +415,7 @@ pub async fn start_engine(
         let (executor, _) = Actor::spawn(
             None,
             ExecutorActor,
-            ExecutorArgs { make_backend, scheduler: scheduler.clone(), rank, workspace_probe },
+            ExecutorArgs { make_backend, scheduler: scheduler.clone(), rank, workspace_probe, group: None },
         )
         .await
         .map_err(|e| EngineError::Executor(e.to_string()))?;

@@ -27,7 +27,7 @@ use crate::spec::HiddenChunk;
 use crate::structured::{apply_mask, PendingMasks};
 
 /// What to sample for a sequence whose chunk ends at its last known token.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct SampleSpec {
     pub params: Arc<SamplingParams>,
     /// Index of the token being generated (the counter of the seeded draw).
@@ -35,12 +35,14 @@ pub struct SampleSpec {
     /// Penalty history; `None` when the params use no penalties.
     pub penalties: Option<Arc<PenaltyState>>,
     /// Structured output: the allowed-token masks of this step's rows, computed while the
-    /// forward pass runs and joined just before sampling.
+    /// forward pass runs and joined just before sampling. Not sent to another process: only
+    /// rank 0 samples, and rank 0 is always the head's own executor.
+    #[serde(skip)]
     pub grammar: Option<Arc<PendingMasks>>,
 }
 
 /// One sequence's share of a step, as plain data.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct PlanSeq {
     pub seq: SeqId,
     pub tokens: Vec<u32>,
@@ -80,18 +82,19 @@ impl PlanSeq {
 }
 
 /// Everything an executor needs to run one step.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct StepPlan {
     pub step_id: u64,
     pub seqs: Vec<PlanSeq>,
     /// Present when the step carries only lower-lane prefill and may give way to a higher lane
     /// (`sched::yielding`): the scheduler raises it, and a backend that can yield stops the step at
     /// the next layer boundary, reported as `StepResult::suspended_after`; `ExecutorMsg::Resume`
-    /// continues it.
+    /// continues it. Not sent to another process: only a lone rank 0 yields.
+    #[serde(skip)]
     pub yield_signal: Option<Arc<AtomicBool>>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct StepResult {
     pub step_id: u64,
     /// The tensor-parallel rank that ran it (0 without tensor parallelism).
@@ -137,6 +140,7 @@ impl StepResult {
     }
 }
 
+/// Crosses processes (`cluster::wire`): a worker's executor is a remote actor of the head.
 pub enum ExecutorMsg {
     Run(StepPlan),
     /// Continue the suspended step `step_id` (see `StepPlan::yield_signal`) from the layer after
@@ -193,6 +197,9 @@ pub struct ExecutorArgs {
     /// A profiling step to run once the weights are loaded, before the rank reports ready
     /// (CUDA, one rank): measures the step workspace the KV pool was sized around.
     pub workspace_probe: Option<WorkspaceProbe>,
+    /// The cluster group of a worker's rank (`cluster::worker`): the executor joins its rank's
+    /// process group before it loads, so the head finds it when its ready report arrives.
+    pub group: Option<String>,
 }
 
 /// The largest step the scheduler may send, and the workspace the capacity card reserved for it.
@@ -586,6 +593,9 @@ impl Actor for ExecutorActor {
         myself: ActorRef<Self::Msg>,
         args: ExecutorArgs,
     ) -> Result<ExecutorState, ActorProcessingErr> {
+        if let Some(group) = &args.group {
+            ractor::pg::join(crate::cluster::executor_group(group, args.rank), vec![myself.get_cell()]);
+        }
         let (tx, rx) = flume::unbounded::<Job>();
         let scheduler = args.scheduler.clone();
         // Sent with `ExecutorReady`: a model that loads quickly may be ready before the scheduler
@@ -609,7 +619,7 @@ impl Actor for ExecutorActor {
                         kv_block_bytes: b.kv_block_bytes(),
                         state_slot_bytes: b.state_slot_bytes(),
                         snapshots_inside_step: b.snapshots_inside_step(),
-                        executor: me,
+                        executor: Some(me),
                     });
                     b
                 }

@@ -39,7 +39,7 @@ pub struct GenerationRequest {
 /// One image of a prompt, processed by the API (`media::ImageProcessor`) and handed on as plain
 /// data: the executor runs the vision tower on `pixel_values` and writes the embeddings into the
 /// rows of `span`; the KV pool keys the pages `span` touches by `hash`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PromptImage {
     /// Placeholder positions in the prompt (`t·h·w / merge²` of them).
     pub span: std::ops::Range<usize>,

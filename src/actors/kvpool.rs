@@ -13,6 +13,7 @@ use super::scheduler::SchedulerMsg;
 use super::spill::SpillMsg;
 use crate::kv::{apply_ops, view, KvPool, MissReason, PageHash, PoolCounters, PoolOp, PoolReply, SlotSnapshot};
 
+#[derive(ractor_cluster::RactorMessage)]
 pub enum KvPoolMsg {
     /// Apply `ops` in order and answer the scheduler with `SchedulerMsg::PoolCommitted`.
     /// `for_step` is echoed: true when the ops end with a planned step's admissions and growth.

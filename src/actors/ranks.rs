@@ -7,7 +7,7 @@ use super::executor::StepResult;
 use crate::backend::KvGeometry;
 
 /// What a rank reports when its backend is loaded.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RankReady {
     pub kv: KvGeometry,
     pub kv_block_bytes: usize,

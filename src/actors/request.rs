@@ -16,6 +16,7 @@ use crate::tokenizer::detok::IncrementalDetokenizer;
 use crate::tokenizer::stop::{StopMatcher, StopOutcome};
 use crate::tokenizer::TokenizerBundle;
 
+#[derive(ractor_cluster::RactorMessage)]
 pub enum RequestMsg {
     /// Tokens sampled for this request, in order.
     Tokens(Vec<TokenInfo>),

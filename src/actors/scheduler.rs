@@ -34,6 +34,7 @@ use crate::spec::HiddenChunk;
 use crate::structured::{GrammarHandle, PendingMasks};
 use crate::tokenizer::TokenizerBundle;
 
+/// The executors' reports cross processes (`cluster::wire`); everything else is local.
 pub enum SchedulerMsg {
     /// A validated request for lane `lane` (index into the lane list).
     Submit {
@@ -60,8 +61,10 @@ pub enum SchedulerMsg {
         /// The backend reads recurrent state at offsets inside a step (`Backend::snapshots_inside_step`).
         snapshots_inside_step: bool,
         /// The rank's executor: the scheduler learns its executors from these reports, and sends
-        /// every step to all of them once every rank is ready (rank 0 samples).
-        executor: ActorRef<ExecutorMsg>,
+        /// every step to all of them once every rank is ready (rank 0 samples). `None` when the
+        /// report came from another process: the rank's executor is then found in the cluster's
+        /// process group (`cluster::executor_of`).
+        executor: Option<ActorRef<ExecutorMsg>>,
     },
     /// The pool changed outside a commit (a restore from disk ended): plan again.
     PoolViewChanged(crate::kv::PoolView),
@@ -122,6 +125,9 @@ pub struct SchedulerArgs {
     pub pool_identity: PoolIdentity,
     /// Tensor-parallel ranks, one executor each; steps start once all of them are ready.
     pub world: usize,
+    /// The cluster this head serves (`serve --head`): ranks of other processes report ready
+    /// without a reference, and their executors are found in its process groups.
+    pub cluster_group: Option<String>,
     /// The opened spill store (taken when the executor is ready); `None` = spill off.
     pub spill: Option<crate::spill::SpillStore>,
     /// Bytes of evicted pages the spill tier keeps in host memory (with spill on).
@@ -493,8 +499,12 @@ impl SchedulerState {
         self.next_step += 1;
         let yield_signal = self.arm_yield(self.next_step, out.yield_level);
         let plan = StepPlan { step_id: self.next_step, seqs, yield_signal };
-        let followers_sent = self.followers.iter().all(|f| f.cast(ExecutorMsg::Run(plan.clone())).is_ok());
-        if followers_sent && exec.cast(ExecutorMsg::Run(plan)).is_ok() {
+        // A follower of another process is gone once its node is (`cluster`): name its rank.
+        let lost = match self.followers.iter().position(|f| f.cast(ExecutorMsg::Run(plan.clone())).is_err()) {
+            Some(i) => Some(i + 1),
+            None => exec.cast(ExecutorMsg::Run(plan)).is_err().then_some(0),
+        };
+        if lost.is_none() {
             // Queued behind a step still running, it starts with no host time in between.
             if !self.in_flight.is_empty() {
                 metrics::counter!("shelfserve_steps_overlapped_total").increment(1);
@@ -504,8 +514,12 @@ impl SchedulerState {
             self.step_done_at = None;
             self.in_flight.push_back(out.shape);
         } else if let Some(p) = self.policy.as_mut() {
+            let why = match lost {
+                Some(rank) if self.ranks.world() > 1 => format!("the executor of rank {rank} is gone"),
+                _ => "the executor is gone".to_string(),
+            };
             for id in p.on_step_failed() {
-                self.fail(id, EngineError::Executor("the executor is gone".into()));
+                self.fail(id, EngineError::Executor(why.clone()));
             }
         }
     }
@@ -871,6 +885,16 @@ impl Actor for SchedulerActor {
                 st.snapshots_inside_step &= snapshots_inside_step;
                 // The group is ready when every rank is; its KV image is the ranks' side by side.
                 // Executors announce themselves here (a fast load may beat any other message).
+                let executor = match executor
+                    .or_else(|| st.args.cluster_group.as_deref().and_then(|g| crate::cluster::executor_of(g, rank)))
+                {
+                    Some(e) => e,
+                    None => {
+                        let error = format!("rank {rank} reported ready, but its executor is not in the cluster");
+                        myself.cast(SchedulerMsg::ExecutorFailed { rank, error })?;
+                        return Ok(());
+                    }
+                };
                 if let Some(slot) = st.joining.get_mut(rank) {
                     *slot = Some(executor);
                 }

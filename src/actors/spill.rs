@@ -22,6 +22,7 @@ use crate::spill::{IoEvent, LoadError, SpillIo, SpillStore};
 /// How long a restore may take before it counts as a miss (the page is recomputed instead).
 pub const DEFAULT_READ_DEADLINE: Duration = Duration::from_secs(5);
 
+#[derive(ractor_cluster::RactorMessage)]
 pub enum SpillMsg {
     /// The pool actor, once spawned (the two actors refer to each other).
     AttachPool(ActorRef<KvPoolMsg>),

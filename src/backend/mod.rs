@@ -15,7 +15,7 @@ use crate::model::ModelError;
 use crate::sampling::{PenaltyState, Sampled, SamplingParams};
 
 /// Shape of the paged KV store a backend allocates at construction.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct KvGeometry {
     /// Tokens per allocation block.
     pub block_size: usize,

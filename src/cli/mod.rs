@@ -11,6 +11,7 @@ use clap::{Args, Parser, Subcommand};
 pub mod bench;
 mod bench_glm5;
 pub mod bench_serve;
+pub mod cluster;
 pub mod serve;
 
 use crate::actors::drafter::{sources_for, LanePricing};
@@ -55,6 +56,9 @@ pub enum Command {
     /// Load-test an OpenAI-compatible server (ours or another): fixed concurrency or Poisson
     /// rate, streamed; reports throughput and TTFT/TPOT/ITL/E2E percentiles.
     BenchServe(bench_serve::BenchServeArgs),
+    /// One more tensor-parallel rank for a `serve --head` on this or another host (the same
+    /// model files on every host): joins the head's cluster and runs the steps it is sent.
+    Worker(cluster::WorkerArgs),
 }
 
 #[derive(Args, Debug, Clone)]

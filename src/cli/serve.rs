@@ -7,7 +7,8 @@ use std::sync::Arc;
 use clap::Args;
 
 use super::{CliError, ModelArgs};
-use crate::actors::{start_engine, EngineOptions, InferenceEngine};
+use crate::actors::engine::start_engine_with;
+use crate::actors::{EngineOptions, InferenceEngine};
 use crate::api::auth::{read_key_file, AuthPolicy};
 use crate::api::media::MediaOptions;
 use crate::api::{bind_all, ApiOptions};
@@ -97,6 +98,8 @@ pub struct ServeArgs {
     /// Boxed: the serve command's arguments are the largest of the CLI's commands already.
     #[command(flatten)]
     pub http: Box<HttpArgs>,
+    #[command(flatten)]
+    pub cluster: Box<super::cluster::HeadArgs>,
     /// Print the resolved scheduler configuration (each knob with its source) and the capacity
     /// card, then exit without loading the weights.
     #[arg(long, env = "SHELFSERVE_DRY_RUN")]
@@ -371,13 +374,15 @@ pub fn run_serve(args: &ServeArgs) -> Result<(), CliError> {
     let metrics = crate::api::metrics::install_prometheus().map_err(|e| CliError::Usage(format!("metrics: {e}")))?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
-        let engine = start_engine(
+        let head = args.cluster.start().await?;
+        let engine = start_engine_with(
             bundle,
             cfg.clone(),
             EngineOptions {
                 device: crate::generate::DeviceSelection { kind, ..args.model.device_selection()? },
                 served_model_name: served.clone(),
             },
+            head,
         )
         .await
         .map_err(|e| CliError::Usage(e.to_string()))?;

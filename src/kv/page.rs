@@ -7,7 +7,7 @@ use sha2::{Digest, Sha256};
 /// Identity of a page: the first 16 bytes of a SHA-256 over the parent page's identity, the page's
 /// token ids and the pool salt (model fingerprint, KV layout, rank). Stable across restarts, so the
 /// spill index can key files by it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub struct PageHash(pub [u8; 16]);
 
 impl PageHash {

@@ -25,7 +25,7 @@ use crate::kv::{KvError, PageHash};
 
 /// The recurrent state of `seq` after its first `tokens` tokens (a page boundary), as the backend's
 /// `read_state_slot` wrote it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SlotSnapshot {
     pub seq: SeqId,
     pub tokens: usize,

@@ -142,7 +142,7 @@ impl SamplingParams {
 ///
 /// Only the distinct ids matter (and, for output tokens, their counts), so applying penalties
 /// costs O(distinct tokens), never O(history) or O(vocab).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct PenaltyState {
     /// Distinct ids of prompt + output: the repetition penalty's domain.
     seen: HashSet<u32>,
@@ -171,7 +171,7 @@ impl PenaltyState {
     }
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Sampled {
     pub token: u32,
     /// Log-probability of `token` under the model's raw distribution (log_softmax of the

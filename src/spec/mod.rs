@@ -54,7 +54,7 @@ pub enum DraftError {
 /// The target's tapped hidden states (see `backend::HiddenTaps`) for consecutive positions of one
 /// sequence, from `start_pos` on: one row per token the target ran and kept, each row the states
 /// of `layers` side by side.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct HiddenChunk {
     pub start_pos: usize,
     pub layers: std::sync::Arc<[usize]>,

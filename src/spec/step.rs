@@ -7,7 +7,7 @@ use super::verify::{verify_greedy, verify_sampled};
 use crate::sampling::{processed_probs, sample, sampled_as, PenaltyState, Sampled, SamplingParams};
 
 /// Emitted tokens of one sequence for one step.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StepTokens {
     /// Accepted drafts, then the target's own next token.
     pub tokens: Vec<Sampled>,

@@ -1,0 +1,282 @@
+//! Tensor-parallel ranks in separate processes (issue 26, deliverable 3), on the real binary over
+//! localhost: `shelfserve serve --head --tp 2` plus one `shelfserve worker --rank 1`, joined by
+//! ractor_cluster, on the llama fixture with a tokenizer.
+//! - Greedy output through the HTTP API equals one process at TP=1 and at `--tp 2` (in-process
+//!   ranks): the cross-process collective sums in the same rank order as the in-process one.
+//! - SIGKILL of the worker: the request in flight fails with an error naming rank 1 within a
+//!   bounded time (no hang), `/health` answers 503 naming the rank, new requests are refused,
+//!   and `/metrics` counts the failure. SIGSTOP (a silent worker): the same after
+//!   `--cluster-timeout`.
+//! - Four ranks (three workers, connected to each other as well) match one process.
+//! - A worker with the wrong cookie is turned away and says why.
+
+mod binary_server;
+mod common;
+mod e2e_http;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use binary_server::Server;
+use serde_json::{json, Value};
+
+const COOKIE: &str = "cluster-test-cookie";
+
+/// A running `shelfserve worker`, killed when dropped.
+struct Worker {
+    child: Child,
+}
+
+impl Worker {
+    fn start(model: &Path, head: &str, rank: usize, extra: &[String]) -> Worker {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_shelfserve"))
+            .arg("worker")
+            .arg("--model")
+            .arg(model)
+            .args(["--device", "cpu", "--threads", "1", "--head-addr", head, "--cookie", COOKIE])
+            // The workers connect to each other at this address (this host's name may not resolve).
+            .args(["--advertise-host", "127.0.0.1"])
+            .args(extra)
+            .args(["--rank", &rank.to_string(), "--join-timeout", "120"])
+            .env("SHELFSERVE_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn the shelfserve worker");
+        let stderr = child.stderr.take().expect("piped stderr");
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("[worker {rank}] {line}");
+            }
+        });
+        Worker { child }
+    }
+
+    /// Stops the process without closing its connections (SIGSTOP): a silent rank.
+    fn freeze(&self) {
+        // SAFETY: sending a signal to our own child's pid.
+        assert_eq!(unsafe { libc::kill(self.child.id() as i32, libc::SIGSTOP) }, 0);
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn model() -> PathBuf {
+    common::fixture("hf/llama-tok")
+}
+
+/// A port nobody listens on now (the OS's choice, released at once).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn completion(prompt: &str, max_tokens: usize) -> Value {
+    json!({"model": "t", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
+}
+
+const PROMPTS: [&str; 3] = ["The quick brown fox", "Once upon a time, in a land far away", "1, 2, 3, 4,"];
+
+fn greedy_texts(server: &Server) -> Vec<String> {
+    PROMPTS
+        .iter()
+        .map(|p| {
+            let r = server.target("voice").post("/v1/completions", &completion(p, 24)).expect("completion");
+            assert_eq!(r.status, 200, "{}", r.text());
+            r.json()["choices"][0]["text"].as_str().expect("text").to_string()
+        })
+        .collect()
+}
+
+/// A head of `world` ranks on `port`, its workers started first (they keep trying to reach it).
+fn cluster(port: u16, world: usize, collective_timeout: &str) -> (Server, Vec<Worker>) {
+    cluster_with(port, world, collective_timeout, &[])
+}
+
+/// [`cluster`] with `extra` flags for every node.
+fn cluster_with(port: u16, world: usize, collective_timeout: &str, extra: &[String]) -> (Server, Vec<Worker>) {
+    let addr = format!("127.0.0.1:{port}");
+    let workers = (1..world).map(|rank| Worker::start(&model(), &addr, rank, extra)).collect();
+    let tp = world.to_string();
+    let head_args = ["--tp", &tp, "--threads", "1", "--head", "--cluster-addr", &addr, "--cluster-cookie", COOKIE];
+    let head_args: Vec<&str> = head_args
+        .into_iter()
+        .chain(["--cluster-timeout", collective_timeout])
+        .chain(extra.iter().map(String::as_str))
+        .collect();
+    // `Server::start` returns once /health is 200: every rank has reported ready.
+    let head = Server::start(&model(), "t", &head_args, "head");
+    (head, workers)
+}
+
+#[test]
+fn a_worker_process_serves_rank_1_and_its_death_fails_requests_without_a_hang() {
+    let single = Server::start(&model(), "t", &["--threads", "1"], "tp1");
+    let expected = greedy_texts(&single);
+    drop(single);
+    let in_process = Server::start(&model(), "t", &["--threads", "1", "--tp", "2"], "tp2");
+    assert_eq!(greedy_texts(&in_process), expected, "--tp 2 in one process differs from --tp 1");
+    drop(in_process);
+
+    let (head, mut workers) = cluster(free_port(), 2, "20");
+    assert_eq!(greedy_texts(&head), expected, "ranks in two processes differ from one process");
+    let metrics = head.target("voice").get("/metrics").expect("metrics").text();
+    assert!(metrics.contains("shelfserve_cluster_ranks_joined 2"), "{metrics}");
+
+    // A long request streaming when the worker dies: its stream ends with an error naming the
+    // rank, well before the collective timeout (the lost node session is noticed at once).
+    let stream = streaming(&head);
+    let killed = Instant::now();
+    workers[0].kill();
+    let streamed = stream.finish().expect("the stream ends");
+    let took = killed.elapsed();
+    assert!(streamed.count < 1900, "a request whose rank died cannot finish: {streamed:?}");
+    let error = streamed.error.as_ref().map(Value::to_string).unwrap_or_default();
+    assert!(error.contains("rank 1"), "the error names the rank: {streamed:?}");
+    assert!(took < Duration::from_secs(15), "failed after {took:?}");
+
+    let health = head.target("voice").get("/health").expect("health");
+    assert_eq!(health.status, 503, "{}", health.text());
+    assert!(health.text().contains("worker rank 1"), "{}", health.text());
+    let next = head.target("voice").post("/v1/completions", &completion("Hello", 4)).expect("an answer");
+    assert_eq!(next.status, 503, "{}", next.text());
+    assert!(next.text().contains("rank 1"), "{}", next.text());
+    let metrics = head.target("voice").get("/metrics").expect("metrics").text();
+    assert!(metrics.contains("shelfserve_cluster_rank_failures_total{rank=\"1\"} 1"), "{metrics}");
+    assert!(metrics.contains("shelfserve_cluster_rank_up{rank=\"1\"} 0"), "{metrics}");
+}
+
+/// A streaming request past its first tokens.
+fn streaming(head: &Server) -> e2e_http::ChatStream {
+    let mut body = completion("A long story:", 1900);
+    body["stream"] = json!(true);
+    let mut stream = match head.target("voice").stream("/v1/completions", &body).expect("send") {
+        Ok(s) => s,
+        Err(r) => panic!("status {}: {}", r.status, r.text()),
+    };
+    stream.read_tokens(3).expect("the first tokens");
+    stream
+}
+
+#[test]
+fn a_silent_worker_is_declared_failed_after_the_collective_timeout() {
+    let (head, workers) = cluster(free_port(), 2, "3");
+    let stream = streaming(&head);
+    let frozen = Instant::now();
+    workers[0].freeze();
+    let streamed = stream.finish().expect("the stream ends");
+    let took = frozen.elapsed();
+    let error = streamed.error.as_ref().map(Value::to_string).unwrap_or_default();
+    assert!(error.contains("rank 1") && error.contains("did not answer"), "{streamed:?}");
+    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(30), "failed after {took:?}");
+    let health = head.target("voice").get("/health").expect("health");
+    assert_eq!(health.status, 503, "{}", health.text());
+    assert!(health.text().contains("worker rank 1"), "{}", health.text());
+}
+
+#[test]
+fn four_ranks_in_four_processes_match_one_process() {
+    let single = Server::start(&model(), "t", &["--threads", "1"], "tp1");
+    let expected = greedy_texts(&single);
+    drop(single);
+    // Three workers: they connect to each other too (each collective goes to every rank).
+    let (head, _workers) = cluster(free_port(), 4, "20");
+    assert_eq!(greedy_texts(&head), expected, "ranks in four processes differ from one process");
+}
+
+/// A CA, and one certificate for 127.0.0.1 signed by it, as the three `--cluster-tls-*` files.
+fn tls_files(dir: &Path) -> Vec<String> {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().expect("CA key");
+    let mut ca = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(DnType::CommonName, "shelfserve test cluster CA");
+    let ca_cert = ca.self_signed(&ca_key).expect("self-sign the CA");
+    let key = KeyPair::generate().expect("node key");
+    let cert = CertificateParams::new(vec!["127.0.0.1".to_string()])
+        .expect("node params")
+        .signed_by(&key, &ca_cert, &ca_key)
+        .expect("sign the node certificate");
+    let mut flags = Vec::new();
+    for (flag, file, pem) in [
+        ("--cluster-tls-cert", "node.pem", cert.pem()),
+        ("--cluster-tls-key", "node.key", key.serialize_pem()),
+        ("--cluster-tls-ca", "ca.pem", ca_cert.pem()),
+    ] {
+        let path = dir.join(file);
+        std::fs::write(&path, pem).expect("write a PEM file");
+        flags.extend([flag.to_string(), path.to_str().expect("a UTF-8 path").to_string()]);
+    }
+    flags
+}
+
+#[test]
+fn nodes_talk_over_tls_when_asked() {
+    let single = Server::start(&model(), "t", &["--threads", "1"], "tp1");
+    let expected = greedy_texts(&single);
+    drop(single);
+    let dir = tempfile::tempdir().expect("tmp");
+    // Four ranks: the workers' sessions with each other are TLS too.
+    let tls = tls_files(dir.path());
+    let port = free_port();
+    let (head, workers) = cluster_with(port, 4, "20", &tls);
+    assert_eq!(greedy_texts(&head), expected, "ranks over TLS differ from one process");
+    // A node without TLS cannot even authenticate (were TLS ignored, it would get as far as the
+    // head refusing a second rank 1).
+    let plain = worker_output(&format!("127.0.0.1:{port}"), COOKIE);
+    assert!(plain.contains("closed the connection") && !plain.contains("already joined"), "{plain}");
+    drop(workers);
+}
+
+#[test]
+fn a_worker_with_the_wrong_cookie_is_refused_and_says_so() {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let head_args = ["--tp", "2", "--threads", "1", "--head", "--cluster-addr", &addr, "--cluster-cookie", COOKIE];
+    let mut head = Command::new(env!("CARGO_BIN_EXE_shelfserve"))
+        .arg("serve")
+        .arg("--model")
+        .arg(model())
+        .args(["--device", "cpu", "--host", "127.0.0.1", "--lane-port", "voice=0,agent=0"])
+        .args(head_args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn the head");
+    // It keeps trying until the head listens, then is turned away at authentication.
+    let started = Instant::now();
+    let log = worker_output(&addr, "wrong");
+    let _ = head.kill();
+    let _ = head.wait();
+    assert!(log.contains("is the cookie the head's?"), "{log}");
+    assert!(started.elapsed() < Duration::from_secs(60), "{log}");
+}
+
+/// The log of a plain worker of rank 1 run against `addr` until it exits (which it must, with
+/// an error).
+fn worker_output(addr: &str, cookie: &str) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_shelfserve"))
+        .arg("worker")
+        .arg("--model")
+        .arg(model())
+        .args(["--device", "cpu", "--threads", "1", "--head-addr", addr, "--rank", "1", "--cookie", cookie])
+        .args(["--join-timeout", "60"])
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("run a worker");
+    let log = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{log}");
+    log
+}
