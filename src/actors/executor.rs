@@ -86,7 +86,7 @@ impl PlanSeq {
 pub struct StepPlan {
     pub step_id: u64,
     pub seqs: Vec<PlanSeq>,
-    /// Present when the step carries only lower-lane prefill and may give way to a higher lane
+    /// Present when the step carries lower-lane prefill (maybe with their decodes) and may give way to a higher lane
     /// (`sched::yielding`): the scheduler raises it, and a backend that can yield stops the step at
     /// the next layer boundary, reported as `StepResult::suspended_after`; `ExecutorMsg::Resume`
     /// continues it. Not sent to another process: only a lone rank 0 yields.
