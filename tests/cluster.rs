@@ -9,6 +9,10 @@
 //!   `--cluster-timeout`.
 //! - Four ranks (three workers, connected to each other as well) match one process.
 //! - A worker with the wrong cookie is turned away and says why.
+//! - glm5_next (the `glm5/chat` fixture) at TP=2 across processes, with and without expert
+//!   parallel, equals TP=1 in one process; the same prompts again hit the prefix cache (every
+//!   rank's slice of the KDA state joined, and written back by rank) with the same replies; n-gram
+//!   drafts verified across processes (rank 1 rolled back as rank 0 committed) equal no drafts.
 
 mod binary_server;
 mod common;
@@ -279,4 +283,106 @@ fn worker_output(addr: &str, cookie: &str) -> String {
     let log = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(!out.status.success(), "{log}");
     log
+}
+
+// ---- glm5_next across processes -------------------------------------------------------------
+// The `glm5/chat` fixture (transformers' tiny glm5_next with a tokenizer: 2 MLA heads, 2 KDA
+// heads, 8 indexer heads, 8 experts, so TP=2 with and without expert parallel). Every rank is a
+// `Glm5Backend::new_rank` in its own process with its own executor; rank 0 samples.
+
+fn glm5_model() -> PathBuf {
+    common::fixture("glm5/chat")
+}
+
+/// Small blocks and pages so short prompts cross page ends (recurrent-state snapshots) and a
+/// repeated prompt hits the prefix cache.
+const GLM5_CACHE: [&str; 4] = ["--block-size", "8", "--page-tokens", "16"];
+
+const GLM5_PROMPTS: [&str; 2] = [
+    "The quick brown fox jumps over the lazy dog, and the dog sleeps on.",
+    "one two three, one two three, one two three, one two three, one two",
+];
+
+fn glm5_texts(server: &Server, prompts: &[&str], max_tokens: usize) -> Vec<(String, u64)> {
+    prompts
+        .iter()
+        .map(|p| {
+            let r = server.target("voice").post("/v1/completions", &completion(p, max_tokens)).expect("completion");
+            assert_eq!(r.status, 200, "{}", r.text());
+            let v = r.json();
+            let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+            (v["choices"][0]["text"].as_str().expect("text").to_string(), cached)
+        })
+        .collect()
+}
+
+fn texts_only(replies: Vec<(String, u64)>) -> Vec<String> {
+    replies.into_iter().map(|(t, _)| t).collect()
+}
+
+/// A glm5_next head of two ranks (`head_extra` on the head only: expert parallel and speculative
+/// decoding are the head's choices) and its worker.
+fn glm5_cluster(label: &'static str, head_extra: &[&str]) -> (Server, Worker) {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let worker = Worker::start(&glm5_model(), &addr, 1, &[]);
+    let mut args = vec!["--tp", "2", "--threads", "1", "--head", "--cluster-addr", &addr, "--cluster-cookie", COOKIE];
+    args.extend(GLM5_CACHE);
+    args.extend(head_extra);
+    (Server::start(&glm5_model(), "t", &args, label), worker)
+}
+
+fn glm5_single(label: &'static str, extra: &[&str]) -> Vec<String> {
+    glm5_single_tokens(label, extra, 16)
+}
+
+fn glm5_single_tokens(label: &'static str, extra: &[&str], max_tokens: usize) -> Vec<String> {
+    let mut args = vec!["--threads", "1"];
+    args.extend(GLM5_CACHE);
+    args.extend(extra);
+    let server = Server::start(&glm5_model(), "t", &args, label);
+    texts_only(glm5_texts(&server, &GLM5_PROMPTS, max_tokens))
+}
+
+#[test]
+fn glm5_next_ranks_in_two_processes_match_one_process_and_hit_the_prefix_cache() {
+    let expected = glm5_single("glm5-tp1", &[]);
+    assert_eq!(glm5_single("glm5-tp2", &["--tp", "2"]), expected, "--tp 2 in one process differs from --tp 1");
+    for (label, extra) in [("glm5-head", &[][..]), ("glm5-head-ep", &["--enable-expert-parallel"][..])] {
+        let (head, _worker) = glm5_cluster(label, extra);
+        let first = glm5_texts(&head, &GLM5_PROMPTS, 16);
+        assert_eq!(texts_only(first.clone()), expected, "{label}: ranks in two processes differ from one process");
+        // The same prompts again: their pages are cached with every rank's slice of the KDA
+        // state (joined from both processes), and each rank resumes from its own slice.
+        let again = glm5_texts(&head, &GLM5_PROMPTS, 16);
+        assert!(again.iter().all(|(_, cached)| *cached >= 16), "{label}: no prefix hit: {again:?}");
+        assert_eq!(texts_only(again), expected, "{label}: a prefix hit across processes changed the reply");
+    }
+}
+
+/// `name{labels} value` summed over every line of the metric.
+fn metric_sum(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+const DRAFTED_TOKENS: usize = 64;
+
+#[test]
+fn glm5_next_drafts_verified_across_processes_equal_the_undrafted_reply() {
+    // Long enough replies for the fixture's own output to repeat n-grams (the prompt's repeats
+    // end before the first decode: the prefill samples the first token).
+    let expected = glm5_single_tokens("glm5-undrafted", &[], DRAFTED_TOKENS);
+    let (head, _worker) = glm5_cluster("glm5-head-ngram", &["--speculative", "ngram", "--num-speculative-tokens", "4"]);
+    let drafted = texts_only(glm5_texts(&head, &GLM5_PROMPTS, DRAFTED_TOKENS));
+    let metrics = head.target("voice").get("/metrics").expect("metrics").text();
+    let proposed = metric_sum(&metrics, "shelfserve_spec_draft_tokens_total");
+    let accepted = metric_sum(&metrics, "shelfserve_spec_accepted_tokens_total");
+    // Both kinds of verification ran: rank 1 rolled back to partial acceptances (some drafts
+    // rejected) and kept accepted ones, each as rank 0 committed it.
+    let spec: Vec<&str> = metrics.lines().filter(|l| l.contains("spec") || l.contains("draft")).collect();
+    assert!(accepted > 0.0 && accepted < proposed, "accepted {accepted} of {proposed} drafted tokens: {spec:#?}");
+    assert_eq!(drafted, expected, "drafted replies across processes differ from the undrafted ones");
 }

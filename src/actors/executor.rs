@@ -15,8 +15,11 @@ pub use super::encoders::EncoderCache;
 use super::encoders::{encode_step_images, StepEmbeds};
 use super::handle::PromptImage;
 use super::previous_samples::PreviousSamples;
+use super::rank_state::VerifiedSlot;
 use super::scheduler::SchedulerMsg;
 use super::spill::SpillMsg;
+use super::workspace_probe::measure_workspace;
+pub use super::workspace_probe::WorkspaceProbe;
 use super::yielding;
 use crate::backend::{Backend, DeviceSampleSpec, EmbeddedRows, HiddenTaps, SeqStep, StepLogits};
 use crate::kv::{EvictedPage, PageHash, SlotSnapshot};
@@ -119,6 +122,9 @@ pub struct StepResult {
     /// The step stopped after this decoder layer to give way (`StepPlan::yield_signal`): nothing
     /// was sampled, the executor keeps it until `ExecutorMsg::Resume`.
     pub suspended_after: Option<usize>,
+    /// The verifications rank 0 committed (slot, tokens kept): ranks in other executors roll
+    /// their slices of those slots back the same way (`ExecutorMsg::CommitVerified`).
+    pub verified: Vec<VerifiedSlot>,
 }
 
 impl StepResult {
@@ -136,6 +142,7 @@ impl StepResult {
             hidden: Vec::new(),
             rejected: Vec::new(),
             suspended_after: None,
+            verified: Vec::new(),
         }
     }
 }
@@ -172,6 +179,14 @@ pub enum ExecutorMsg {
         blocks: Vec<u32>,
         image: bytes::Bytes,
     },
+    /// To a rank other than 0 in its own executor: step `step_id`'s verifications as rank 0
+    /// committed them (only rank 0 samples, so only it knows the accepted lengths). Sent by the
+    /// scheduler as soon as the step's result is in, so it runs before anything that step's
+    /// result leads to (a state write, the next step). A failed commit fails the next step.
+    CommitVerified {
+        step_id: u64,
+        slots: Vec<VerifiedSlot>,
+    },
 }
 
 /// Work for the compute thread, in arrival order.
@@ -181,6 +196,7 @@ enum Job {
     Read(Vec<EvictedPage>, ActorRef<SpillMsg>, Option<ractor::RpcReplyPort<bool>>),
     Write(PageHash, Vec<u32>, bytes::Bytes),
     WriteState(u32, Arc<[u8]>),
+    CommitVerified(u64, Vec<VerifiedSlot>),
 }
 
 pub struct ExecutorActor;
@@ -200,60 +216,6 @@ pub struct ExecutorArgs {
     /// The cluster group of a worker's rank (`cluster::worker`): the executor joins its rank's
     /// process group before it loads, so the head finds it when its ready report arrives.
     pub group: Option<String>,
-}
-
-/// The largest step the scheduler may send, and the workspace the capacity card reserved for it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct WorkspaceProbe {
-    /// Tokens of the step (`max_num_batched_tokens`).
-    pub tokens: usize,
-    /// Bytes reserved for its activations and library workspaces.
-    pub reserved: u64,
-}
-
-/// Run one prefill of `probe.tokens` tokens (clamped to the pool) in fresh blocks and measure how
-/// much device memory the step's buffers took (the scratch stays allocated, so this is the step's
-/// peak); then give the KV pool what the measurement leaves of the reserve, or take from it what
-/// the step needs beyond it. Positions written here are overwritten by real work.
-fn measure_workspace(backend: &mut dyn Backend, probe: WorkspaceProbe, rank: usize) {
-    let Some(before) = backend.device_free_memory() else { return };
-    let geom = backend.kv_geometry();
-    let tokens = probe.tokens.min(geom.capacity_tokens()).max(1);
-    let ids = vec![0u32; tokens];
-    let table: Vec<u32> = (0..geom.blocks_for(tokens) as u32).collect();
-    let step = SeqStep { tokens: &ids, start_pos: 0, block_table: &table, logits_rows: 1, state_slot: 0 };
-    if let Err(e) = backend.forward(&[step]) {
-        tracing::warn!(rank, error = %e, tokens, "the profiling step failed; the step workspace is not measured");
-        return;
-    }
-    let used = before.saturating_sub(backend.device_free_memory().unwrap_or(before));
-    let blocks = crate::capacity::pool_blocks_after_probe(
-        geom.num_blocks,
-        backend.kv_block_bytes() as u64,
-        used,
-        probe.reserved,
-    );
-    tracing::info!(rank, tokens, measured_mib = used >> 20, reserved_mib = probe.reserved >> 20, "step workspace");
-    if blocks == geom.num_blocks {
-        return;
-    }
-    match backend.resize_kv(blocks) {
-        Ok(true) => tracing::info!(
-            rank,
-            from_tokens = geom.capacity_tokens(),
-            to_tokens = blocks * geom.block_size,
-            "KV pool resized to the measured step workspace"
-        ),
-        Ok(false) if blocks < geom.num_blocks => tracing::warn!(
-            rank,
-            measured_mib = used >> 20,
-            reserved_mib = probe.reserved >> 20,
-            "the step workspace measured above what the KV pool was sized around: if the device runs out of \
-             memory, lower --gpu-memory-utilization or --max-num-batched-tokens"
-        ),
-        Ok(false) => {}
-        Err(e) => tracing::warn!(rank, error = %e, "resizing the KV pool failed; the rank keeps none"),
-    }
 }
 
 pub struct ExecutorState {
@@ -302,6 +264,7 @@ pub(super) fn run_plan(
             hidden: Vec::new(),
             rejected: Vec::new(),
             suspended_after: None,
+            verified: Vec::new(),
         }
     } else {
         run_encoded(backend, &kept, rank, Some(embeds))
@@ -331,11 +294,13 @@ fn run_encoded(backend: &mut dyn Backend, plan: &StepPlan, rank: usize, encoded:
         hidden: Vec::new(),
         rejected: Vec::new(),
         suspended_after: None,
+        verified: Vec::new(),
     };
     // Sequences verifying drafts ask the backend to keep per-token recurrent state, and are
     // committed to their accepted length right after sampling (a no-op without recurrent state).
-    // Only rank 0 samples, so only it knows the accepted length: a model with recurrent state runs
-    // its whole tensor-parallel group in one executor (see `generate::rank_backend_makers`).
+    // Only rank 0 samples, so only it knows the accepted length: in one process a model with
+    // recurrent state runs its whole group in one executor (`generate::rank_backend_makers`);
+    // ranks in other processes are sent rank 0's commits (`StepResult::verified`).
     let verify: Vec<bool> = plan.seqs.iter().map(|s| s.num_draft > 0 && s.sample.is_some()).collect();
     // Page ends strictly inside a chunk: the backend keeps the state there during the forward.
     let marked: Vec<(&PlanSeq, Vec<usize>)> = plan
@@ -383,9 +348,13 @@ fn run_encoded(backend: &mut dyn Backend, plan: &StepPlan, rank: usize, encoded:
         result.hidden = kept_hidden(&taps, plan, &result.sampled);
     }
     // A verify run's state is at its end only when all its drafts were accepted; otherwise the
-    // page it would have completed stays unpublished (recomputed on a later hit).
+    // page it would have completed stays unpublished (recomputed on a later hit). A rank other than
+    // 0 cannot know yet (its commit comes later): its slot is still at the step's end, and the
+    // scheduler keeps its slice only beside a rank 0 snapshot (`rank_state::StateParts::join`).
     let reached_end = |s: &PlanSeq| {
-        s.num_draft == 0 || result.sampled.iter().any(|(seq, e)| *seq == s.seq && e.accepted == s.num_draft)
+        rank != 0
+            || s.num_draft == 0
+            || result.sampled.iter().any(|(seq, e)| *seq == s.seq && e.accepted == s.num_draft)
     };
     for (s, inside) in marked {
         let images = backend.take_state_snapshots(s.state_slot);
@@ -527,11 +496,14 @@ pub(super) fn sample_logits(
             }
         };
         if s.num_draft > 0 {
-            if let Err(e) = backend.commit_verified(s.state_slot, emitted.accepted + 1) {
+            let kept = emitted.accepted + 1;
+            if let Err(e) = backend.commit_verified(s.state_slot, kept) {
                 result.error = Some(format!("rolling back sequence {} after verification: {e}", s.seq));
                 result.sampled.clear();
+                result.verified.clear();
                 break;
             }
+            result.verified.push(VerifiedSlot { slot: s.state_slot, kept });
         }
         result.sampled.push((s.seq, emitted));
     }
@@ -633,10 +605,17 @@ impl Actor for ExecutorActor {
             let mut previous = PreviousSamples::default();
             // The step that stopped at a layer boundary to give way, until resumed.
             let mut suspended: Option<StepPlan> = None;
+            // A commit of rank 0's verifications that failed here: this rank's state is no longer
+            // the group's, so the next step fails (loudly, naming why) instead of computing from it.
+            let mut commit_failed: Option<String> = None;
             while let Ok(job) = rx.recv() {
                 match job {
                     Job::Step(mut plan) => {
-                        let result = match previous.fill(&mut plan) {
+                        let filled = match commit_failed.take() {
+                            Some(e) => Err(e),
+                            None => previous.fill(&mut plan),
+                        };
+                        let result = match filled {
                             Err(e) => StepResult::failed(plan.step_id, rank, e),
                             // A panicking backend must still answer, or the scheduler waits forever.
                             Ok(()) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -705,6 +684,16 @@ impl Actor for ExecutorActor {
                         }
                         tracing::debug!(page = %hash.to_hex(), micros = started.elapsed().as_micros() as u64, "restored page queued");
                     }
+                    Job::CommitVerified(step_id, slots) => {
+                        for v in slots {
+                            if let Err(e) = backend.commit_verified(v.slot, v.kept) {
+                                tracing::error!(rank, step_id, slot = v.slot, error = %e, "rank 0's verification commit failed here");
+                                commit_failed.get_or_insert_with(|| {
+                                    format!("rank {rank} could not roll back slot {} after step {step_id}: {e}", v.slot)
+                                });
+                            }
+                        }
+                    }
                     Job::WriteState(slot, image) => {
                         // The glm5 backend checks that a continued slot holds the state of the step's
                         // start position, so a failed write normally fails the next step loudly.
@@ -730,6 +719,7 @@ impl Actor for ExecutorActor {
             ExecutorMsg::ReadPages { pages, spill, sync } => send(state, Job::Read(pages, spill, sync))?,
             ExecutorMsg::WritePage { hash, blocks, image } => send(state, Job::Write(hash, blocks, image))?,
             ExecutorMsg::WriteState { slot, image } => send(state, Job::WriteState(slot, image))?,
+            ExecutorMsg::CommitVerified { step_id, slots } => send(state, Job::CommitVerified(step_id, slots))?,
         }
         Ok(())
     }

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::executor::ExecutorMsg;
+use super::rank_state::StateParts;
 use super::scheduler::SchedulerMsg;
 use super::spill::SpillMsg;
 use crate::kv::{apply_ops, view, KvPool, MissReason, PageHash, PoolCounters, PoolOp, PoolReply, SlotSnapshot};
@@ -68,6 +69,11 @@ pub struct KvPoolArgs {
     pub pool: KvPool,
     pub scheduler: ActorRef<SchedulerMsg>,
     pub executor: ActorRef<ExecutorMsg>,
+    /// The executors of ranks 1.. when each rank has its own (`serve --head`): a prefix hit's
+    /// state image is split between all of them (`state_parts`); empty in one executor.
+    pub followers: Vec<ActorRef<ExecutorMsg>>,
+    /// Each rank's slice of a state slot, rank 0 first.
+    pub state_parts: StateParts,
     /// The spill tier, when on.
     pub spill: Option<ActorRef<SpillMsg>>,
 }
@@ -76,6 +82,8 @@ pub struct KvPoolState {
     pool: KvPool,
     scheduler: ActorRef<SchedulerMsg>,
     executor: ActorRef<ExecutorMsg>,
+    followers: Vec<ActorRef<ExecutorMsg>>,
+    state_parts: StateParts,
     spill: Option<ActorRef<SpillMsg>>,
     /// Counters already published to `/metrics`.
     published: PoolCounters,
@@ -133,6 +141,26 @@ impl KvPoolState {
     }
 }
 
+impl KvPoolState {
+    /// A prefix hit's snapshot into `slot`: the whole image to the one executor, or each rank's
+    /// slice to that rank's executor (ranks in executors of their own hold only their KDA heads).
+    fn write_state(&self, slot: u32, image: Arc<[u8]>) -> Result<(), ActorProcessingErr> {
+        if self.followers.is_empty() {
+            self.executor.cast(ExecutorMsg::WriteState { slot, image })?;
+            return Ok(());
+        }
+        // The pool only takes snapshots of the group's width, so a mismatch is a broken invariant.
+        let parts = self.state_parts.split(&image)?;
+        if parts.len() != self.followers.len() + 1 {
+            return Err(format!("{} state slices for {} executors", parts.len(), self.followers.len() + 1).into());
+        }
+        for (executor, image) in std::iter::once(&self.executor).chain(&self.followers).zip(parts) {
+            executor.cast(ExecutorMsg::WriteState { slot, image })?;
+        }
+        Ok(())
+    }
+}
+
 impl Actor for KvPoolActor {
     type Msg = KvPoolMsg;
     type State = KvPoolState;
@@ -147,6 +175,8 @@ impl Actor for KvPoolActor {
             pool: args.pool,
             scheduler: args.scheduler,
             executor: args.executor,
+            followers: args.followers,
+            state_parts: args.state_parts,
             spill: args.spill,
             published: PoolCounters::default(),
         })
@@ -166,7 +196,7 @@ impl Actor for KvPoolActor {
                 // Prefix hits of a hybrid model resume from the last hit page's snapshot: queued at
                 // the executor before the scheduler hears back, hence before their first step.
                 for w in st.pool.take_state_writes() {
-                    st.executor.cast(ExecutorMsg::WriteState { slot: w.slot, image: w.image })?;
+                    st.write_state(w.slot, w.image)?;
                 }
                 if let Some(spill) = &st.spill {
                     // Queued at the executor before the scheduler hears back, hence before any

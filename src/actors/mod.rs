@@ -11,10 +11,12 @@ pub mod executor;
 pub mod handle;
 pub mod kvpool;
 pub mod previous_samples;
+pub mod rank_state;
 pub mod ranks;
 pub mod request;
 pub mod scheduler;
 pub mod spill;
+mod workspace_probe;
 mod yielding;
 
 pub use engine::{start_engine, DrainReport, Engine, EngineOptions};

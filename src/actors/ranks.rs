@@ -1,9 +1,11 @@
 //! The scheduler's book of its executor ranks (tensor parallelism: one `ExecutorActor` per rank,
 //! all sent the same `StepPlan`): when every rank has loaded, what the group's KV looks like,
 //! and when every rank has answered a step, the step's one result — rank 0's sampled tokens, or
-//! the first rank's error. Plain data, no actor code; the scheduler feeds it messages.
+//! the first rank's error, with every rank's recurrent-state snapshots joined. Plain data, no actor
+//! code; the scheduler feeds it messages.
 
 use super::executor::StepResult;
+use super::rank_state::StateParts;
 use crate::backend::KvGeometry;
 
 /// What a rank reports when its backend is loaded.
@@ -54,8 +56,16 @@ impl RankBook {
         }))
     }
 
+    /// Each rank's slice of a recurrent-state slot, once every rank has reported ready (the group's
+    /// image is the slices in rank order).
+    pub fn state_parts(&self) -> StateParts {
+        StateParts::new(self.ready.iter().map(|r| r.map_or(0, |r| r.state_slot_bytes)).collect())
+    }
+
     /// Record a rank's answer to the step in flight. Returns the step's result once every rank
-    /// answered: rank 0's, with the first failing rank's error (and no tokens) if any failed.
+    /// answered: rank 0's, with the first failing rank's error (and no tokens) if any failed, and
+    /// its recurrent-state snapshots joined with the other ranks' slices (ranks in separate
+    /// executors each snapshot only their own KDA heads).
     pub fn on_result(&mut self, rank: usize, r: StepResult) -> Option<StepResult> {
         let world = self.world();
         let Some(slot) = self.results.get_mut(rank) else {
@@ -72,7 +82,11 @@ impl RankBook {
             .iter()
             .enumerate()
             .find_map(|(i, r)| r.error.as_ref().map(|e| if world > 1 { format!("rank {i}: {e}") } else { e.clone() }));
-        let mut lead = all.swap_remove(0);
+        let mut lead = all.remove(0);
+        if world > 1 && !lead.snapshots.is_empty() {
+            let others: Vec<_> = all.iter_mut().map(|r| std::mem::take(&mut r.snapshots)).collect();
+            lead.snapshots = self.state_parts().join(std::mem::take(&mut lead.snapshots), &others);
+        }
         if let Some(id) = all.iter().map(|r| r.step_id).find(|&id| id != lead.step_id) {
             lead.error = Some(format!("ranks answered different steps ({} and {id})", lead.step_id));
             lead.sampled.clear();
@@ -109,6 +123,7 @@ mod tests {
             hidden: Vec::new(),
             rejected: Vec::new(),
             suspended_after: None,
+            verified: Vec::new(),
         }
     }
 
@@ -145,6 +160,24 @@ mod tests {
         assert!(b.on_result(0, result(5, 1, None, true)).is_none());
         let r = b.on_result(1, result(5, 1, None, false)).unwrap();
         assert_eq!(r.step_id, 5);
+    }
+
+    #[test]
+    fn a_steps_snapshots_carry_every_ranks_slice_in_rank_order() {
+        use std::sync::Arc;
+
+        use crate::kv::SlotSnapshot;
+        let snap = |bytes: &[u8]| SlotSnapshot { seq: 7, tokens: 16, image: Arc::from(bytes) };
+        let mut b = RankBook::new(3);
+        for (rank, width) in [(0, 2), (1, 1), (2, 1)] {
+            b.on_ready(rank, RankReady { state_slot_bytes: width, ..ready(10, 4) }).unwrap();
+        }
+        let with = |bytes: &[u8]| StepResult { snapshots: vec![snap(bytes)], ..result(3, 1, None, false) };
+        assert!(b.on_result(2, with(&[5])).is_none());
+        assert!(b.on_result(0, StepResult { sampled: result(3, 1, None, true).sampled, ..with(&[1, 2]) }).is_none());
+        let r = b.on_result(1, with(&[3])).unwrap();
+        assert_eq!(r.snapshots, vec![snap(&[1, 2, 3, 5])]);
+        assert_eq!(r.sampled.len(), 1, "rank 0's tokens");
     }
 
     #[test]

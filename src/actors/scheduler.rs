@@ -849,6 +849,11 @@ impl Actor for SchedulerActor {
             SchedulerMsg::StepDone(r) => {
                 // Under tensor parallelism the step is done when every rank has answered.
                 let Some(mut r) = st.ranks.on_result(r.rank, r) else { return Ok(()) };
+                // Ranks in executors of their own roll their state back as rank 0 did, before
+                // anything this result leads to (a state write, the next step) reaches them.
+                for f in st.followers.iter().filter(|_| r.error.is_none() && !r.verified.is_empty()) {
+                    let _ = f.cast(ExecutorMsg::CommitVerified { step_id: r.step_id, slots: r.verified.clone() });
+                }
                 // Page-end snapshots reach the pool before the commit whose `Advance` publishes
                 // their pages (same sender, so in order).
                 if !r.snapshots.is_empty() && r.error.is_none() {
@@ -983,7 +988,14 @@ impl Actor for SchedulerActor {
                 let (pool_ref, _) = Actor::spawn_linked(
                     None,
                     KvPoolActor,
-                    KvPoolArgs { pool, scheduler: myself.clone(), executor, spill: spill.clone() },
+                    KvPoolArgs {
+                        pool,
+                        scheduler: myself.clone(),
+                        executor,
+                        followers: st.followers.clone(),
+                        state_parts: st.ranks.state_parts(),
+                        spill: spill.clone(),
+                    },
                     myself.get_cell(),
                 )
                 .await?;

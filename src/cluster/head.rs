@@ -37,6 +37,8 @@ pub struct Assignment {
     pub world: usize,
     pub kv: KvGeometry,
     pub collective_timeout: Duration,
+    /// `--enable-expert-parallel` on the head: every rank must split the experts the same way.
+    pub expert_parallel: bool,
 }
 
 #[derive(RactorClusterMessage)]
@@ -66,6 +68,7 @@ pub struct HeadOptions {
 pub struct HeadSetup {
     pub group: String,
     pub world: usize,
+    expert_parallel: bool,
     opts: HeadOptions,
     collective: ActorRef<CollectiveMsg>,
     /// The scheduler, once spawned: rank 0's communicator reports a silent peer to it.
@@ -73,11 +76,13 @@ pub struct HeadSetup {
 }
 
 impl HeadSetup {
-    /// Rank 0's communicator of a group of `world` ranks for the model with `fingerprint`.
+    /// Rank 0's communicator of a group of `world` ranks for the model with `fingerprint`
+    /// (`expert_parallel`: the split every worker is told to take).
     pub async fn prepare(
         opts: HeadOptions,
         fingerprint: &str,
         world: usize,
+        expert_parallel: bool,
     ) -> Result<(HeadSetup, ClusterComm), super::ClusterError> {
         if world < 2 {
             return Err(super::ClusterError::Node(
@@ -97,7 +102,7 @@ impl HeadSetup {
                 }
             });
         let collective = comm.actor();
-        Ok((HeadSetup { group, world, opts, collective, scheduler }, comm))
+        Ok((HeadSetup { group, world, expert_parallel, opts, collective, scheduler }, comm))
     }
 
     /// Publishes the scheduler to the workers and starts taking joins (the KV geometry every
@@ -115,6 +120,7 @@ impl HeadSetup {
             world: self.world,
             kv,
             collective_timeout: self.opts.collective_timeout,
+            expert_parallel: self.expert_parallel,
         };
         let state = HeadState {
             roster: Roster { assignment, fingerprint, joined: vec![None; self.world] },
@@ -257,7 +263,8 @@ impl NodeEventSubscription for SessionWatch {
 }
 
 /// Rank 0's backend builder for a head of `device.tensor_parallel` ranks, the other ranks being
-/// workers: CPU ranks of a llama-family model. Checked before anything loads.
+/// workers: CPU ranks of a llama-family or `glm5_next` model (with `--enable-expert-parallel`,
+/// glm5_next's experts split whole). The split is checked before anything loads.
 pub async fn head_rank0(
     opts: HeadOptions,
     bundle: Arc<crate::model::ModelBundle>,
@@ -271,28 +278,35 @@ pub async fn head_rank0(
                     out through the cluster, which is not implemented yet"
             .into());
     }
-    if crate::model::glm5_next::MODEL_TYPES.contains(&cfg.model_type.as_str()) || device.expert_parallel {
-        return Err(format!(
-            "--head does not split `{}` across processes: its tensor-parallel group runs in one executor",
-            cfg.model_type
-        ));
-    }
     let world = device.tensor_parallel.max(1);
-    let rank0 = crate::parallel::TpRank::new(0, world).map_err(|e| e.to_string())?;
-    crate::parallel::LlamaShard::new(
-        rank0,
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.intermediate_size,
-        cfg.vocab_size,
-    )
-    .map_err(|e| e.to_string())?;
+    let glm5 = super::glm5_rank::is_glm5(&bundle);
+    if glm5 {
+        super::glm5_rank::check_split(&bundle, world, device.expert_parallel)?;
+    } else if device.expert_parallel {
+        return Err(format!("--enable-expert-parallel needs a mixture-of-experts model, not `{}`", cfg.model_type));
+    } else {
+        let rank0 = crate::parallel::TpRank::new(0, world).map_err(|e| e.to_string())?;
+        crate::parallel::LlamaShard::new(
+            rank0,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+        )
+        .map_err(|e| e.to_string())?;
+    }
     let join_wait = opts.join_wait;
-    let (setup, comm) = HeadSetup::prepare(opts, fingerprint, world).await.map_err(|e| e.to_string())?;
+    let (setup, comm) =
+        HeadSetup::prepare(opts, fingerprint, world, device.expert_parallel).await.map_err(|e| e.to_string())?;
     // The head's host runs rank 0 only.
     let threads =
         if device.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { device.threads };
-    Ok((setup, super::worker::cpu_rank_maker(bundle, kv, threads, comm, join_wait)))
+    let maker = if glm5 {
+        super::glm5_rank::glm5_rank_maker(bundle, kv, threads, comm, join_wait, device.expert_parallel)
+    } else {
+        super::worker::cpu_rank_maker(bundle, kv, threads, comm, join_wait)
+    };
+    Ok((setup, maker))
 }
 
 /// The worker's side of `Join`: ask the head (found in its process group) for rank `rank`.
@@ -345,7 +359,13 @@ mod tests {
     #[test]
     fn the_head_takes_each_worker_rank_once_and_only_for_its_model() {
         let kv = KvGeometry { block_size: 16, num_blocks: 8, state_slots: 4 };
-        let assignment = Assignment { group: "g".into(), world: 3, kv, collective_timeout: Duration::from_secs(1) };
+        let assignment = Assignment {
+            group: "g".into(),
+            world: 3,
+            kv,
+            collective_timeout: Duration::from_secs(1),
+            expert_parallel: true,
+        };
         let mut roster = Roster { assignment: assignment.clone(), fingerprint: "abc".into(), joined: vec![None; 3] };
         let req = |rank, fp: &str| JoinRequest { rank, fingerprint: fp.into(), address: format!("h{rank}:1") };
         assert_eq!(roster.join(&req(2, "abc")), Ok(assignment));
@@ -358,6 +378,7 @@ mod tests {
         assert_eq!(roster.joined, [None, None, Some("h2:1".to_string())]);
         // The answer travels in postcard.
         let back: Result<Assignment, String> = decode(&encode(&roster.join(&req(1, "abc"))).unwrap()).unwrap();
-        assert_eq!(back.unwrap().world, 3);
+        let back = back.unwrap();
+        assert_eq!((back.world, back.expert_parallel), (3, true));
     }
 }

@@ -12,6 +12,7 @@
 //!   and serves steps until the head goes away.
 
 pub mod collective;
+pub mod glm5_rank;
 pub mod head;
 pub mod wire;
 pub mod worker;

@@ -2,7 +2,8 @@
 //! form (ractor's `cluster` feature: a message type says itself whether and how it travels).
 //!
 //! Only the executor's and the scheduler's messages travel: a worker's `ExecutorActor` is a remote
-//! actor of the head, sent `Run`/`Resume` (and the KV pool's state and page writes), and it
+//! actor of the head, sent `Run`/`Resume`, rank 0's verification commits (`CommitVerified`) and
+//! the KV pool's state and page writes, and it
 //! answers the head's `SchedulerActor` with `ExecutorReady`/`StepDone`/`ExecutorFailed`. Each is
 //! encoded as its variant's name (ractor_cluster's tag) and its fields in postcard. A variant that
 //! holds a local handle (a reply port, an actor reference of this process) cannot travel: sending
@@ -13,6 +14,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::actors::executor::{ExecutorMsg, StepPlan, StepResult};
+use crate::actors::rank_state::VerifiedSlot;
 use crate::actors::ranks::RankReady;
 use crate::actors::scheduler::SchedulerMsg;
 use crate::kv::PageHash;
@@ -58,6 +60,12 @@ struct WriteStateWire {
 }
 
 #[derive(Serialize, Deserialize)]
+struct CommitVerifiedWire {
+    step_id: u64,
+    slots: Vec<VerifiedSlot>,
+}
+
+#[derive(Serialize, Deserialize)]
 struct WritePageWire {
     hash: PageHash,
     blocks: Vec<u32>,
@@ -77,6 +85,9 @@ impl ractor::Message for ExecutorMsg {
             ExecutorMsg::WritePage { hash, blocks, image } => {
                 Ok(cast("WritePage", encode(&WritePageWire { hash, blocks, image: image.to_vec() })?))
             }
+            ExecutorMsg::CommitVerified { step_id, slots } => {
+                Ok(cast("CommitVerified", encode(&CommitVerifiedWire { step_id, slots })?))
+            }
             // The spill tier's reads carry this process's spill actor and a reply port.
             ExecutorMsg::ReadPages { .. } => local_only("ExecutorMsg::ReadPages"),
         }
@@ -90,6 +101,10 @@ impl ractor::Message for ExecutorMsg {
             "WriteState" => {
                 let w: WriteStateWire = decode(&args)?;
                 Ok(ExecutorMsg::WriteState { slot: w.slot, image: w.image })
+            }
+            "CommitVerified" => {
+                let w: CommitVerifiedWire = decode(&args)?;
+                Ok(ExecutorMsg::CommitVerified { step_id: w.step_id, slots: w.slots })
             }
             "WritePage" => {
                 let w: WritePageWire = decode(&args)?;
@@ -229,6 +244,7 @@ mod tests {
             hidden: vec![(3, HiddenChunk { start_pos: 12, layers: Arc::from(&[2usize, 5][..]), data: vec![0.5; 4] })],
             rejected: vec![(8, "bad image".into())],
             suspended_after: Some(3),
+            verified: vec![VerifiedSlot { slot: 2, kept: 3 }],
         }
     }
 
@@ -263,6 +279,14 @@ mod tests {
             panic!("not a WritePage")
         };
         assert_eq!((hash, blocks, &image[..]), (PageHash([7; 16]), vec![3, 4], &[9u8, 8, 7][..]));
+        let slots = vec![VerifiedSlot { slot: 1, kept: 4 }, VerifiedSlot { slot: 5, kept: 1 }];
+        let commit = ExecutorMsg::CommitVerified { step_id: 12, slots: slots.clone() };
+        let ExecutorMsg::CommitVerified { step_id, slots: back } =
+            ExecutorMsg::deserialize(commit.serialize().unwrap()).unwrap()
+        else {
+            panic!("not a CommitVerified")
+        };
+        assert_eq!((step_id, back), (12, slots));
     }
 
     #[test]

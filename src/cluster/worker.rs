@@ -120,7 +120,15 @@ pub async fn run_worker(bundle: ModelBundle, opts: WorkerOptions) -> Result<(), 
     let collective = comm.actor();
     let threads =
         if opts.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { opts.threads };
-    let make = cpu_rank_maker(Arc::new(bundle), assignment.kv, threads, comm, opts.join_wait);
+    let bundle = Arc::new(bundle);
+    let make = if super::glm5_rank::is_glm5(&bundle) {
+        // The head checked the split before it took any join; the shard plan is checked again
+        // at load (a different checkpoint would already have been refused by its fingerprint).
+        let ep = assignment.expert_parallel;
+        super::glm5_rank::glm5_rank_maker(bundle, assignment.kv, threads, comm, opts.join_wait, ep)
+    } else {
+        cpu_rank_maker(bundle, assignment.kv, threads, comm, opts.join_wait)
+    };
     let (executor, _) = Actor::spawn(
         None,
         ExecutorActor,
