@@ -472,3 +472,30 @@ fn pages_spilled_across_processes_restore_exactly_and_a_drained_restart_serves_f
     assert!(cached >= 3 * 32, "served from disk after the restart: {cached}");
     assert_eq!(reply, expected_last, "same reply from disk");
 }
+
+#[test]
+fn glm5_next_pages_spilled_across_processes_restore_with_every_ranks_state_slice() {
+    // Token ids below the glm5/chat fixture's vocabulary of 502.
+    let ids = |seed: u32, len: u32| -> Vec<u32> { (0..len).map(|i| 3 + (seed * 7919 + i * 104_729) % 490).collect() };
+    // Turn one: 60 tokens, of which three whole pages of 16 are the follow-up's prefix.
+    let turn_one = ids(1, 60);
+    let follow_up = [turn_one.clone(), ids(50, 10)].concat();
+    let mut args = vec!["--threads", "1"];
+    args.extend(GLM5_CACHE);
+    let single = Server::start(&glm5_model(), "t", &args, "glm5-spill-tp1");
+    let (expected, _) = reply_to(&single, &follow_up, 12);
+    drop(single);
+
+    let spill = tempfile::tempdir().expect("tmp");
+    let dir = spill.path().to_str().expect("a UTF-8 temp path");
+    let spill_args = ["--kv-pool-tokens", "128", "--spill-dir", dir, "--spill-budget", "1000000000"];
+    let (head, _worker) = glm5_cluster("glm5-spill-head", &spill_args);
+    reply_to(&head, &turn_one, 8);
+    // Two other prompts push turn one's pages (KV records and both ranks' KDA state slices) to disk.
+    reply_to(&head, &ids(60, 90), 4);
+    reply_to(&head, &ids(61, 90), 4);
+    wait_for_spill_files(spill.path(), 3);
+    let (reply, cached) = reply_to(&head, &follow_up, 12);
+    assert_eq!(cached, 3 * 16, "turn one's pages restored from disk, each rank given its slice");
+    assert_eq!(reply, expected, "a glm5_next reply restored from spill across processes equals a fresh run");
+}
