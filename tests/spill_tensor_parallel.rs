@@ -120,7 +120,7 @@ async fn tp2_pages_spill_from_every_rank_restore_exactly_and_other_group_shapes_
         assert_eq!(cached, 0, "tp={tp}: a clean miss");
         assert_eq!(ids, tp1_ids, "tp={tp}: recomputed, same tokens");
         let s = pool_stats(&e).await;
-        assert!(s.counters.misses.get(&shelfserve::kv::MissReason::SpilledCorrupt).is_none(), "tp={tp}: {s:?}");
+        assert!(!s.counters.misses.contains_key(&shelfserve::kv::MissReason::SpilledCorrupt), "tp={tp}: {s:?}");
         e.shutdown();
     }
 }
