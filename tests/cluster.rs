@@ -386,3 +386,116 @@ fn glm5_next_drafts_verified_across_processes_equal_the_undrafted_reply() {
     assert!(accepted > 0.0 && accepted < proposed, "accepted {accepted} of {proposed} drafted tokens: {spec:#?}");
     assert_eq!(drafted, expected, "drafted replies across processes differ from the undrafted ones");
 }
+
+// ---- spill across processes ------------------------------------------------------------------
+// Each rank holds only its KV heads' slice of a page: the head's spill tier joins rank 0's slice
+// and the worker's (sent to the head's scheduler as messages) into one file, and a restore writes
+// each rank its slice back.
+
+/// A head of two ranks with the spill tier on `spill` (`--kv-pool-tokens pool`, pages of 32), and
+/// its worker.
+fn spill_cluster(label: &'static str, spill: &Path, pool: &str) -> (Server, Worker) {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let worker = Worker::start(&model(), &addr, 1, &[]);
+    let spill = spill.to_str().expect("a UTF-8 temp path");
+    let mut args = vec!["--tp", "2", "--threads", "1", "--head", "--cluster-addr", &addr, "--cluster-cookie", COOKIE];
+    args.extend(["--page-tokens", "32", "--kv-pool-tokens", pool, "--shutdown-timeout", "60"]);
+    args.extend(["--spill-dir", spill, "--spill-budget", "1000000000"]);
+    (Server::start(&model(), "t", &args, label), worker)
+}
+
+/// A prompt of token ids (below the fixture's vocabulary).
+fn id_prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| 300 + (seed * 7919 + i * 104_729) % 40_000).collect()
+}
+
+/// The greedy reply to a prompt of token ids, and how many of its tokens the prefix cache served.
+fn reply_to(server: &Server, ids: &[u32], max_tokens: usize) -> (String, u64) {
+    let body = json!({"model": "t", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true});
+    let r = server.target("voice").post("/v1/completions", &body).expect("completion");
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+    (v["choices"][0]["text"].as_str().expect("text").to_string(), cached)
+}
+
+/// Waits until the spill directory holds at least `files` page files.
+fn wait_for_spill_files(dir: &Path, files: usize) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let n = common::engine::spill_files(dir).len();
+        if n >= files {
+            return n;
+        }
+        assert!(Instant::now() < deadline, "only {n} page files were spilled, {files} expected");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn pages_spilled_across_processes_restore_exactly_and_a_drained_restart_serves_from_disk() {
+    // Turn one (150 tokens: four whole pages), its follow-up, and a conversation that is still
+    // only in memory when the head is told to stop.
+    let turn_one = id_prompt(1, 150);
+    let follow_up = [turn_one.clone(), id_prompt(50, 30)].concat();
+    let last = id_prompt(9, 100);
+    let single = Server::start(&model(), "t", &["--threads", "1", "--page-tokens", "32"], "spill-tp1");
+    let (expected_follow_up, _) = reply_to(&single, &follow_up, 12);
+    let (expected_last, _) = reply_to(&single, &last, 12);
+    drop(single);
+
+    let spill = tempfile::tempdir().expect("tmp");
+    let (mut head, worker) = spill_cluster("spill-head", spill.path(), "256");
+    reply_to(&head, &turn_one, 8);
+    assert!(common::engine::spill_files(spill.path()).is_empty(), "nothing evicted yet");
+    // Two other prompts push turn one's pages out of the 256-token pool, to disk.
+    reply_to(&head, &id_prompt(60, 200), 4);
+    reply_to(&head, &id_prompt(61, 200), 4);
+    wait_for_spill_files(spill.path(), 4);
+    let (reply, cached) = reply_to(&head, &follow_up, 12);
+    assert_eq!(cached, 4 * 32, "turn one's four pages restored from disk, each rank's slice written back");
+    assert_eq!(reply, expected_follow_up, "a reply restored from spill across processes equals a fresh run");
+
+    // A drained shutdown: the last conversation's pages, in memory only, go to disk with both
+    // ranks' slices before the head exits.
+    let (reply, _) = reply_to(&head, &last, 12);
+    assert_eq!(reply, expected_last);
+    let before = common::engine::spill_files(spill.path()).len();
+    head.signal(libc::SIGTERM);
+    assert!(head.wait_exit(Duration::from_secs(120)).success(), "a drained shutdown exits 0");
+    let after = common::engine::spill_files(spill.path()).len();
+    assert!(after >= before + 3, "the drain wrote the last conversation's three pages: {before} -> {after}");
+    drop((head, worker));
+
+    let (head, _worker) = spill_cluster("spill-head-restarted", spill.path(), "256");
+    let (reply, cached) = reply_to(&head, &last, 12);
+    assert!(cached >= 3 * 32, "served from disk after the restart: {cached}");
+    assert_eq!(reply, expected_last, "same reply from disk");
+}
+
+#[test]
+fn glm5_next_pages_spilled_across_processes_restore_with_every_ranks_state_slice() {
+    // Token ids below the glm5/chat fixture's vocabulary of 502.
+    let ids = |seed: u32, len: u32| -> Vec<u32> { (0..len).map(|i| 3 + (seed * 7919 + i * 104_729) % 490).collect() };
+    // Turn one: 60 tokens, of which three whole pages of 16 are the follow-up's prefix.
+    let turn_one = ids(1, 60);
+    let follow_up = [turn_one.clone(), ids(50, 10)].concat();
+    let mut args = vec!["--threads", "1"];
+    args.extend(GLM5_CACHE);
+    let single = Server::start(&glm5_model(), "t", &args, "glm5-spill-tp1");
+    let (expected, _) = reply_to(&single, &follow_up, 12);
+    drop(single);
+
+    let spill = tempfile::tempdir().expect("tmp");
+    let dir = spill.path().to_str().expect("a UTF-8 temp path");
+    let spill_args = ["--kv-pool-tokens", "128", "--spill-dir", dir, "--spill-budget", "1000000000"];
+    let (head, _worker) = glm5_cluster("glm5-spill-head", &spill_args);
+    reply_to(&head, &turn_one, 8);
+    // Two other prompts push turn one's pages (KV records and both ranks' KDA state slices) to disk.
+    reply_to(&head, &ids(60, 90), 4);
+    reply_to(&head, &ids(61, 90), 4);
+    wait_for_spill_files(spill.path(), 3);
+    let (reply, cached) = reply_to(&head, &follow_up, 12);
+    assert_eq!(cached, 3 * 16, "turn one's pages restored from disk, each rank given its slice");
+    assert_eq!(reply, expected, "a glm5_next reply restored from spill across processes equals a fresh run");
+}

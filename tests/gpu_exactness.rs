@@ -179,7 +179,8 @@ fn verdict(a: &[Reply], b: &[Reply]) -> (bool, bool) {
 /// Where two runs first part (prompt, token, both ids and logprobs), and how many tokens differ:
 /// a difference at token 0 only comes from the prefill step, later ones from decode steps.
 fn first_difference(a: &[Reply], b: &[Reply]) -> Option<String> {
-    let pairs = || a.iter().zip(b).enumerate().flat_map(|(p, (x, y))| x.iter().zip(y).enumerate().map(move |(t, v)| (p, t, v)));
+    let pairs =
+        || a.iter().zip(b).enumerate().flat_map(|(p, (x, y))| x.iter().zip(y).enumerate().map(move |(t, v)| (p, t, v)));
     let differing = pairs().filter(|(_, _, (x, y))| x != y).count();
     let (p, t, (x, y)) = pairs().find(|(_, _, (x, y))| x != y)?;
     Some(format!(

@@ -15,6 +15,7 @@ pub use super::encoders::EncoderCache;
 use super::encoders::{encode_step_images, StepEmbeds};
 use super::handle::PromptImage;
 use super::previous_samples::PreviousSamples;
+use super::rank_pages::SliceReport;
 use super::rank_state::VerifiedSlot;
 use super::scheduler::SchedulerMsg;
 use super::spill::SpillMsg;
@@ -165,6 +166,17 @@ pub enum ExecutorMsg {
         /// here (the spill tier gets the request after every page, from this same thread).
         sync: Option<ractor::RpcReplyPort<bool>>,
     },
+    /// The ranks of a group in executors of their own (`actors::rank_pages`): copy this rank's
+    /// slice of each page (`(hash, blocks)`) out of KV memory and report each to the scheduler
+    /// (`SchedulerMsg::PageSlices`, for the spill tier's join), then `SliceReport::Done` for the
+    /// batch. Sent by the KV pool to every rank, for evicted pages before it answers the scheduler
+    /// (so before any step that may reuse their blocks) and for a drained shutdown's flush; run in
+    /// order with steps. Crosses processes (the report goes to the scheduler, which every executor
+    /// has, so nothing local travels).
+    ReadSlices {
+        batch: u64,
+        pages: Vec<(PageHash, Vec<u32>)>,
+    },
     /// A prefix hit on a hybrid model: put the last hit page's recurrent-state snapshot into the
     /// sequence's slot (sent by the KV pool before it answers the scheduler, so it runs before the
     /// sequence's next step).
@@ -194,6 +206,7 @@ enum Job {
     Step(StepPlan),
     Resume(u64),
     Read(Vec<EvictedPage>, ActorRef<SpillMsg>, Option<ractor::RpcReplyPort<bool>>),
+    ReadSlices(u64, Vec<(PageHash, Vec<u32>)>),
     Write(PageHash, Vec<u32>, bytes::Bytes),
     WriteState(u32, Arc<[u8]>),
     CommitVerified(u64, Vec<VerifiedSlot>),
@@ -555,6 +568,43 @@ fn read_pages(backend: &mut dyn Backend, pages: Vec<EvictedPage>, spill: &ActorR
     }
 }
 
+/// This rank's slices of a batch of pages, each reported to the scheduler when copied out (on a
+/// device backend, from its completion thread), then the batch's end: sent by whichever copy
+/// finishes last, after its own slice, so it follows every slice of the batch.
+fn read_slices(
+    backend: &mut dyn Backend,
+    rank: usize,
+    batch: u64,
+    pages: Vec<(PageHash, Vec<u32>)>,
+    scheduler: &ActorRef<SchedulerMsg>,
+) {
+    if pages.is_empty() {
+        let _ = scheduler.cast(SchedulerMsg::PageSlices(SliceReport::Done { rank, batch }));
+        return;
+    }
+    let left = Arc::new(std::sync::atomic::AtomicUsize::new(pages.len()));
+    for (index, (hash, blocks)) in pages.into_iter().enumerate() {
+        let (scheduler, left) = (scheduler.clone(), Arc::clone(&left));
+        backend.read_kv_blocks_then(
+            &blocks,
+            Box::new(move |read| {
+                let image = read.map_err(|e| {
+                    tracing::warn!(rank, page = %hash.to_hex(), error = %e, "could not read this rank's slice of an evicted page");
+                    e.to_string()
+                });
+                // A slice that cannot be sent (too large a message) is missing from the join, which
+                // then drops the page when this batch ends.
+                if let Err(e) = scheduler.cast(SchedulerMsg::PageSlices(SliceReport::Page { rank, batch, index, hash, image })) {
+                    tracing::warn!(rank, page = %hash.to_hex(), error = %e, "could not send this rank's slice of an evicted page");
+                }
+                if left.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+                    let _ = scheduler.cast(SchedulerMsg::PageSlices(SliceReport::Done { rank, batch }));
+                }
+            }),
+        );
+    }
+}
+
 impl Actor for ExecutorActor {
     type Msg = ExecutorMsg;
     type State = ExecutorState;
@@ -676,6 +726,7 @@ impl Actor for ExecutorActor {
                             let _ = spill.cast(SpillMsg::Sync(reply));
                         }
                     }
+                    Job::ReadSlices(batch, pages) => read_slices(backend.as_mut(), rank, batch, pages, &scheduler),
                     Job::Write(hash, blocks, image) => {
                         let started = Instant::now();
                         if let Err(e) = backend.write_kv_blocks(&blocks, &image) {
@@ -717,6 +768,7 @@ impl Actor for ExecutorActor {
             ExecutorMsg::Run(plan) => send(state, Job::Step(plan))?,
             ExecutorMsg::Resume { step_id } => send(state, Job::Resume(step_id))?,
             ExecutorMsg::ReadPages { pages, spill, sync } => send(state, Job::Read(pages, spill, sync))?,
+            ExecutorMsg::ReadSlices { batch, pages } => send(state, Job::ReadSlices(batch, pages))?,
             ExecutorMsg::WritePage { hash, blocks, image } => send(state, Job::Write(hash, blocks, image))?,
             ExecutorMsg::WriteState { slot, image } => send(state, Job::WriteState(slot, image))?,
             ExecutorMsg::CommitVerified { step_id, slots } => send(state, Job::CommitVerified(step_id, slots))?,

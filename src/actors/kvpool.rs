@@ -9,10 +9,13 @@ use std::sync::Arc;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::executor::ExecutorMsg;
+use super::rank_pages::ExpectedPage;
 use super::rank_state::StateParts;
 use super::scheduler::SchedulerMsg;
 use super::spill::SpillMsg;
-use crate::kv::{apply_ops, view, KvPool, MissReason, PageHash, PoolCounters, PoolOp, PoolReply, SlotSnapshot};
+use crate::kv::{
+    apply_ops, view, EvictedPage, KvPool, MissReason, PageHash, PoolCounters, PoolOp, PoolReply, SlotSnapshot,
+};
 
 #[derive(ractor_cluster::RactorMessage)]
 pub enum KvPoolMsg {
@@ -87,6 +90,8 @@ pub struct KvPoolState {
     spill: Option<ActorRef<SpillMsg>>,
     /// Counters already published to `/metrics`.
     published: PoolCounters,
+    /// The last batch of pages the ranks were asked to copy out (ranks in executors of their own).
+    spill_batch: u64,
 }
 
 pub struct KvPoolActor;
@@ -161,6 +166,37 @@ impl KvPoolState {
     }
 }
 
+impl KvPoolState {
+    /// Has `pages` copied out of KV memory and stored by the spill tier; with `sync`, the spill
+    /// tier answers there once they (and every page sent before them) are on disk and synced. One
+    /// executor sends whole images; ranks in executors of their own each send their slice, which
+    /// the spill tier joins (`actors::rank_pages`): it is told which pages to expect before any rank
+    /// is asked, so no slice can reach it first.
+    fn spill_pages(
+        &mut self,
+        spill: &ActorRef<SpillMsg>,
+        pages: Vec<EvictedPage>,
+        sync: Option<RpcReplyPort<bool>>,
+    ) -> Result<(), ActorProcessingErr> {
+        if self.followers.is_empty() {
+            self.executor.cast(ExecutorMsg::ReadPages { pages, spill: spill.clone(), sync })?;
+            return Ok(());
+        }
+        self.spill_batch += 1;
+        let batch = self.spill_batch;
+        let reads: Vec<(PageHash, Vec<u32>)> = pages.iter().map(|p| (p.hash, p.blocks.clone())).collect();
+        let expected = pages
+            .into_iter()
+            .map(|p| ExpectedPage { hash: p.hash, parent: p.parent, blocks: p.blocks.len(), snapshot: p.snapshot })
+            .collect();
+        spill.cast(SpillMsg::Expect { batch, pages: expected, sync })?;
+        for executor in std::iter::once(&self.executor).chain(&self.followers) {
+            executor.cast(ExecutorMsg::ReadSlices { batch, pages: reads.clone() })?;
+        }
+        Ok(())
+    }
+}
+
 impl Actor for KvPoolActor {
     type Msg = KvPoolMsg;
     type State = KvPoolState;
@@ -179,6 +215,7 @@ impl Actor for KvPoolActor {
             state_parts: args.state_parts,
             spill: args.spill,
             published: PoolCounters::default(),
+            spill_batch: 0,
         })
     }
 
@@ -198,15 +235,11 @@ impl Actor for KvPoolActor {
                 for w in st.pool.take_state_writes() {
                     st.write_state(w.slot, w.image)?;
                 }
-                if let Some(spill) = &st.spill {
-                    // Queued at the executor before the scheduler hears back, hence before any
+                if let Some(spill) = st.spill.clone() {
+                    // Queued at the executors before the scheduler hears back, hence before any
                     // step that could write the evicted blocks.
                     if !evicted.is_empty() {
-                        st.executor.cast(ExecutorMsg::ReadPages {
-                            pages: evicted,
-                            spill: spill.clone(),
-                            sync: None,
-                        })?;
+                        st.spill_pages(&spill, evicted, None)?;
                     }
                     if !reply.restores.is_empty() {
                         tracing::debug!(pages = reply.restores.len(), evicted = evicted_count, "restores started");
@@ -245,12 +278,11 @@ impl Actor for KvPoolActor {
                     }
                 }
             }
-            KvPoolMsg::FlushToSpill(reply) => match &st.spill {
+            KvPoolMsg::FlushToSpill(reply) => match st.spill.clone() {
                 Some(spill) => {
                     let pages = st.pool.unspilled_pages();
                     tracing::info!(pages = pages.len(), "writing cached pages to the spill tier before exit");
-                    let sync = Some(reply);
-                    st.executor.cast(ExecutorMsg::ReadPages { pages, spill: spill.clone(), sync })?;
+                    st.spill_pages(&spill, pages, Some(reply))?;
                 }
                 None => {
                     let _ = reply.send(false);

@@ -11,6 +11,7 @@ pub mod executor;
 pub mod handle;
 pub mod kvpool;
 pub mod previous_samples;
+pub mod rank_pages;
 pub mod rank_state;
 pub mod ranks;
 pub mod request;

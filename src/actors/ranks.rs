@@ -5,6 +5,7 @@
 //! code; the scheduler feeds it messages.
 
 use super::executor::StepResult;
+use super::rank_pages::PageParts;
 use super::rank_state::StateParts;
 use crate::backend::KvGeometry;
 
@@ -60,6 +61,12 @@ impl RankBook {
     /// image is the slices in rank order).
     pub fn state_parts(&self) -> StateParts {
         StateParts::new(self.ready.iter().map(|r| r.map_or(0, |r| r.state_slot_bytes)).collect())
+    }
+
+    /// Each rank's slice of a KV block, once every rank has reported ready (a spilled page's image
+    /// is the slices in rank order: `rank_pages`).
+    pub fn page_parts(&self) -> PageParts {
+        PageParts::new(self.ready.iter().map(|r| r.map_or(0, |r| r.kv_block_bytes)).collect())
     }
 
     /// Record a rank's answer to the step in flight. Returns the step's result once every rank
@@ -142,6 +149,7 @@ mod tests {
         assert_eq!(b.on_ready(0, ready(10, 100)).unwrap(), None);
         let all = b.on_ready(1, ready(10, 50)).unwrap().unwrap();
         assert_eq!((all.kv.num_blocks, all.kv_block_bytes), (10, 250));
+        assert_eq!(b.page_parts(), PageParts::new(vec![100, 50, 100]), "each rank's slice of a block");
         assert!(b.on_ready(1, ready(10, 50)).unwrap_err().contains("twice"));
         assert!(b.on_ready(3, ready(10, 50)).unwrap_err().contains("group of 3"));
         let mut odd = RankBook::new(2);

@@ -17,6 +17,7 @@ use super::drafter::{DraftUpdate, DrafterMsg};
 use super::executor::{ExecutorMsg, PlanSeq, SampleSpec, StepPlan, StepResult};
 use super::handle::{EngineError, FinishReason, GenerationRequest, PromptImage, StreamEvent, TokenInfo};
 use super::kvpool::{KvPoolActor, KvPoolArgs, KvPoolMsg, PoolStats};
+use super::rank_pages::SliceReport;
 use super::ranks::{RankBook, RankReady};
 use super::request::{RequestActor, RequestArgs, RequestMsg};
 use super::spill::{SpillActor, SpillArgs, SpillMsg, DEFAULT_READ_DEADLINE};
@@ -81,6 +82,10 @@ pub enum SchedulerMsg {
     /// Drained shutdown: cached pages not on disk yet go to the spill tier (forwarded to the pool
     /// actor, after any commit this actor sent); answers once synced.
     FlushToSpill(RpcReplyPort<bool>),
+    /// A rank's slice of a page it copied out for the spill tier, or the end of such a batch
+    /// (ranks in executors of their own, `actors::rank_pages`): forwarded to the spill tier, which
+    /// joins the ranks' slices. Every executor can reach its scheduler, from another process too.
+    PageSlices(SliceReport),
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -182,7 +187,7 @@ pub struct SchedulerState {
     /// The last plan came back empty because admissions wait for pages read back from disk:
     /// plan again only when something changes (restore ended, step done, submit, cancel).
     restore_wait: bool,
-    /// Rank 0's executor (the one that samples, and reads/writes pages for the spill tier).
+    /// Rank 0's executor (the one that samples; with one executor, it reads and writes spilled pages).
     executor: Option<ActorRef<ExecutorMsg>>,
     /// The other ranks' executors, sent the same plans.
     followers: Vec<ActorRef<ExecutorMsg>>,
@@ -211,6 +216,8 @@ pub struct SchedulerState {
     snapshots_inside_step: bool,
     /// The spill tier is on (the pool prices restores with the step cost model).
     spill_on: bool,
+    /// The spill tier, which joins the page slices of ranks in executors of their own.
+    spill: Option<ActorRef<SpillMsg>>,
     /// Per lane (by index), its latency targets when lane pacing is on (empty when off).
     targets: Vec<LaneTargetSecs>,
     /// Where structured outputs' token masks are computed while the executor runs a step.
@@ -760,6 +767,7 @@ impl Actor for SchedulerActor {
             snapshot_page: 0,
             snapshots_inside_step: true,
             spill_on: false,
+            spill: None,
             yield_watch: None,
         })
     }
@@ -911,14 +919,6 @@ impl Actor for SchedulerActor {
                 let mut group = std::mem::take(&mut st.joining).into_iter().flatten();
                 st.executor = group.next();
                 st.followers = group.collect();
-                if st.ranks.world() > 1 && st.args.spill.take().is_some() {
-                    // Pages would have to be read from and written to every rank; only rank 0's
-                    // executor is asked today.
-                    tracing::warn!(
-                        world = st.ranks.world(),
-                        "spill off under tensor parallelism (not implemented yet)"
-                    );
-                }
                 let mut cfg = st.args.policy.clone();
                 cfg.num_blocks = kv.num_blocks;
                 cfg.block_size = kv.block_size;
@@ -970,7 +970,8 @@ impl Actor for SchedulerActor {
                         st.spill_on = true;
                         let args = SpillArgs {
                             store: Some(store),
-                            executor: executor.clone(),
+                            executors: std::iter::once(executor.clone()).chain(st.followers.iter().cloned()).collect(),
+                            page_parts: st.ranks.page_parts(),
                             page_image_bytes,
                             snapshot_bytes: state_slot_bytes,
                             read_deadline: DEFAULT_READ_DEADLINE,
@@ -1002,6 +1003,7 @@ impl Actor for SchedulerActor {
                 if let Some(spill) = &spill {
                     spill.cast(SpillMsg::AttachPool(pool_ref.clone()))?;
                 }
+                st.spill = spill;
                 st.pool = Some(pool_ref);
                 tracing::info!(rank, blocks = kv.num_blocks, block_size = kv.block_size, "executor ready");
                 st.args.counters.ready.store(true, Ordering::SeqCst);
@@ -1010,6 +1012,10 @@ impl Actor for SchedulerActor {
             SchedulerMsg::ExecutorFailed { rank, error } => {
                 tracing::error!(rank, %error, "executor failed; failing in-flight requests and refusing new ones");
                 *st.args.counters.failed.lock() = Some(error.clone());
+                // Its slices of pages being spilled will never come: the spill tier drops them.
+                if let Some(spill) = &st.spill {
+                    let _ = spill.cast(SpillMsg::RankFailed(rank));
+                }
                 st.args.counters.ready.store(false, Ordering::SeqCst);
                 let ids: Vec<SeqId> = st.live.keys().copied().collect();
                 for id in ids {
@@ -1036,6 +1042,12 @@ impl Actor for SchedulerActor {
                 None => {
                     let _ = reply.send(false);
                 }
+            },
+            SchedulerMsg::PageSlices(report) => match &st.spill {
+                Some(spill) => {
+                    let _ = spill.cast(SpillMsg::Slices(report));
+                }
+                None => tracing::debug!("a page slice with the spill tier off; dropped"),
             },
             SchedulerMsg::Stats(reply) => {
                 let mut s = st.stats;

@@ -5,6 +5,11 @@
 //! `Restored`. Evicted images are also kept in host memory up to a budget (`spill::host`), so a
 //! page evicted recently is restored by a copy to the device, without a read. It decides nothing
 //! about eviction (the pool does) and never blocks on the disk.
+//!
+//! When the tensor-parallel group's ranks are executors of their own (`actors::rank_pages`), each
+//! holds only its slice of a page: the pool announces each batch of pages (`Expect`), every rank
+//! reports its slices (`Slices`, through the scheduler: from other processes too), and the joined
+//! image is stored as one page; a restore is split back and each rank is sent its slice.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,6 +20,7 @@ use bytes::Bytes;
 
 use super::executor::ExecutorMsg;
 use super::kvpool::KvPoolMsg;
+use super::rank_pages::{ExpectedPage, JoinEvent, PageParts, SliceJoin, SliceReport};
 use crate::kv::PageHash;
 use crate::spill::host::HostTier;
 use crate::spill::{IoEvent, LoadError, SpillIo, SpillStore};
@@ -37,12 +43,24 @@ pub enum SpillMsg {
     LoadDone { hash: PageHash, blocks: Vec<u32>, started: Instant, result: Result<Bytes, LoadError> },
     /// A write's outcome (from the I/O thread, in order).
     Io(IoEvent),
+    /// Ranks in executors of their own: every rank was asked (`ExecutorMsg::ReadSlices`, sent
+    /// just after this) for its slices of `pages` as batch `batch`; join them. With `sync` (a
+    /// drained shutdown's flush): answer once this batch and every earlier one ended and what they
+    /// joined is on disk and synced.
+    Expect { batch: u64, pages: Vec<ExpectedPage>, sync: Option<RpcReplyPort<bool>> },
+    /// A rank's slice of a page of a batch, or the end of its batch (forwarded by the scheduler).
+    Slices(SliceReport),
+    /// A rank failed (from the scheduler): the slices it owes never come; their pages are dropped.
+    RankFailed(usize),
 }
 
 pub struct SpillArgs {
     /// `None`: spill is off (budget 0 or the directory could not be opened).
     pub store: Option<SpillStore>,
-    pub executor: ActorRef<ExecutorMsg>,
+    /// Every rank's executor, rank 0 first (one: it reads and writes whole pages).
+    pub executors: Vec<ActorRef<ExecutorMsg>>,
+    /// Each rank's slice of a KV block (a page image is the ranks' slices in rank order).
+    pub page_parts: PageParts,
     /// Exact size of a page image: `page_blocks * kv_block_bytes + snapshot_bytes`.
     pub page_image_bytes: usize,
     /// Trailing bytes of a page image that are its recurrent-state snapshot (0 for
@@ -56,7 +74,10 @@ pub struct SpillArgs {
 pub struct SpillState {
     io: Option<Arc<SpillIo>>,
     pool: Option<ActorRef<KvPoolMsg>>,
-    executor: ActorRef<ExecutorMsg>,
+    executors: Vec<ActorRef<ExecutorMsg>>,
+    page_parts: PageParts,
+    /// The ranks' slices of pages being spilled, until whole (ranks in executors of their own).
+    join: SliceJoin<RpcReplyPort<bool>>,
     page_image_bytes: usize,
     snapshot_bytes: usize,
     read_deadline: Duration,
@@ -112,6 +133,59 @@ impl SpillState {
         io.store(hash, parent, image);
     }
 
+    /// What joining the ranks' slices led to: whole pages are stored, dropped ones counted, and a
+    /// flush whose pages are all in is synced.
+    fn on_join(&mut self, events: Vec<JoinEvent<RpcReplyPort<bool>>>) {
+        for event in events {
+            match event {
+                JoinEvent::Joined(page) => self.on_store(page.hash, page.parent, page.image),
+                JoinEvent::Dropped { hash, error } => {
+                    metrics::counter!("shelfserve_spill_slices_dropped_total", "reason" => error.kind()).increment(1);
+                    tracing::warn!(page = %hash.to_hex(), error = %error, "an evicted page was not spilled: a rank's slice of it is missing");
+                }
+                JoinEvent::Flushed(reply) => self.sync(reply),
+            }
+        }
+    }
+
+    /// Answers `reply` once every write queued so far is on disk and synced.
+    fn sync(&self, reply: RpcReplyPort<bool>) {
+        match &self.io {
+            Some(io) => {
+                let synced = io.sync();
+                tokio::spawn(async move {
+                    let ok = synced.await.map_err(|e| tracing::warn!(error = %e, "spill sync failed")).is_ok();
+                    let _ = reply.send(ok);
+                });
+            }
+            None => {
+                let _ = reply.send(false);
+            }
+        }
+    }
+
+    /// Queues a restored page's KV part at the executors (each rank its slice when the ranks are
+    /// executors of their own); false if it cannot be.
+    fn write_page(&self, hash: PageHash, blocks: Vec<u32>, kv: Bytes) -> bool {
+        if let [executor] = &self.executors[..] {
+            return executor.cast(ExecutorMsg::WritePage { hash, blocks, image: kv }).is_ok();
+        }
+        let slices = match self.page_parts.split(&kv, blocks.len()) {
+            Ok(slices) => slices,
+            Err(e) => {
+                tracing::warn!(page = %hash.to_hex(), error = %e, "a spilled page does not split between this group's ranks; recomputing");
+                return false;
+            }
+        };
+        // Every rank must get its slice: one that cannot be sent fails the restore (the pool then
+        // frees the blocks; what the others wrote there is never read).
+        self.executors
+            .iter()
+            .zip(slices)
+            .map(|(executor, image)| executor.cast(ExecutorMsg::WritePage { hash, blocks: blocks.clone(), image }))
+            .fold(true, |ok, sent| ok & sent.is_ok())
+    }
+
     /// `from_disk`: the image was read from its file (the read time refits the pool's pricing).
     fn on_loaded(
         &mut self,
@@ -136,7 +210,7 @@ impl SpillState {
                     snapshot = Some(Arc::from(&state[..]));
                 }
                 // Queued before the pool hears of it, so it runs before any step reads it.
-                let queued = self.executor.cast(ExecutorMsg::WritePage { hash, blocks, image }).is_ok();
+                let queued = self.write_page(hash, blocks, image);
                 metrics::histogram!("shelfserve_spill_restore_seconds").record(started.elapsed().as_secs_f64());
                 queued
             }
@@ -187,7 +261,9 @@ impl Actor for SpillActor {
         Ok(SpillState {
             io,
             pool: None,
-            executor: a.executor,
+            join: SliceJoin::new(a.page_parts.clone()),
+            executors: a.executors,
+            page_parts: a.page_parts,
             page_image_bytes: a.page_image_bytes,
             snapshot_bytes: a.snapshot_bytes,
             read_deadline: a.read_deadline,
@@ -224,18 +300,19 @@ impl Actor for SpillActor {
             }
             SpillMsg::LoadDone { hash, blocks, started, result } => st.on_loaded(hash, blocks, started, result, true),
             SpillMsg::Io(event) => st.on_io(event),
-            SpillMsg::Sync(reply) => match &st.io {
-                Some(io) => {
-                    let synced = io.sync();
-                    tokio::spawn(async move {
-                        let ok = synced.await.map_err(|e| tracing::warn!(error = %e, "spill sync failed")).is_ok();
-                        let _ = reply.send(ok);
-                    });
-                }
-                None => {
-                    let _ = reply.send(false);
-                }
-            },
+            SpillMsg::Sync(reply) => st.sync(reply),
+            SpillMsg::Expect { batch, pages, sync } => {
+                let events = st.join.expect(batch, pages, sync);
+                st.on_join(events);
+            }
+            SpillMsg::Slices(report) => {
+                let events = st.join.report(report);
+                st.on_join(events);
+            }
+            SpillMsg::RankFailed(rank) => {
+                let events = st.join.rank_failed(rank);
+                st.on_join(events);
+            }
         }
         Ok(())
     }

@@ -2,9 +2,10 @@
 //! form (ractor's `cluster` feature: a message type says itself whether and how it travels).
 //!
 //! Only the executor's and the scheduler's messages travel: a worker's `ExecutorActor` is a remote
-//! actor of the head, sent `Run`/`Resume`, rank 0's verification commits (`CommitVerified`) and
-//! the KV pool's state and page writes, and it
-//! answers the head's `SchedulerActor` with `ExecutorReady`/`StepDone`/`ExecutorFailed`. Each is
+//! actor of the head, sent `Run`/`Resume`, rank 0's verification commits (`CommitVerified`), the
+//! KV pool's state writes and page reads (`ReadSlices`) and the spill tier's page writes, and it
+//! answers the head's `SchedulerActor` with `ExecutorReady`/`StepDone`/`ExecutorFailed` and its
+//! slices of pages being spilled (`PageSlices`). Each is
 //! encoded as its variant's name (ractor_cluster's tag) and its fields in postcard. A variant that
 //! holds a local handle (a reply port, an actor reference of this process) cannot travel: sending
 //! it to a remote actor is refused with an error instead of being dropped silently.
@@ -14,6 +15,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::actors::executor::{ExecutorMsg, StepPlan, StepResult};
+use crate::actors::rank_pages::SliceReport;
 use crate::actors::rank_state::VerifiedSlot;
 use crate::actors::ranks::RankReady;
 use crate::actors::scheduler::SchedulerMsg;
@@ -66,6 +68,12 @@ struct CommitVerifiedWire {
 }
 
 #[derive(Serialize, Deserialize)]
+struct ReadSlicesWire {
+    batch: u64,
+    pages: Vec<(PageHash, Vec<u32>)>,
+}
+
+#[derive(Serialize, Deserialize)]
 struct WritePageWire {
     hash: PageHash,
     blocks: Vec<u32>,
@@ -88,6 +96,9 @@ impl ractor::Message for ExecutorMsg {
             ExecutorMsg::CommitVerified { step_id, slots } => {
                 Ok(cast("CommitVerified", encode(&CommitVerifiedWire { step_id, slots })?))
             }
+            ExecutorMsg::ReadSlices { batch, pages } => {
+                Ok(cast("ReadSlices", encode(&ReadSlicesWire { batch, pages })?))
+            }
             // The spill tier's reads carry this process's spill actor and a reply port.
             ExecutorMsg::ReadPages { .. } => local_only("ExecutorMsg::ReadPages"),
         }
@@ -105,6 +116,10 @@ impl ractor::Message for ExecutorMsg {
             "CommitVerified" => {
                 let w: CommitVerifiedWire = decode(&args)?;
                 Ok(ExecutorMsg::CommitVerified { step_id: w.step_id, slots: w.slots })
+            }
+            "ReadSlices" => {
+                let w: ReadSlicesWire = decode(&args)?;
+                Ok(ExecutorMsg::ReadSlices { batch: w.batch, pages: w.pages })
             }
             "WritePage" => {
                 let w: WritePageWire = decode(&args)?;
@@ -138,6 +153,7 @@ impl ractor::Message for SchedulerMsg {
             SchedulerMsg::ExecutorFailed { rank, error } => {
                 Ok(cast("ExecutorFailed", encode(&FailedWire { rank, error })?))
             }
+            SchedulerMsg::PageSlices(report) => Ok(cast("PageSlices", encode(&report)?)),
             // Requests, the pool's replies and the engine's queries live in the head process.
             _ => local_only("a SchedulerMsg other than an executor's report"),
         }
@@ -162,6 +178,7 @@ impl ractor::Message for SchedulerMsg {
                 let f: FailedWire = decode(&args)?;
                 Ok(SchedulerMsg::ExecutorFailed { rank: f.rank, error: f.error })
             }
+            "PageSlices" => Ok(SchedulerMsg::PageSlices(decode::<SliceReport>(&args)?)),
             _ => Err(BoxedDowncastErr),
         }
     }
@@ -287,6 +304,31 @@ mod tests {
             panic!("not a CommitVerified")
         };
         assert_eq!((step_id, back), (12, slots));
+        let pages = vec![(PageHash([1; 16]), vec![4, 5]), (PageHash([2; 16]), vec![6])];
+        let read = ExecutorMsg::ReadSlices { batch: 3, pages: pages.clone() };
+        let ExecutorMsg::ReadSlices { batch, pages: back } =
+            ExecutorMsg::deserialize(read.serialize().unwrap()).unwrap()
+        else {
+            panic!("not a ReadSlices")
+        };
+        assert_eq!((batch, back), (3, pages));
+    }
+
+    #[test]
+    fn page_slices_cross_processes_unchanged() {
+        let reports = [
+            SliceReport::Page { rank: 1, batch: 9, index: 2, hash: PageHash([3; 16]), image: Ok(vec![0, 255, 7]) },
+            SliceReport::Page { rank: 2, batch: 9, index: 0, hash: PageHash([4; 16]), image: Err("lost".into()) },
+            SliceReport::Done { rank: 1, batch: 9 },
+        ];
+        for report in reports {
+            let wire = SchedulerMsg::PageSlices(report.clone()).serialize().unwrap();
+            assert_eq!(args_of(&wire).0, "PageSlices");
+            let SchedulerMsg::PageSlices(back) = SchedulerMsg::deserialize(wire).unwrap() else {
+                panic!("not PageSlices")
+            };
+            assert_eq!(back, report);
+        }
     }
 
     #[test]
