@@ -16,8 +16,7 @@
 //! * token-by-token decoding reproduces one-chunk scoring bitwise (a row's result does not depend
 //!   on how many rows are computed with it), and two tensor-parallel ranks stay within the bound;
 //! * refusals: a scheme that is not served, and a module the config leaves unquantized but that is
-//!   stored quantized, fail at load naming scheme and tensor; `refuse_on_device` (glm5_next's
-//!   CUDA loader) names the format and a tensor.
+//!   stored quantized, fail at load naming scheme and tensor.
 
 mod common;
 
@@ -157,18 +156,4 @@ fn unserved_or_contradicting_quantization_is_refused_at_load() {
     });
     let e = load_error(dir.path());
     assert!(e.contains("experts.2.up_proj") && e.contains("NVFP4"), "{e}");
-}
-
-/// A backend without kernels for these formats (glm5_next on CUDA) refuses them by name instead
-/// of widening the weights (checked through the function its loader calls; the llama-family CUDA
-/// backend keeps them packed: tests/gpu_quantized.rs).
-#[test]
-fn cuda_refuses_quantized_checkpoints_by_name() {
-    for (name, format) in [("llama-fp8", "FP8"), ("glm5-int4", "int4"), ("glm5-nvfp4", "NVFP4")] {
-        let bundle = open(&common::fixture(&format!("quant/{name}"))).unwrap();
-        let e = quantized::refuse_on_device(bundle.weights.as_ref(), "cuda").unwrap_err().to_string();
-        assert!(e.contains(format) && e.contains("cuda") && e.contains("--device cpu") && e.contains("`model."), "{e}");
-    }
-    let plain = open(&common::fixture("hf/llama3-tiny")).unwrap();
-    assert!(quantized::refuse_on_device(plain.weights.as_ref(), "cuda").is_ok());
 }

@@ -39,12 +39,6 @@ pub enum ModelError {
         file.display()
     )]
     UnsupportedQuantization { file: PathBuf, scheme: String, tensor: String },
-    #[error(
-        "{}: tensor {tensor} is stored as {format}, which the {device} backend does not compute with yet \
-         (it would have to convert the weights to another precision); run this checkpoint with --device cpu",
-        file.display()
-    )]
-    QuantizedOnDevice { file: PathBuf, device: String, format: String, tensor: String },
     #[error("{}: unsupported architecture `{arch}` (supported: llama, mistral, qwen2, qwen3)", file.display())]
     UnsupportedArchitecture { file: PathBuf, arch: String },
     #[error("{}: invalid file: {msg}", file.display())]

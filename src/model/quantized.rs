@@ -375,23 +375,3 @@ pub fn load_matrix_f32(w: &dyn WeightSource, base: &str, out: usize, inp: usize)
     let t = w.expect(&format!("{base}.weight"), &[out, inp])?;
     Ok(super::tensor::to_f32(&t))
 }
-
-/// Refuse `w` on a backend (`device`) that has no kernels for quantized checkpoints (today the
-/// `glm5_next` CUDA backend; the llama-family one keeps them packed), naming the format and a
-/// quantized tensor, rather than letting it read codes as weights.
-pub fn refuse_on_device(w: &dyn WeightSource, device: &str) -> Result<(), ModelError> {
-    let Some(scheme) = w.quantization() else { return Ok(()) };
-    let names = w.tensor_names();
-    let tensor = names
-        .iter()
-        .find(|n| w.raw_tensor(n).is_some_and(|t| !is_float(t.dtype)))
-        .or(names.first())
-        .cloned()
-        .unwrap_or_default();
-    Err(ModelError::QuantizedOnDevice {
-        file: w.file_of(&tensor),
-        device: device.to_string(),
-        format: scheme.format().name(),
-        tensor: format!("`{tensor}`"),
-    })
-}

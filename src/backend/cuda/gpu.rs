@@ -570,7 +570,7 @@ impl Gpu {
                 cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(|e| dev_err(&format!("cuBLAS GEMM {m}×{n}×{k}"), e))
+        .map_err(|e| dev_err(&format!("cuBLAS GEMM {m}×{n}×{k} ({prec:?}, output row stride {ldy})"), e))
     }
 }
 

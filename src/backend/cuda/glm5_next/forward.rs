@@ -19,6 +19,7 @@
 use super::weights::{DevLinear, Ffn, HyperConnection, Kda, Mixer, Mla, Mlp};
 use super::{DeviceCheckpoints, DeviceSnapshots, Glm5CudaBackend};
 use crate::backend::cuda::gpu::{cfg, grid_for, Precision};
+use crate::backend::cuda::quant::{self, MatmulIo};
 use crate::backend::glm5_steps::{logits_rows, plan_rows, SeqRows};
 use crate::backend::{BackendError, EmbeddedRows, SeqStep, StepLogits};
 use crate::launch;
@@ -137,8 +138,18 @@ impl Glm5CudaBackend {
         i32::try_from(v).map_err(|_| BackendError::InvalidStep(format!("{v} does not fit the kernels' 32-bit indices")))
     }
 
+    /// The scratch a packed matrix is dequantized into for prefill-sized steps (`quant::matmul`),
+    /// sized for the largest one so it never grows mid-step; 0 when no weight is packed.
+    pub(super) fn dequant_scratch(&mut self) -> Result<u64, BackendError> {
+        let elems = self.dequant_elems;
+        if elems == 0 {
+            return Ok(0);
+        }
+        self.scratch.get(&self.gpu, "dequant", elems * self.prec.bytes())
+    }
+
     /// `y[rows, l.rows] = x[rows, l.cols] · lᵀ`, `x` f32 (cast to the weight's precision first
-    /// when that is bf16).
+    /// when that is bf16), `l` dense or packed as stored.
     pub(super) fn linear(&mut self, x: u64, rows: usize, l: &DevLinear, y: u64) -> Result<(), BackendError> {
         let input = match l.prec {
             Precision::F32 => x,
@@ -151,7 +162,9 @@ impl Glm5CudaBackend {
                 xb
             }
         };
-        self.gpu.gemm(l.prec, rows, l.rows, l.cols, input, l.buf.ptr(), y, false)
+        let dequant = self.dequant_scratch()?;
+        let io = MatmulIo { x: input, y, ldy: l.rows, dequant };
+        quant::matmul(&mut self.gpu, l.prec, &l.w, rows, l.cols, io, false)
     }
 
     /// Run one step (the batch already validated) and copy its logits rows to the host; the rows
@@ -202,7 +215,7 @@ impl Glm5CudaBackend {
         let mut x_alt = self.scratch.get(&self.gpu, "x_alt", 4 * n * m * d)?;
         let (mi, di) = (m as i32, d as i32);
         let f = self.gpu.func("glm5", &format!("glm5_embed_{}", self.prec.suffix()))?;
-        let table = self.weights.embed.buf.ptr();
+        let table = self.weights.embed.dense_ptr()?;
         launch!(self.gpu, f, cfg((n as u32, 1), BLOCK, 0), &ids, &table, &x, &mi, &di)?;
         if embeds.iter().any(|e| !e.is_empty()) {
             self.place_embedded(&seqs, embeds, x)?;
@@ -414,7 +427,7 @@ impl Glm5CudaBackend {
         launch!(self.gpu, apply.clone(), cfg((n as u32, md_chunks), BLOCK, 0), &x, &partial, &none, &xn, &md, &eps)?;
         let width = (2 + m) * m;
         let mix = self.scratch.get(&self.gpu, "hc_mix", 4 * n * width)?;
-        self.gpu.gemm(Precision::F32, n, width, m * d, xn, hc.proj.buf.ptr(), mix, false)?;
+        self.gpu.gemm(Precision::F32, n, width, m * d, xn, hc.proj.dense_ptr()?, mix, false)?;
         let pre = self.scratch.get(&self.gpu, "hc_pre", 4 * n * m)?;
         let hcw = self.scratch.get(&self.gpu, "hc_w", 4 * n * (m + m * m))?;
         let f = self.gpu.func("glm5", "hc_maps")?;
@@ -674,7 +687,9 @@ impl Glm5CudaBackend {
             &c.swiglu_limit
         )?;
         let y = self.scratch.get(&self.gpu, out, 4 * n * c.hidden_size)?;
-        self.gpu.gemm(w.down.prec, n, w.down.rows, w.down.cols, act, w.down.buf.ptr(), y, false)?;
+        let dequant = self.dequant_scratch()?;
+        let io = MatmulIo { x: act, y, ldy: w.down.rows, dequant };
+        quant::matmul(&mut self.gpu, w.down.prec, &w.down.w, n, w.down.cols, io, false)?;
         Ok(y)
     }
 
@@ -704,8 +719,10 @@ impl Glm5CudaBackend {
             &c.rms_norm_eps
         )?;
         let logits = self.scratch.get(&self.gpu, "logits", 4 * r * c.vocab_size)?;
+        let dequant = self.dequant_scratch()?;
         let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed);
-        self.gpu.gemm(head.prec, r, head.rows, head.cols, h, head.buf.ptr(), logits, false)?;
+        let io = MatmulIo { x: h, y: logits, ldy: head.rows, dequant };
+        quant::matmul(&mut self.gpu, head.prec, &head.w, r, head.cols, io, false)?;
         Ok(logits)
     }
 }

@@ -53,6 +53,9 @@ pub struct Glm5CudaBackend {
     gpu: Gpu,
     prec: Precision,
     weights: weights::Glm5DeviceWeights,
+    /// Elements of the largest packed matrix (the dequantize scratch's size; 0 when nothing is
+    /// packed), fixed at load: a step takes the layers out of `weights` while it runs.
+    dequant_elems: usize,
     /// The vision tower, when the checkpoint has one (`vision.rs`).
     vision: Option<vision::DeviceTower>,
     layout: CacheLayout,
@@ -114,6 +117,9 @@ impl Glm5CudaBackend {
         let mut gpu = Gpu::open(ordinal)?;
         gpu.load_glm5()?;
         let weights = weights::load(&gpu, &cfg, w, prec)?;
+        if weights.max_packed_elems() > 0 {
+            gpu.load_quant()?;
+        }
         let tower = vision::load(&mut gpu, cfg.hidden_size, w, prec)?;
         Self::assemble(cfg, gpu, weights, tower, kv, prec)
     }
@@ -164,6 +170,7 @@ impl Glm5CudaBackend {
             cfg,
             gpu,
             prec,
+            dequant_elems: weights.max_packed_elems(),
             weights,
             vision: tower,
             layout,

@@ -1,12 +1,15 @@
 //! The routed-expert FFN of a `glm5_next` step on the GPU: the router, then either the
-//! device-grouped GEMVs (steps of at most `MOE_GEMV_MAX_ROWS` rows: pairs grouped by expert on the
-//! device, each used expert read once) or one cuBLAS GEMM pair per used expert, the shared expert,
-//! and the weighted combine. Split from `forward.rs`, whose step calls `moe`.
+//! device-grouped GEMVs (stacked dense experts, steps of at most `MOE_GEMV_MAX_ROWS` rows: pairs
+//! grouped by expert on the device, each used expert read once) or one projection pair per used
+//! expert (cuBLAS for dense experts; the packed kernels of `backend::cuda::quant` for a quantized
+//! checkpoint's, in their own format), the shared expert, and the weighted combine. Split from
+//! `forward.rs`, whose step calls `moe`.
 
 use super::forward::{BLOCK, HC_CHUNK};
-use super::weights::Moe;
+use super::weights::{Experts, Moe};
 use super::Glm5CudaBackend;
 use crate::backend::cuda::gpu::{cfg, grid_for};
+use crate::backend::cuda::quant::{self, MatmulIo};
 use crate::backend::BackendError;
 use crate::launch;
 use crate::model::glm5_next::Glm5Config;
@@ -50,7 +53,8 @@ impl Glm5CudaBackend {
         let pairs = n * k;
         let slot_out = self.scratch.get(&self.gpu, "moe_slot_out", 4 * pairs * d)?;
         let (gu_stride, down_stride) = (2 * inter * d, d * inter);
-        if n <= MOE_GEMV_MAX_ROWS {
+        if let (Experts::Stacked { gate_up: wgu, down: wd }, true) = (&w.experts, n <= MOE_GEMV_MAX_ROWS) {
+            let (wgu, wd) = (wgu.ptr(), wd.ptr());
             if self.profile.is_some() {
                 let mut routes = vec![0i32; n * k];
                 self.gpu.copy_dtoh(&mut routes, experts)?;
@@ -65,7 +69,6 @@ impl Glm5CudaBackend {
             launch!(self.gpu, sort, cfg((1, 1), 1024, (8 * e) as u32), &experts, &pi, &ei, &order, &groups, &n_used)?;
             let gu = self.scratch.get(&self.gpu, "moe_gu", 4 * pairs * 2 * inter)?;
             let gemv = self.gpu.func("glm5", &format!("moe_gemv_grouped_{}", self.prec.suffix()))?;
-            let (wgu, wd) = (w.experts_gate_up.ptr(), w.experts_down.ptr());
             let (ki, one, gus, ds) = (k as i32, 1i32, gu_stride as i64, down_stride as i64);
             let (n_gu, n_d, di, ii) = ((2 * inter) as i32, d as i32, d as i32, inter as i32);
             let slots = e.min(pairs) as u32;
@@ -124,8 +127,9 @@ impl Glm5CudaBackend {
         Ok(y)
     }
 
-    /// Routed experts for larger steps: pairs sorted by expert, one GEMM pair per used expert;
-    /// reads the routes from `experts`, writes each pair's output to its row of `slot_out`.
+    /// Routed experts for larger steps and for packed experts: pairs sorted by expert, one
+    /// projection pair per used expert; reads the routes from `experts`, writes each pair's output
+    /// to its row of `slot_out`.
     fn moe_grouped(
         &mut self,
         c: &Glm5Config,
@@ -157,6 +161,7 @@ impl Glm5CudaBackend {
         let gu = self.scratch.get(&self.gpu, "moe_gu_g", 4 * pairs * 2 * inter)?;
         let act = self.scratch.get(&self.gpu, "moe_act_g", eb * pairs * inter)?;
         let out = self.scratch.get(&self.gpu, "moe_out_g", 4 * pairs * d)?;
+        let dequant = self.dequant_scratch()?;
         let gather = self.gpu.func("glm5", &format!("gather_rows_{}", self.prec.suffix()))?;
         let di = d as i32;
         launch!(self.gpu, gather, cfg((pairs as u32, 1), BLOCK, 0), &u, &token_p, &xg, &di)?;
@@ -166,11 +171,19 @@ impl Glm5CudaBackend {
             if m == 0 {
                 continue;
             }
-            let wgu = w.experts_gate_up.at(ex * 2 * inter * d * eb);
-            let wd = w.experts_down.at(ex * d * inter * eb);
             let gu_r = gu + (4 * row * 2 * inter) as u64;
             let act_r = act + (eb * row * inter) as u64;
-            self.gpu.gemm(self.prec, m, 2 * inter, d, xg + (eb * row * d) as u64, wgu, gu_r, false)?;
+            let (x_r, out_r) = (xg + (eb * row * d) as u64, out + (4 * row * d) as u64);
+            match &w.experts {
+                Experts::Stacked { gate_up, .. } => {
+                    let wgu = gate_up.at(ex * 2 * inter * d * eb);
+                    self.gpu.gemm(self.prec, m, 2 * inter, d, x_r, wgu, gu_r, false)?;
+                }
+                Experts::PerExpert(pairs) => {
+                    let io = MatmulIo { x: x_r, y: gu_r, ldy: 2 * inter, dequant };
+                    quant::matmul(&mut self.gpu, self.prec, &pairs[ex].0, m, d, io, false)?;
+                }
+            }
             let sw = self.gpu.func("glm5", &format!("swiglu_clamped_{}", self.prec.suffix()))?;
             let (ii, mi) = (inter as i32, m as i32);
             launch!(
@@ -183,7 +196,16 @@ impl Glm5CudaBackend {
                 &mi,
                 &c.swiglu_limit
             )?;
-            self.gpu.gemm(self.prec, m, d, inter, act_r, wd, out + (4 * row * d) as u64, false)?;
+            match &w.experts {
+                Experts::Stacked { down, .. } => {
+                    let wd = down.at(ex * d * inter * eb);
+                    self.gpu.gemm(self.prec, m, d, inter, act_r, wd, out_r, false)?;
+                }
+                Experts::PerExpert(pairs) => {
+                    let io = MatmulIo { x: act_r, y: out_r, ldy: d, dequant };
+                    quant::matmul(&mut self.gpu, self.prec, &pairs[ex].1, m, inter, io, false)?;
+                }
+            }
             row += m;
         }
         let scatter = self.gpu.func("glm5", "scatter_rows")?;

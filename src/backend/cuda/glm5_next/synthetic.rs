@@ -8,7 +8,9 @@
 
 use super::super::gpu::{DevBuf, Gpu, Precision};
 use super::super::weights::Filler;
-use super::weights::{DevLinear, Ffn, Glm5DeviceWeights, HyperConnection, Indexer, Kda, Layer, Mixer, Mla, Mlp, Moe};
+use super::weights::{
+    DevLinear, Experts, Ffn, Glm5DeviceWeights, HyperConnection, Indexer, Kda, Layer, Mixer, Mla, Mlp, Moe,
+};
 use crate::backend::BackendError;
 use crate::model::glm5_next::config::{FfnKind, MixerKind};
 use crate::model::glm5_next::Glm5Config;
@@ -33,11 +35,11 @@ impl Maker<'_> {
 
     fn linear(&mut self, rows: usize, cols: usize) -> Result<DevLinear, BackendError> {
         let prec = self.prec;
-        Ok(DevLinear { rows, cols, prec, buf: self.matrix(rows, cols, prec)? })
+        Ok(DevLinear::dense(rows, cols, prec, self.matrix(rows, cols, prec)?))
     }
 
     fn linear_f32(&mut self, rows: usize, cols: usize) -> Result<DevLinear, BackendError> {
-        Ok(DevLinear { rows, cols, prec: Precision::F32, buf: self.matrix(rows, cols, Precision::F32)? })
+        Ok(DevLinear::dense(rows, cols, Precision::F32, self.matrix(rows, cols, Precision::F32)?))
     }
 
     fn hyper_connection(&mut self, c: &Glm5Config) -> Result<HyperConnection, BackendError> {
@@ -102,8 +104,7 @@ impl Maker<'_> {
         Ok(Moe {
             router: self.linear_f32(e, d)?,
             correction_bias: self.vector(e, 0.0, 0.05)?,
-            experts_gate_up: self.matrix(e * 2 * i, d, prec)?,
-            experts_down: self.matrix(e * d, i, prec)?,
+            experts: Experts::Stacked { gate_up: self.matrix(e * 2 * i, d, prec)?, down: self.matrix(e * d, i, prec)? },
             inter: i,
             shared: self.mlp(i * c.n_shared_experts, d)?,
         })

@@ -109,7 +109,7 @@ pub fn load(
         gpu.upload(v)
     };
     let lin = |l: &HostLinear| -> Result<DevLinear, BackendError> {
-        Ok(DevLinear { rows: l.rows, cols: l.cols, prec, buf: upload_matrix(gpu, &l.data, prec)? })
+        Ok(DevLinear::dense(l.rows(), l.cols(), prec, upload_matrix(gpu, l.dense("the vision tower")?, prec)?))
     };
     let stack = |a: HostLinear, b: HostLinear| -> Result<HostLinear, BackendError> {
         HostLinear::stack(vec![a, b]).map_err(|_| BackendError::InvalidStep("gate and up widths differ".into()))
@@ -151,7 +151,7 @@ pub fn load(
         downsample,
         bytes: 0,
     };
-    let l = |x: &DevLinear| x.buf.bytes();
+    let l = DevLinear::bytes;
     let mut linear = l(&t.patch_embed.w) + l(&t.downsample.w) + l(&t.merger_proj);
     linear += l(&t.merger_gate_up) + l(&t.merger_down);
     linear += t.blocks.iter().map(|b| l(&b.qkv.w) + l(&b.proj.w) + l(&b.gate_up.w) + l(&b.down.w)).sum::<usize>();
@@ -391,7 +391,7 @@ impl Glm5CudaBackend {
 
     /// `y[rows, l.rows] = x[rows, l.cols] · lᵀ` with `x` already in the weight's precision.
     fn gemm(&self, l: &DevLinear, rows: usize, x: u64, y: u64) -> Result<(), BackendError> {
-        self.gpu.gemm(l.prec, rows, l.rows, l.cols, x, l.buf.ptr(), y, false)
+        self.gpu.gemm(l.prec, rows, l.rows, l.cols, x, l.dense_ptr()?, y, false)
     }
 }
 

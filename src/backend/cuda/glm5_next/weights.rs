@@ -1,60 +1,151 @@
 //! `glm5_next`'s weights in device memory, loaded through the model's loader
-//! (`model::glm5_next::weights`, the same names, shapes and stacking the CPU reads) into host f32
-//! projections (the whole model at once: peak host memory is the model in f32), then uploaded
-//! layer by layer, each host layer freed after its upload: the big matrices in the backend's storage precision,
-//! the router and the mHC maps in f32 (the spec computes both in fp32), norms, biases, conv taps and
-//! gate parameters in f32. Each MoE layer's experts are packed into one `[E, 2I, D]` gate/up and one
-//! `[E, D, I]` down matrix, so a kernel can address any expert's rows.
+//! (`model::glm5_next::weights`, the same names, shapes and stacking the CPU reads) into host
+//! projections (f32 rows, or codes and scales as a quantized checkpoint stores them), then uploaded
+//! layer by layer, each host layer freed after its upload: dense matrices in the backend's storage
+//! precision, packed ones as stored (FP8 blocks, int4, NVFP4: `backend::cuda::quant`, the kernels
+//! the llama family uses), the router and the mHC maps in f32 (the spec computes both in fp32),
+//! norms, biases, conv taps and gate parameters in f32. A MoE layer whose experts are all dense is
+//! packed into one `[E, 2I, D]` gate/up and one `[E, D, I]` down matrix, so a kernel can address any
+//! expert's rows; quantized experts stay one projection pair per expert.
 
 use super::super::gpu::{DevBuf, Gpu, Precision};
+use super::super::quant::{DevPacked, LinearWeight as DevWeight};
 use crate::backend::BackendError;
 use crate::model::glm5_next::weights::{self as layout, LinearWeight};
 use crate::model::glm5_next::Glm5Config;
+use crate::model::quant::packed::PackedRows;
 use crate::model::tensor::to_f32;
-use crate::model::{ModelError, WeightSource};
+use crate::model::{quantized, ModelError, WeightSource};
 
-/// A projection as the model's loader hands it over: f32 rows on the host, before upload.
-pub struct HostLinear {
-    pub rows: usize,
-    pub cols: usize,
-    pub data: Vec<f32>,
+/// A projection as the model's loader hands it over, before upload.
+#[derive(Debug)]
+pub enum HostLinear {
+    /// `[rows, cols]` f32.
+    Dense { rows: usize, cols: usize, data: Vec<f32> },
+    /// Codes and scales as the checkpoint stores them.
+    Packed(PackedRows),
+    /// Parts of different formats stacked by rows (a quantized projection beside a plain one).
+    Parts(Vec<HostLinear>),
+}
+
+impl HostLinear {
+    pub fn rows(&self) -> usize {
+        match self {
+            HostLinear::Dense { rows, .. } => *rows,
+            HostLinear::Packed(p) => p.rows,
+            HostLinear::Parts(parts) => parts.iter().map(HostLinear::rows).sum(),
+        }
+    }
+
+    pub fn cols(&self) -> usize {
+        match self {
+            HostLinear::Dense { cols, .. } => *cols,
+            HostLinear::Packed(p) => p.cols,
+            HostLinear::Parts(parts) => parts.first().map_or(0, HostLinear::cols),
+        }
+    }
+
+    /// The f32 rows, for tensors a kernel reads as a plain matrix (embeddings, the vision
+    /// tower); `what` names the tensor in the error.
+    pub fn dense(&self, what: &str) -> Result<&[f32], BackendError> {
+        match self {
+            HostLinear::Dense { data, .. } => Ok(data),
+            _ => Err(BackendError::Device(format!(
+                "glm5_next on CUDA reads {what} as a plain matrix; this checkpoint stores it quantized"
+            ))),
+        }
+    }
+
+    fn is_packed(&self) -> bool {
+        match self {
+            HostLinear::Dense { .. } => false,
+            HostLinear::Packed(_) => true,
+            HostLinear::Parts(parts) => parts.iter().any(HostLinear::is_packed),
+        }
+    }
 }
 
 impl LinearWeight for HostLinear {
     fn load(w: &dyn WeightSource, base: &str, out: usize, inp: usize) -> Result<Self, ModelError> {
-        crate::model::quantized::refuse_on_device(w, "cuda")?;
+        if let Some(packed) = quantized::load_linear(w, base, out, inp)? {
+            return Ok(HostLinear::Packed(packed));
+        }
         let t = w.expect(&format!("{base}.weight"), &[out, inp])?;
-        Ok(HostLinear { rows: out, cols: inp, data: to_f32(&t) })
+        Ok(HostLinear::Dense { rows: out, cols: inp, data: to_f32(&t) })
     }
 
     fn from_f32(data: Vec<f32>, out: usize, inp: usize) -> Self {
-        HostLinear { rows: out, cols: inp, data }
+        HostLinear::Dense { rows: out, cols: inp, data }
     }
 
+    /// Consecutive parts of one kind (f32, or packed in one format) become one matrix; parts of
+    /// different kinds stay side by side, each writing its own output columns.
     fn stack(parts: Vec<Self>) -> Result<Self, Vec<Self>> {
-        if parts.is_empty() || parts.windows(2).any(|p| p[0].cols != p[1].cols) {
+        if parts.is_empty() || parts.windows(2).any(|p| p[0].cols() != p[1].cols()) {
             return Err(parts);
         }
-        let cols = parts[0].cols;
-        let rows = parts.iter().map(|p| p.rows).sum();
-        let mut data = Vec::with_capacity(rows * cols);
-        for p in parts {
-            data.extend(p.data);
+        let flat = parts.into_iter().flat_map(|p| match p {
+            HostLinear::Parts(inner) => inner,
+            one => vec![one],
+        });
+        let mut runs: Vec<HostLinear> = Vec::new();
+        for part in flat {
+            let merged = match (runs.pop(), part) {
+                (Some(HostLinear::Dense { rows, cols, mut data }), HostLinear::Dense { rows: r, data: d, .. }) => {
+                    data.extend(d);
+                    vec![HostLinear::Dense { rows: rows + r, cols, data }]
+                }
+                (Some(HostLinear::Packed(a)), HostLinear::Packed(b)) if a.format == b.format => {
+                    vec![HostLinear::Packed(
+                        PackedRows::concat(vec![a, b]).unwrap_or_else(|_| unreachable!("one format, one width")),
+                    )]
+                }
+                (Some(last), part) => vec![last, part],
+                (None, part) => vec![part],
+            };
+            runs.extend(merged);
         }
-        Ok(HostLinear { rows, cols, data })
+        Ok(if runs.len() == 1 { runs.remove(0) } else { HostLinear::Parts(runs) })
     }
 
     fn bytes(&self) -> usize {
-        self.data.len() * 4
+        match self {
+            HostLinear::Dense { data, .. } => data.len() * 4,
+            HostLinear::Packed(p) => p.bytes(),
+            HostLinear::Parts(parts) => parts.iter().map(LinearWeight::bytes).sum(),
+        }
     }
 }
 
-/// A projection `[rows, cols]` on the device, in `prec`.
+/// A projection `[rows, cols]` on the device: dense in `prec`, or packed as stored (whose kernels
+/// take their input in `prec`).
 pub struct DevLinear {
     pub rows: usize,
     pub cols: usize,
     pub prec: Precision,
-    pub buf: DevBuf,
+    pub w: DevWeight,
+}
+
+impl DevLinear {
+    /// A dense `[rows, cols]` matrix already on the device in `prec`.
+    pub fn dense(rows: usize, cols: usize, prec: Precision, buf: DevBuf) -> DevLinear {
+        DevLinear { rows, cols, prec, w: DevWeight::Dense { buf, rows } }
+    }
+
+    /// The matrix's address, for kernels that read it as a plain matrix (embedding rows, the
+    /// mHC maps); a packed projection there is a loader bug, reported as an error.
+    pub fn dense_ptr(&self) -> Result<u64, BackendError> {
+        self.w.dense().map(DevBuf::ptr).ok_or_else(|| {
+            BackendError::Device(format!(
+                "a packed [{}, {}] projection where a plain matrix is read",
+                self.rows, self.cols
+            ))
+        })
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.w.bytes()
+    }
 }
 
 pub fn upload_matrix(gpu: &Gpu, values: &[f32], prec: Precision) -> Result<DevBuf, BackendError> {
@@ -67,8 +158,24 @@ pub fn upload_matrix(gpu: &Gpu, values: &[f32], prec: Precision) -> Result<DevBu
     }
 }
 
+/// A host projection on the device: f32 rows in `prec`, packed ones as stored.
+fn dev_weight(gpu: &Gpu, l: &HostLinear, prec: Precision) -> Result<DevWeight, BackendError> {
+    Ok(match l {
+        HostLinear::Dense { rows, data, .. } => DevWeight::Dense { buf: upload_matrix(gpu, data, prec)?, rows: *rows },
+        HostLinear::Packed(p) => DevWeight::Packed(DevPacked::upload(gpu, p)?),
+        HostLinear::Parts(parts) => {
+            DevWeight::Parts(parts.iter().map(|p| dev_weight(gpu, p, prec)).collect::<Result<_, _>>()?)
+        }
+    })
+}
+
 fn lin(gpu: &Gpu, l: &HostLinear, prec: Precision) -> Result<DevLinear, BackendError> {
-    Ok(DevLinear { rows: l.rows, cols: l.cols, prec, buf: upload_matrix(gpu, &l.data, prec)? })
+    Ok(DevLinear { rows: l.rows(), cols: l.cols(), prec, w: dev_weight(gpu, l, prec)? })
+}
+
+/// A projection read as a plain matrix (the mHC maps, the router: f32 by the spec; embeddings).
+fn plain(gpu: &Gpu, l: &HostLinear, prec: Precision, what: &str) -> Result<DevLinear, BackendError> {
+    Ok(DevLinear::dense(l.rows(), l.cols(), prec, upload_matrix(gpu, l.dense(what)?, prec)?))
 }
 
 pub struct HyperConnection {
@@ -122,14 +229,39 @@ pub struct Mlp {
     pub down: DevLinear,
 }
 
+/// The routed experts of a MoE layer.
+pub enum Experts {
+    /// Every expert dense in the storage precision, stacked so a kernel addresses any expert's
+    /// rows: gate/up `[E, 2I, D]`, down `[E, D, I]`.
+    Stacked { gate_up: DevBuf, down: DevBuf },
+    /// A quantized checkpoint's experts, one (gate/up `[2I, D]`, down `[D, I]`) pair each, as stored.
+    PerExpert(Vec<(DevWeight, DevWeight)>),
+}
+
+impl Experts {
+    pub fn bytes(&self) -> usize {
+        match self {
+            Experts::Stacked { gate_up, down } => gate_up.bytes() + down.bytes(),
+            Experts::PerExpert(pairs) => pairs.iter().map(|(gu, d)| gu.bytes() + d.bytes()).sum(),
+        }
+    }
+
+    /// Elements of the largest packed expert matrix (the dequantize scratch's size), 0 if none.
+    pub fn max_packed_elems(&self) -> usize {
+        match self {
+            Experts::Stacked { .. } => 0,
+            Experts::PerExpert(pairs) => {
+                pairs.iter().map(|(gu, d)| gu.max_packed_elems().max(d.max_packed_elems())).max().unwrap_or(0)
+            }
+        }
+    }
+}
+
 pub struct Moe {
     /// `[E, D]`, f32.
     pub router: DevLinear,
     pub correction_bias: DevBuf,
-    /// `[E, 2I, D]`.
-    pub experts_gate_up: DevBuf,
-    /// `[E, D, I]`.
-    pub experts_down: DevBuf,
+    pub experts: Experts,
     pub inter: usize,
     pub shared: Mlp,
 }
@@ -164,7 +296,6 @@ pub fn load(
     w: &dyn WeightSource,
     prec: Precision,
 ) -> Result<Glm5DeviceWeights, BackendError> {
-    crate::model::quantized::refuse_on_device(w, "cuda")?;
     let host: layout::Glm5Weights<HostLinear> = layout::load(c, w)?;
     let f32p = Precision::F32;
     let mut bytes = 0usize;
@@ -173,7 +304,11 @@ pub fn load(
         gpu.upload(v)
     };
     let hc = |h: &layout::HyperConnection<HostLinear>, up: &mut dyn FnMut(&[f32]) -> Result<DevBuf, BackendError>| {
-        Ok::<_, BackendError>(HyperConnection { proj: lin(gpu, &h.proj, f32p)?, base: up(&h.base)?, scale: h.scale })
+        Ok::<_, BackendError>(HyperConnection {
+            proj: plain(gpu, &h.proj, f32p, "an mHC map")?,
+            base: up(&h.base)?,
+            scale: h.scale,
+        })
     };
     let mlp = |m: &layout::Mlp<HostLinear>| -> Result<Mlp, BackendError> {
         Ok(Mlp { gate_up: lin(gpu, &m.gate_up, prec)?, down: lin(gpu, &m.down, prec)? })
@@ -217,13 +352,25 @@ pub fn load(
         let ffn = match &l.ffn {
             layout::Ffn::Dense(m) => Ffn::Dense(mlp(m)?),
             layout::Ffn::Moe(m) => {
-                let gu: Vec<f32> = m.experts.iter().flat_map(|e| e.gate_up.data.iter().copied()).collect();
-                let down: Vec<f32> = m.experts.iter().flat_map(|e| e.down.data.iter().copied()).collect();
+                let experts = if m.experts.iter().any(|e| e.gate_up.is_packed() || e.down.is_packed()) {
+                    let pair = |e: &layout::Mlp<HostLinear>| {
+                        Ok::<_, BackendError>((dev_weight(gpu, &e.gate_up, prec)?, dev_weight(gpu, &e.down, prec)?))
+                    };
+                    Experts::PerExpert(m.experts.iter().map(pair).collect::<Result<_, _>>()?)
+                } else {
+                    let mut gu =
+                        Vec::with_capacity(m.experts.iter().map(|e| e.gate_up.rows() * e.gate_up.cols()).sum());
+                    let mut down = Vec::with_capacity(m.experts.iter().map(|e| e.down.rows() * e.down.cols()).sum());
+                    for e in &m.experts {
+                        gu.extend_from_slice(e.gate_up.dense("an expert's gate/up")?);
+                        down.extend_from_slice(e.down.dense("an expert's down")?);
+                    }
+                    Experts::Stacked { gate_up: upload_matrix(gpu, &gu, prec)?, down: upload_matrix(gpu, &down, prec)? }
+                };
                 Ffn::Moe(Moe {
-                    router: lin(gpu, &m.router, f32p)?,
+                    router: plain(gpu, &m.router, f32p, "the router")?,
                     correction_bias: up(&m.correction_bias)?,
-                    experts_gate_up: upload_matrix(gpu, &gu, prec)?,
-                    experts_down: upload_matrix(gpu, &down, prec)?,
+                    experts,
                     inter: c.moe_intermediate_size,
                     shared: mlp(&m.shared)?,
                 })
@@ -239,7 +386,7 @@ pub fn load(
         });
     }
     let norm = up(&host.norm)?;
-    let embed = lin(gpu, &host.embed, prec)?;
+    let embed = plain(gpu, &host.embed, prec, "the embedding")?;
     let lm_head = host.lm_head.as_ref().map(|h| lin(gpu, h, prec)).transpose()?;
     let mut w = Glm5DeviceWeights { embed, layers, norm, lm_head, bytes: 0 };
     w.bytes = bytes + w.linear_bytes();
@@ -247,8 +394,31 @@ pub fn load(
 }
 
 impl Glm5DeviceWeights {
+    /// Elements of the largest packed matrix (the dequantize scratch's size), 0 if none.
+    pub fn max_packed_elems(&self) -> usize {
+        let l = |x: &DevLinear| x.w.max_packed_elems();
+        let mut most = self.lm_head.as_ref().map_or(0, l);
+        for layer in &self.layers {
+            let mixer = match &layer.mixer {
+                Mixer::Kda(k) => {
+                    [&k.qkv, &k.f_a, &k.f_b, &k.b_proj, &k.g_a, &k.g_b, &k.o_proj].map(l).into_iter().max()
+                }
+                Mixer::Dsa(m) => {
+                    let ix = m.indexer.as_ref().map_or(0, |i| l(&i.wq_b).max(l(&i.k_gate_w)));
+                    [&m.q_a, &m.q_b, &m.kv_a, &m.o_proj].map(l).into_iter().max().map(|x| x.max(ix))
+                }
+            };
+            let ffn = match &layer.ffn {
+                Ffn::Dense(m) => l(&m.gate_up).max(l(&m.down)),
+                Ffn::Moe(m) => m.experts.max_packed_elems().max(l(&m.shared.gate_up)).max(l(&m.shared.down)),
+            };
+            most = most.max(mixer.unwrap_or(0)).max(ffn);
+        }
+        most
+    }
+
     fn linear_bytes(&self) -> usize {
-        let l = |x: &DevLinear| x.buf.bytes();
+        let l = DevLinear::bytes;
         let mut total = l(&self.embed) + self.lm_head.as_ref().map_or(0, l);
         for layer in &self.layers {
             total += l(&layer.attn_hc.proj) + l(&layer.ffn_hc.proj);
@@ -267,13 +437,7 @@ impl Glm5DeviceWeights {
             };
             total += match &layer.ffn {
                 Ffn::Dense(m) => l(&m.gate_up) + l(&m.down),
-                Ffn::Moe(m) => {
-                    l(&m.router)
-                        + m.experts_gate_up.bytes()
-                        + m.experts_down.bytes()
-                        + l(&m.shared.gate_up)
-                        + l(&m.shared.down)
-                }
+                Ffn::Moe(m) => l(&m.router) + m.experts.bytes() + l(&m.shared.gate_up) + l(&m.shared.down),
             };
         }
         total
