@@ -390,6 +390,74 @@ __device__ void quant_dequant_impl(const QuantArgs a) {
     QUANT_KERNELS(T, S, nvfp4, FMT_NVFP4)
 FOR_STORAGE_TYPES(QUANT_ALL_FORMATS)
 
+// Routed experts of a MoE layer stored packed, for decode-sized steps (glm5_next,
+// src/backend/cuda/glm5_next/moe.rs): `moe_sort` (cuda/glm5.cu) grouped the step's (token, slot)
+// pairs by expert on the device; block (x, u) takes output rows of used expert `groups[u]` and
+// computes them for each of its pairs, the row's codes re-read from L1 (one expert's row serves
+// all of its pairs). The per-expert matrices are found through `experts` (one `ExpertPacked` per
+// expert, all of one format and shape). A pair's dot product takes the order of the chunk layout
+// of `quant_gemv` (lane l: chunks l, l + 32, ... in order, pieces in order, then the xor tree),
+// so it equals the single-row GEMV's bitwise and never depends on the batch.
+struct ExpertPacked {
+    const u8* codes;
+    const float* scales;
+    const u8* scale_codes;
+    const float* row_global;
+};
+
+template <int FMT>
+__device__ void quant_moe_grouped_impl(const float* x, int x_div, const int* order, const int3* groups,
+                                       const int* n_used, const ExpertPacked* experts, int group, float* y,
+                                       int n_out, int k_in) {
+    if ((int)blockIdx.y >= n_used[0]) return;
+    const int3 g = groups[blockIdx.y];
+    const ExpertPacked e = experts[g.x];
+    QuantArgs a;
+    a.codes = e.codes;
+    a.scales = e.scales;
+    a.scale_codes = e.scale_codes;
+    a.row_global = e.row_global;
+    a.k = k_in;
+    a.group = group;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const int W = Fmt<FMT>::W, XS = Fmt<FMT>::XS, chunks = k_in / W;
+    const int row_bytes = FMT == FMT_FP8 ? k_in : k_in / 2;
+    for (int o = blockIdx.x * nwarps + warp; o < n_out; o += gridDim.x * nwarps) {
+        const float global = FMT == FMT_NVFP4 ? e.row_global[o] : 1.f;
+        for (int j = 0; j < g.z; ++j) {
+            const int p = order[g.y + j];
+            const float* xr = x + (i64)(p / x_div) * k_in;
+            float acc = 0.f;
+            for (int c = lane; c < chunks; c += 32) {
+                const uint4 code = __ldg(reinterpret_cast<const uint4*>(e.codes + (i64)o * row_bytes + (i64)c * 16));
+                const int gi = c * W / group;
+                const float s0 = group_scale<FMT>(a, o, gi, global);
+                const float s1 = FMT == FMT_NVFP4 ? group_scale<FMT>(a, o, gi + 1, global) : s0;
+#pragma unroll
+                for (int pc = 0; pc < W / 8; ++pc) {
+                    float w[8], xv[8];
+                    decode8<FMT>(code, pc, w);
+                    qg_load8<XS>(xr + c * W + pc * 8, xv);
+                    acc = qg_piece(w, xv, (FMT == FMT_NVFP4 && pc >= 2) ? s1 : s0, acc);
+                }
+            }
+            const float v = warp_sum(acc);
+            if (lane == 0) y[(i64)p * n_out + o] = v;
+        }
+    }
+}
+
+#define QUANT_MOE_KERNEL(F, FMT)                                                                             \
+    extern "C" __global__ void quant_moe_grouped_##F(const float* x, int x_div, const int* order,            \
+                                                     const int3* groups, const int* n_used,                  \
+                                                     const ExpertPacked* experts, int group, float* y,       \
+                                                     int n_out, int k_in) {                                  \
+        quant_moe_grouped_impl<FMT>(x, x_div, order, groups, n_used, experts, group, y, n_out, k_in);         \
+    }
+QUANT_MOE_KERNEL(fp8, FMT_FP8)
+QUANT_MOE_KERNEL(int4, FMT_INT4)
+QUANT_MOE_KERNEL(nvfp4, FMT_NVFP4)
+
 // Seeded random code bytes for benchmark weights (`DeviceWeights::synthetic_packed`): byte i is
 // a hash of (seed, i), then `(h & and_mask) | or_mask` — FP8 codes clear the top exponent bit
 // (|value| < 2, never the NaN codes 0x7F/0xFF), NVFP4 scale bytes get a fixed positive exponent.

@@ -19,6 +19,23 @@ use crate::model::glm5_next::Glm5Config;
 /// used expert. Up to here a row's result does not depend on the batch.
 const MOE_GEMV_MAX_ROWS: usize = 64;
 
+/// Which projection of an expert.
+#[derive(Clone, Copy)]
+enum Projection {
+    GateUp,
+    Down,
+}
+
+/// A step's (token, slot) pairs grouped by expert on the device (`moe_sort`).
+#[derive(Clone, Copy)]
+struct SortedPairs {
+    order: u64,
+    groups: u64,
+    n_used: u64,
+    /// Blocks on the grid's y axis: at most one per used expert.
+    slots: u32,
+}
+
 impl Glm5CudaBackend {
     pub(super) fn moe(&mut self, c: &Glm5Config, w: &Moe, u: u64, n: usize, l: usize) -> Result<u64, BackendError> {
         let (d, e, k, inter) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, w.inter);
@@ -52,9 +69,11 @@ impl Glm5CudaBackend {
         )?;
         let pairs = n * k;
         let slot_out = self.scratch.get(&self.gpu, "moe_slot_out", 4 * pairs * d)?;
-        let (gu_stride, down_stride) = (2 * inter * d, d * inter);
-        if let (Experts::Stacked { gate_up: wgu, down: wd }, true) = (&w.experts, n <= MOE_GEMV_MAX_ROWS) {
-            let (wgu, wd) = (wgu.ptr(), wd.ptr());
+        let device_grouped = match &w.experts {
+            Experts::Stacked { .. } | Experts::PerExpert { grouped: Some(_), .. } => n <= MOE_GEMV_MAX_ROWS,
+            Experts::PerExpert { grouped: None, .. } => false,
+        };
+        if device_grouped {
             if self.profile.is_some() {
                 let mut routes = vec![0i32; n * k];
                 self.gpu.copy_dtoh(&mut routes, experts)?;
@@ -67,30 +86,12 @@ impl Glm5CudaBackend {
             let sort = self.gpu.func("glm5", "moe_sort")?;
             let (pi, ei) = (pairs as i32, e as i32);
             launch!(self.gpu, sort, cfg((1, 1), 1024, (8 * e) as u32), &experts, &pi, &ei, &order, &groups, &n_used)?;
+            let sorted = SortedPairs { order, groups, n_used, slots: e.min(pairs) as u32 };
             let gu = self.scratch.get(&self.gpu, "moe_gu", 4 * pairs * 2 * inter)?;
-            let gemv = self.gpu.func("glm5", &format!("moe_gemv_grouped_{}", self.prec.suffix()))?;
-            let (ki, one, gus, ds) = (k as i32, 1i32, gu_stride as i64, down_stride as i64);
-            let (n_gu, n_d, di, ii) = ((2 * inter) as i32, d as i32, d as i32, inter as i32);
-            let slots = e.min(pairs) as u32;
-            let chunks = |outs: usize| (outs.div_ceil(8) as u32).min(1024);
-            launch!(
-                self.gpu,
-                gemv.clone(),
-                cfg((chunks(2 * inter), slots), BLOCK, 0),
-                &u,
-                &ki,
-                &order,
-                &groups,
-                &n_used,
-                &wgu,
-                &gus,
-                &gu,
-                &n_gu,
-                &di
-            )?;
+            self.expert_gemv(&w.experts, Projection::GateUp, &sorted, (u, k as i32), gu, (2 * inter, d))?;
             let act = self.scratch.get(&self.gpu, "moe_act", 4 * pairs * inter)?;
             let sw = self.gpu.func("glm5", "swiglu_clamped_f32")?;
-            let pi = pairs as i32;
+            let (ii, pi) = (inter as i32, pairs as i32);
             launch!(
                 self.gpu,
                 sw,
@@ -101,21 +102,7 @@ impl Glm5CudaBackend {
                 &pi,
                 &c.swiglu_limit
             )?;
-            launch!(
-                self.gpu,
-                gemv,
-                cfg((chunks(d), slots), BLOCK, 0),
-                &act,
-                &one,
-                &order,
-                &groups,
-                &n_used,
-                &wd,
-                &ds,
-                &slot_out,
-                &n_d,
-                &ii
-            )?;
+            self.expert_gemv(&w.experts, Projection::Down, &sorted, (act, 1), slot_out, (d, inter))?;
         } else {
             self.moe_grouped(c, w, u, n, (experts, slot_out), l)?;
         }
@@ -125,6 +112,46 @@ impl Glm5CudaBackend {
         let chunks = d.div_ceil(HC_CHUNK) as u32;
         launch!(self.gpu, f, cfg((n as u32, chunks), BLOCK, 0), &slot_out, &weights, &y, &ki, &di)?;
         Ok(y)
+    }
+
+    /// One projection of the used experts for every pair grouped by `sorted`: `y[p] = W_e ·
+    /// x[p / x_div]` (`[n_out, k_in]` per expert), dense experts from the stacked matrix, packed
+    /// ones through their pointer table, each decoded in registers.
+    fn expert_gemv(
+        &mut self,
+        experts: &Experts,
+        which: Projection,
+        sorted: &SortedPairs,
+        (x, x_div): (u64, i32),
+        y: u64,
+        (n_out, k_in): (usize, usize),
+    ) -> Result<(), BackendError> {
+        let (no, ki) = (n_out as i32, k_in as i32);
+        let grid = cfg(((n_out.div_ceil(8) as u32).min(1024), sorted.slots), BLOCK, 0);
+        let SortedPairs { order, groups, n_used, .. } = *sorted;
+        match experts {
+            Experts::Stacked { gate_up, down } => {
+                let w = match which {
+                    Projection::GateUp => gate_up.ptr(),
+                    Projection::Down => down.ptr(),
+                };
+                let stride = (n_out * k_in) as i64;
+                let f = self.gpu.func("glm5", &format!("moe_gemv_grouped_{}", self.prec.suffix()))?;
+                launch!(self.gpu, f, grid, &x, &x_div, &order, &groups, &n_used, &w, &stride, &y, &no, &ki)
+            }
+            Experts::PerExpert { grouped: Some(g), .. } => {
+                let table = match which {
+                    Projection::GateUp => g.gate_up.ptr(),
+                    Projection::Down => g.down.ptr(),
+                };
+                let group = g.format.group() as i32;
+                let f = self.gpu.func("quant", &format!("quant_moe_grouped_{}", quant::format_tag(g.format)))?;
+                launch!(self.gpu, f, grid, &x, &x_div, &order, &groups, &n_used, &table, &group, &y, &no, &ki)
+            }
+            Experts::PerExpert { grouped: None, .. } => {
+                Err(BackendError::Device("packed experts of mixed formats take the per-expert path".into()))
+            }
+        }
     }
 
     /// Routed experts for larger steps and for packed experts: pairs sorted by expert, one
@@ -179,7 +206,7 @@ impl Glm5CudaBackend {
                     let wgu = gate_up.at(ex * 2 * inter * d * eb);
                     self.gpu.gemm(self.prec, m, 2 * inter, d, x_r, wgu, gu_r, false)?;
                 }
-                Experts::PerExpert(pairs) => {
+                Experts::PerExpert { pairs, .. } => {
                     let io = MatmulIo { x: x_r, y: gu_r, ldy: 2 * inter, dequant };
                     quant::matmul(&mut self.gpu, self.prec, &pairs[ex].0, m, d, io, false)?;
                 }
@@ -201,7 +228,7 @@ impl Glm5CudaBackend {
                     let wd = down.at(ex * d * inter * eb);
                     self.gpu.gemm(self.prec, m, d, inter, act_r, wd, out_r, false)?;
                 }
-                Experts::PerExpert(pairs) => {
+                Experts::PerExpert { pairs, .. } => {
                     let io = MatmulIo { x: act_r, y: out_r, ldy: d, dequant };
                     quant::matmul(&mut self.gpu, self.prec, &pairs[ex].1, m, inter, io, false)?;
                 }

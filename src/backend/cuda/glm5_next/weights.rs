@@ -13,7 +13,7 @@ use super::super::quant::{DevPacked, LinearWeight as DevWeight};
 use crate::backend::BackendError;
 use crate::model::glm5_next::weights::{self as layout, LinearWeight};
 use crate::model::glm5_next::Glm5Config;
-use crate::model::quant::packed::PackedRows;
+use crate::model::quant::packed::{PackedFormat, PackedRows};
 use crate::model::tensor::to_f32;
 use crate::model::{quantized, ModelError, WeightSource};
 
@@ -234,15 +234,51 @@ pub enum Experts {
     /// Every expert dense in the storage precision, stacked so a kernel addresses any expert's
     /// rows: gate/up `[E, 2I, D]`, down `[E, D, I]`.
     Stacked { gate_up: DevBuf, down: DevBuf },
-    /// A quantized checkpoint's experts, one (gate/up `[2I, D]`, down `[D, I]`) pair each, as stored.
-    PerExpert(Vec<(DevWeight, DevWeight)>),
+    /// A quantized checkpoint's experts, one (gate/up `[2I, D]`, down `[D, I]`) pair each, as
+    /// stored; `grouped` when every matrix is packed in one format (decode steps then run them
+    /// through `quant_moe_grouped`, cuda/quant_gemv.cu).
+    PerExpert { pairs: Vec<(DevWeight, DevWeight)>, grouped: Option<GroupedPacked> },
+}
+
+/// Per-expert pointer tables (`ExpertPacked` in cuda/quant_gemv.cu) of experts all packed in
+/// `format`, so one launch reaches any expert's codes and scales.
+pub struct GroupedPacked {
+    pub format: PackedFormat,
+    pub gate_up: DevBuf,
+    pub down: DevBuf,
+}
+
+impl GroupedPacked {
+    /// `None` unless every gate/up and down matrix is one packed matrix of the same format.
+    fn build(gpu: &Gpu, pairs: &[(DevWeight, DevWeight)]) -> Result<Option<GroupedPacked>, BackendError> {
+        fn packed(w: &DevWeight) -> Option<&DevPacked> {
+            match w {
+                DevWeight::Packed(p) => Some(p),
+                _ => None,
+            }
+        }
+        let Some(format) = pairs.first().and_then(|(gu, _)| packed(gu)).map(|p| p.format) else { return Ok(None) };
+        let mut tables = [Vec::new(), Vec::new()];
+        for (gu, down) in pairs {
+            for (table, w) in tables.iter_mut().zip([gu, down]) {
+                let Some(p) = packed(w).filter(|p| p.format == format) else { return Ok(None) };
+                let ptr = |b: &Option<DevBuf>| b.as_ref().map_or(0, DevBuf::ptr);
+                table.extend([p.codes.ptr(), ptr(&p.scales), ptr(&p.scale_codes), ptr(&p.row_global)]);
+            }
+        }
+        let [gate_up, down] = tables;
+        Ok(Some(GroupedPacked { format, gate_up: gpu.upload(&gate_up)?, down: gpu.upload(&down)? }))
+    }
 }
 
 impl Experts {
     pub fn bytes(&self) -> usize {
         match self {
             Experts::Stacked { gate_up, down } => gate_up.bytes() + down.bytes(),
-            Experts::PerExpert(pairs) => pairs.iter().map(|(gu, d)| gu.bytes() + d.bytes()).sum(),
+            Experts::PerExpert { pairs, grouped } => {
+                let tables = grouped.as_ref().map_or(0, |g| g.gate_up.bytes() + g.down.bytes());
+                pairs.iter().map(|(gu, d)| gu.bytes() + d.bytes()).sum::<usize>() + tables
+            }
         }
     }
 
@@ -250,7 +286,7 @@ impl Experts {
     pub fn max_packed_elems(&self) -> usize {
         match self {
             Experts::Stacked { .. } => 0,
-            Experts::PerExpert(pairs) => {
+            Experts::PerExpert { pairs, .. } => {
                 pairs.iter().map(|(gu, d)| gu.max_packed_elems().max(d.max_packed_elems())).max().unwrap_or(0)
             }
         }
@@ -356,7 +392,8 @@ pub fn load(
                     let pair = |e: &layout::Mlp<HostLinear>| {
                         Ok::<_, BackendError>((dev_weight(gpu, &e.gate_up, prec)?, dev_weight(gpu, &e.down, prec)?))
                     };
-                    Experts::PerExpert(m.experts.iter().map(pair).collect::<Result<_, _>>()?)
+                    let pairs: Vec<_> = m.experts.iter().map(pair).collect::<Result<_, _>>()?;
+                    Experts::PerExpert { grouped: GroupedPacked::build(gpu, &pairs)?, pairs }
                 } else {
                     let mut gu =
                         Vec::with_capacity(m.experts.iter().map(|e| e.gate_up.rows() * e.gate_up.cols()).sum());
