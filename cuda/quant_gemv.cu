@@ -398,6 +398,10 @@ FOR_STORAGE_TYPES(QUANT_ALL_FORMATS)
 // expert, all of one format and shape). A pair's dot product takes the order of the chunk layout
 // of `quant_gemv` (lane l: chunks l, l + 32, ... in order, pieces in order, then the xor tree),
 // so it equals the single-row GEMV's bitwise and never depends on the batch.
+// Weight rows per warp (sharing each x piece's load).
+#ifndef QM_NR
+#define QM_NR 4
+#endif
 struct ExpertPacked {
     const u8* codes;
     const float* scales;
@@ -422,27 +426,48 @@ __device__ void quant_moe_grouped_impl(const float* x, int x_div, const int* ord
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const int W = Fmt<FMT>::W, XS = Fmt<FMT>::XS, chunks = k_in / W;
     const int row_bytes = FMT == FMT_FP8 ? k_in : k_in / 2;
-    for (int o = blockIdx.x * nwarps + warp; o < n_out; o += gridDim.x * nwarps) {
-        const float global = FMT == FMT_NVFP4 ? e.row_global[o] : 1.f;
+    // A warp takes QM_NR consecutive rows: each x piece is loaded (and scaled) once for all of them.
+    for (int o0 = (blockIdx.x * nwarps + warp) * QM_NR; o0 < n_out; o0 += gridDim.x * nwarps * QM_NR) {
+        int rows[QM_NR];
+        float global[QM_NR];
+#pragma unroll
+        for (int r = 0; r < QM_NR; ++r) {
+            rows[r] = min(o0 + r, n_out - 1);  // rows past n_out repeat the last and are dropped
+            global[r] = FMT == FMT_NVFP4 ? e.row_global[rows[r]] : 1.f;
+        }
         for (int j = 0; j < g.z; ++j) {
             const int p = order[g.y + j];
             const float* xr = x + (i64)(p / x_div) * k_in;
-            float acc = 0.f;
+            float acc[QM_NR];
+#pragma unroll
+            for (int r = 0; r < QM_NR; ++r) acc[r] = 0.f;
             for (int c = lane; c < chunks; c += 32) {
-                const uint4 code = __ldg(reinterpret_cast<const uint4*>(e.codes + (i64)o * row_bytes + (i64)c * 16));
                 const int gi = c * W / group;
-                const float s0 = group_scale<FMT>(a, o, gi, global);
-                const float s1 = FMT == FMT_NVFP4 ? group_scale<FMT>(a, o, gi + 1, global) : s0;
+                uint4 code[QM_NR];
+                float s0[QM_NR], s1[QM_NR];
+#pragma unroll
+                for (int r = 0; r < QM_NR; ++r) {
+                    code[r] = __ldg(reinterpret_cast<const uint4*>(e.codes + (i64)rows[r] * row_bytes + (i64)c * 16));
+                    s0[r] = group_scale<FMT>(a, rows[r], gi, global[r]);
+                    s1[r] = FMT == FMT_NVFP4 ? group_scale<FMT>(a, rows[r], gi + 1, global[r]) : s0[r];
+                }
 #pragma unroll
                 for (int pc = 0; pc < W / 8; ++pc) {
-                    float w[8], xv[8];
-                    decode8<FMT>(code, pc, w);
+                    float xv[8];
                     qg_load8<XS>(xr + c * W + pc * 8, xv);
-                    acc = qg_piece(w, xv, (FMT == FMT_NVFP4 && pc >= 2) ? s1 : s0, acc);
+#pragma unroll
+                    for (int r = 0; r < QM_NR; ++r) {
+                        float w[8];
+                        decode8<FMT>(code[r], pc, w);
+                        acc[r] = qg_piece(w, xv, (FMT == FMT_NVFP4 && pc >= 2) ? s1[r] : s0[r], acc[r]);
+                    }
                 }
             }
-            const float v = warp_sum(acc);
-            if (lane == 0) y[(i64)p * n_out + o] = v;
+#pragma unroll
+            for (int r = 0; r < QM_NR; ++r) {
+                const float v = warp_sum(acc[r]);
+                if (lane == r && o0 + r < n_out) y[(i64)p * n_out + o0 + r] = v;
+            }
         }
     }
 }

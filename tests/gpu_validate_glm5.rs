@@ -383,7 +383,7 @@ fn glm5_mla_tensor_cores_match_the_split_kernel_at_full_width() {
     .unwrap();
     let (prompt, chunk, decodes, rows) = (3000usize, 1500usize, 4usize, 8usize);
     let geom = KvGeometry { block_size: 64, num_blocks: (prompt + decodes).div_ceil(64) + 1, state_slots: 1 };
-    let mut b = Glm5CudaBackend::synthetic(cfg.clone(), 77, 0, geom, Precision::Bf16).unwrap();
+    let mut b = Glm5CudaBackend::synthetic(cfg.clone(), 77, 0, geom, Precision::Bf16, None).unwrap();
     let vocab = cfg.vocab_size;
     let ids: Vec<u32> = (0..prompt as u32).map(|i| (i * 7919 + 13) % vocab as u32).collect();
     let table: Vec<u32> = (0..geom.num_blocks as u32).collect();

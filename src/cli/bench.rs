@@ -105,7 +105,7 @@ impl Report {
 
 /// The bench config's optional `quantization` field: `fp8` (128×128 blocks), `int4` (group
 /// 128) or `nvfp4`; the projections are then random packed weights made on the device.
-fn bench_quantization(text: &str) -> Result<Option<crate::model::quant::packed::PackedFormat>, String> {
+pub(super) fn bench_quantization(text: &str) -> Result<Option<crate::model::quant::packed::PackedFormat>, String> {
     use crate::model::quant::packed::PackedFormat;
     let v: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
     match v.get("quantization").filter(|q| !q.is_null()) {
@@ -353,6 +353,10 @@ mod tests {
             let cfg = LlamaConfig::from_hf_json(&read(f), &dir.join(f)).unwrap();
             assert_eq!(cfg.hidden_size, 4096, "{f}");
         }
+        assert_eq!(bench_quantization(&read("glm5-next-flash.json")), Ok(None));
+        assert_eq!(bench_quantization(&read("glm5-next-flash-fp8.json")), Ok(Some(PackedFormat::Fp8Block)));
+        let glm5 = |f: &str| crate::model::glm5_next::Glm5Config::from_hf_json(&read(f), &dir.join(f)).unwrap();
+        assert_eq!(glm5("glm5-next-flash-fp8.json").num_hidden_layers, glm5("glm5-next-flash.json").num_hidden_layers);
         let e = bench_quantization(r#"{"quantization": "q4_k"}"#).unwrap_err();
         assert!(e.contains("q4_k") && e.contains("nvfp4"), "{e}");
     }

@@ -100,6 +100,9 @@ pub fn run_glm5_bench(args: &BenchArgs, cfg: Glm5Config) -> Result<(), CliError>
         return Err(CliError::Usage("bench: glm5_next runs on one GPU (no --tensor-parallel-size yet)".into()));
     }
     let full = Glm5Config::from_hf_json(r#"{"model_type": "glm5_next"}"#, std::path::Path::new("<defaults>"))?;
+    let text = std::fs::read_to_string(&args.config)?;
+    let format = super::bench::bench_quantization(&text).map_err(|e| device(BackendError::InvalidStep(e)))?;
+    // Budgeted at bf16 (a packed model takes less); the step's bytes count what was made.
     let weights = weight_bytes(&cfg);
     let layout = CacheLayout::new(&cfg);
     let (free, total) = device_memory(args.cuda_device).map_err(device)?;
@@ -135,10 +138,16 @@ pub fn run_glm5_bench(args: &BenchArgs, cfg: Glm5Config) -> Result<(), CliError>
         slot_bytes as f64 / 1e6
     );
     let started = Instant::now();
-    let mut b =
-        Glm5CudaBackend::synthetic(cfg.clone(), 1234, args.cuda_device, geom, Precision::Bf16).map_err(device)?;
+    let mut b = Glm5CudaBackend::synthetic(cfg.clone(), 1234, args.cuda_device, geom, Precision::Bf16, format)
+        .map_err(device)?;
     let gpu_name = b.gpu_name().to_string();
-    eprintln!("bench: weights generated on {gpu_name} in {:.1}s", started.elapsed().as_secs_f64());
+    let weights = b.weight_bytes();
+    eprintln!(
+        "bench: weights generated on {gpu_name} in {:.1}s: {:.1} GB ({})",
+        started.elapsed().as_secs_f64(),
+        weights as f64 / 1e9,
+        format.map_or("bf16".to_string(), |f| format!("projections {}, embedding and LM head bf16", f.name()))
+    );
     eprintln!("bench: measuring ceilings (1 GiB copy, 8192³ bf16 GEMM)");
     let (copy_bw, gemm_rate) = b.measure_ceilings(1 << 30, 8192, 10).map_err(device)?;
     let mut report = super::bench::Report::new(args.json.as_ref())?;

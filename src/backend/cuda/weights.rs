@@ -391,7 +391,7 @@ impl DeviceWeights {
 
 /// A `[rows, cols]` packed matrix of seeded random codes; scales put its weights near
 /// ±1/√cols, like the dense synthetic matrices.
-fn random_packed(
+pub(crate) fn random_packed(
     gpu: &mut Gpu,
     f: &mut Filler,
     format: crate::model::quant::packed::PackedFormat,

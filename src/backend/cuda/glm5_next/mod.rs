@@ -132,6 +132,7 @@ impl Glm5CudaBackend {
         ordinal: usize,
         kv: KvGeometry,
         prec: Precision,
+        format: Option<crate::model::quant::packed::PackedFormat>,
     ) -> Result<Self, BackendError> {
         let bad = |msg: String| BackendError::InvalidStep(format!("glm5_next bench config: {msg}"));
         if kv.block_size == 0 || kv.num_blocks == 0 || kv.state_slots == 0 {
@@ -140,7 +141,7 @@ impl Glm5CudaBackend {
         forward::check_shapes(&cfg).map_err(bad)?;
         let mut gpu = Gpu::open(ordinal)?;
         gpu.load_glm5()?;
-        let weights = synthetic::synthetic(&mut gpu, &cfg, prec, seed)?;
+        let weights = synthetic::synthetic(&mut gpu, &cfg, prec, seed, format)?;
         Self::assemble(cfg, gpu, weights, None, kv, prec)
     }
 
@@ -228,7 +229,16 @@ impl Glm5CudaBackend {
 
     /// Bytes of the routed experts' weights of one MoE layer, per expert.
     pub fn expert_bytes(&self) -> usize {
-        3 * self.cfg.hidden_size * self.cfg.moe_intermediate_size * self.prec.bytes()
+        let moe = self.weights.layers.iter().find_map(|l| match &l.ffn {
+            weights::Ffn::Moe(m) => Some(m),
+            weights::Ffn::Dense(_) => None,
+        });
+        match moe.map(|m| &m.experts) {
+            Some(weights::Experts::PerExpert { pairs, .. }) => {
+                pairs.first().map_or(0, |(gu, d)| gu.bytes() + d.bytes())
+            }
+            _ => 3 * self.cfg.hidden_size * self.cfg.moe_intermediate_size * self.prec.bytes(),
+        }
     }
 
     pub fn config(&self) -> &Glm5Config {

@@ -127,7 +127,12 @@ impl Glm5CudaBackend {
         (n_out, k_in): (usize, usize),
     ) -> Result<(), BackendError> {
         let (no, ki) = (n_out as i32, k_in as i32);
-        let grid = cfg(((n_out.div_ceil(8) as u32).min(1024), sorted.slots), BLOCK, 0);
+        // Output rows per block: one per warp for dense experts, QM_NR (4) per warp for packed ones.
+        let rows_per_block = match experts {
+            Experts::Stacked { .. } => BLOCK as usize / 32,
+            Experts::PerExpert { .. } => 4 * BLOCK as usize / 32,
+        };
+        let grid = cfg(((n_out.div_ceil(rows_per_block) as u32).min(1024), sorted.slots), BLOCK, 0);
         let SortedPairs { order, groups, n_used, .. } = *sorted;
         match experts {
             Experts::Stacked { gate_up, down } => {

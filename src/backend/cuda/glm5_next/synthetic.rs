@@ -4,22 +4,30 @@
 //! (`model::glm5_next::layout::text_tensors`: matrices ±1/√fan_in, embedding ±1, norms and mHC
 //! scales 1 ± 0.1, mHC bases and KDA gate parameters ±0.5); not the same values, which are drawn on
 //! the host there. Random routers spread tokens evenly over the experts, the most expert weight a
-//! step can touch.
+//! step can touch. With a packed format (`quantization` in the bench config) every projection but
+//! the embedding, LM head, router, mHC maps and MLA's absorbed `kv_b` is random packed codes and
+//! scales in that format, as an FP8 / int4 / NVFP4 checkpoint stores them; the routed experts then
+//! take the grouped packed kernels.
 
 use super::super::gpu::{DevBuf, Gpu, Precision};
-use super::super::weights::Filler;
+use super::super::quant::LinearWeight as DevWeight;
+use super::super::weights::{random_packed, Filler};
 use super::weights::{
-    DevLinear, Experts, Ffn, Glm5DeviceWeights, HyperConnection, Indexer, Kda, Layer, Mixer, Mla, Mlp, Moe,
+    DevLinear, Experts, Ffn, Glm5DeviceWeights, GroupedPacked, HyperConnection, Indexer, Kda, Layer, Mixer, Mla, Mlp,
+    Moe,
 };
 use crate::backend::BackendError;
 use crate::model::glm5_next::config::{FfnKind, MixerKind};
 use crate::model::glm5_next::Glm5Config;
+use crate::model::quant::packed::PackedFormat;
 
 struct Maker<'a> {
     gpu: &'a mut Gpu,
     fill: Filler,
     prec: Precision,
     bytes: usize,
+    /// Projections packed in this format (`None`: dense in `prec`).
+    format: Option<PackedFormat>,
 }
 
 impl Maker<'_> {
@@ -33,9 +41,26 @@ impl Maker<'_> {
         self.fill.fill(self.gpu, rows * cols, prec, 0.0, 1.0 / (cols as f32).sqrt())
     }
 
-    fn linear(&mut self, rows: usize, cols: usize) -> Result<DevLinear, BackendError> {
+    /// A dense matrix in `prec` (the embedding and LM head stay so in quantized checkpoints).
+    fn dense_linear(&mut self, rows: usize, cols: usize) -> Result<DevLinear, BackendError> {
         let prec = self.prec;
         Ok(DevLinear::dense(rows, cols, prec, self.matrix(rows, cols, prec)?))
+    }
+
+    /// A projection: packed when the bench asks for a format, else dense.
+    fn weight(&mut self, rows: usize, cols: usize) -> Result<DevWeight, BackendError> {
+        match self.format {
+            Some(format) => {
+                let p = random_packed(self.gpu, &mut self.fill, format, rows, cols)?;
+                self.bytes += p.bytes();
+                Ok(DevWeight::Packed(p))
+            }
+            None => Ok(DevWeight::Dense { buf: self.matrix(rows, cols, self.prec)?, rows }),
+        }
+    }
+
+    fn linear(&mut self, rows: usize, cols: usize) -> Result<DevLinear, BackendError> {
+        Ok(DevLinear { rows, cols, prec: self.prec, w: self.weight(rows, cols)? })
     }
 
     fn linear_f32(&mut self, rows: usize, cols: usize) -> Result<DevLinear, BackendError> {
@@ -104,7 +129,18 @@ impl Maker<'_> {
         Ok(Moe {
             router: self.linear_f32(e, d)?,
             correction_bias: self.vector(e, 0.0, 0.05)?,
-            experts: Experts::Stacked { gate_up: self.matrix(e * 2 * i, d, prec)?, down: self.matrix(e * d, i, prec)? },
+            experts: match self.format {
+                None => {
+                    Experts::Stacked { gate_up: self.matrix(e * 2 * i, d, prec)?, down: self.matrix(e * d, i, prec)? }
+                }
+                Some(_) => {
+                    let pairs = (0..e)
+                        .map(|_| Ok::<_, BackendError>((self.weight(2 * i, d)?, self.weight(d, i)?)))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let grouped = GroupedPacked::build(self.gpu, &pairs)?;
+                    Experts::PerExpert { pairs, grouped }
+                }
+            },
             inter: i,
             shared: self.mlp(i * c.n_shared_experts, d)?,
         })
@@ -113,10 +149,19 @@ impl Maker<'_> {
 
 /// Every text weight of `c` on the device, seeded by `seed`; progress on stderr per layer (a
 /// full-width MoE layer is 14 GB in bf16).
-pub fn synthetic(gpu: &mut Gpu, c: &Glm5Config, prec: Precision, seed: u64) -> Result<Glm5DeviceWeights, BackendError> {
-    let mut mk = Maker { gpu, fill: Filler::new(seed), prec, bytes: 0 };
+pub fn synthetic(
+    gpu: &mut Gpu,
+    c: &Glm5Config,
+    prec: Precision,
+    seed: u64,
+    format: Option<PackedFormat>,
+) -> Result<Glm5DeviceWeights, BackendError> {
+    if format.is_some() {
+        gpu.load_quant()?;
+    }
+    let mut mk = Maker { gpu, fill: Filler::new(seed), prec, bytes: 0, format };
     let d = c.hidden_size;
-    let embed = mk.linear(c.vocab_size, d)?;
+    let embed = mk.dense_linear(c.vocab_size, d)?;
     let mut layers = Vec::with_capacity(c.num_hidden_layers);
     for l in 0..c.num_hidden_layers {
         let mixer = match c.layer_types[l] {
@@ -146,7 +191,7 @@ pub fn synthetic(gpu: &mut Gpu, c: &Glm5Config, prec: Precision, seed: u64) -> R
         );
     }
     let norm = mk.vector(d, 1.0, 0.1)?;
-    let lm_head = if c.tie_word_embeddings { None } else { Some(mk.linear(c.vocab_size, d)?) };
+    let lm_head = if c.tie_word_embeddings { None } else { Some(mk.dense_linear(c.vocab_size, d)?) };
     mk.gpu.sync()?;
     Ok(Glm5DeviceWeights { embed, layers, norm, lm_head, bytes: mk.bytes })
 }

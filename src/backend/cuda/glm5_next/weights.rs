@@ -250,7 +250,7 @@ pub struct GroupedPacked {
 
 impl GroupedPacked {
     /// `None` unless every gate/up and down matrix is one packed matrix of the same format.
-    fn build(gpu: &Gpu, pairs: &[(DevWeight, DevWeight)]) -> Result<Option<GroupedPacked>, BackendError> {
+    pub fn build(gpu: &Gpu, pairs: &[(DevWeight, DevWeight)]) -> Result<Option<GroupedPacked>, BackendError> {
         fn packed(w: &DevWeight) -> Option<&DevPacked> {
             match w {
                 DevWeight::Packed(p) => Some(p),
