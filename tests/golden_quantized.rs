@@ -24,7 +24,7 @@ use common::{tensor_f32s as floats, tensor_ids as ints};
 use shelfserve::backend::KvGeometry;
 use shelfserve::generate::{any_cpu_backend_tp, Runner};
 use shelfserve::model::default_model::CacheDir;
-use shelfserve::model::{quantized, ModelBundle, ModelError};
+use shelfserve::model::{ModelBundle, ModelError};
 
 const FIXTURES: [&str; 6] = ["llama-fp8", "llama-int4", "llama-nvfp4", "glm5-fp8", "glm5-int4", "glm5-nvfp4"];
 const MAX_REL_ERR: f32 = 1e-4;

@@ -302,6 +302,8 @@ pub struct Moe {
     pub shared: Mlp,
 }
 
+// One per layer, built once at load and never moved in a step: the size gap costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum Ffn {
     Dense(Mlp),
     Moe(Moe),
