@@ -37,7 +37,7 @@ use shelfserve::backend::cuda::glm5_next::Glm5CudaBackend;
 use shelfserve::backend::cuda::gpu::Gpu;
 use shelfserve::backend::cuda::quant::{chunk_weights, DevPacked};
 use shelfserve::backend::cuda::{CudaBackend, CudaOptions, Precision};
-use shelfserve::backend::KvGeometry;
+use shelfserve::backend::{Backend, KvGeometry};
 use shelfserve::fidelity::{compare, max_rel_l2_err};
 use shelfserve::generate::Runner;
 use shelfserve::model::default_model::CacheDir;
@@ -236,6 +236,68 @@ fn expected_bytes(bundle: &shelfserve::model::ModelBundle, prec: Precision) -> u
     total
 }
 
+/// A quantized fixture with its transformers goldens (`ids_i`, `logits_i`, `greedy_i` for two
+/// prompts), checked on one backend against the CPU's: greedy continuations (prefill chunks of
+/// 16, then decode) equal to transformers', then scoring with chunks of 1, 5 and 32 — f32 within
+/// 1e-4 of the CPU, bf16 under `bf16_bound` in per-position relative L2. One table row a check,
+/// ending in `columns`.
+struct Fixture<'a> {
+    name: &'a str,
+    golden: &'a safetensors::SafeTensors<'a>,
+    vocab: usize,
+    bf16_bound: f32,
+    columns: String,
+}
+
+impl Fixture<'_> {
+    fn check<R: Backend, B: Backend>(
+        &self,
+        reference: &mut Runner<R>,
+        ours: &mut Runner<B>,
+        prec: Precision,
+        failures: &mut Vec<String>,
+    ) {
+        let (name, st, vocab) = (self.name, self.golden, self.vocab);
+        for i in 0..2 {
+            let ids = ints(st, &format!("ids_{i}"));
+            let want = reference.score(&ids, 7).unwrap();
+            let hf = floats(st, &format!("logits_{i}"));
+            let expected = ints(st, &format!("greedy_{i}"));
+            let opts = common::greedy_options(expected.len(), 16);
+            let cont = ours.generate(&ids, &opts, |_| true).unwrap().ids();
+            let same = cont == expected;
+            for chunk in [1, 5, 32] {
+                let got = ours.score(&ids, chunk).unwrap();
+                let rel = compare(&want, &got, vocab).max_rel_logit_err;
+                let l2 = max_rel_l2_err(&want, &got, vocab);
+                println!(
+                    "{name:<12} {:<5} {i:>6} {chunk:>6} {rel:>12.3e} {l2:>12.3e} {same:>7} {}",
+                    prec.suffix(),
+                    self.columns
+                );
+                match prec {
+                    Precision::F32 if rel >= 1e-4 || rel.is_nan() => {
+                        failures.push(format!("{name} f32 prompt {i} chunk {chunk}: max rel err {rel:.3e}"))
+                    }
+                    Precision::Bf16 if l2 >= self.bf16_bound || l2.is_nan() => {
+                        failures.push(format!("{name} bf16 prompt {i} chunk {chunk}: rel L2 {l2:.3e}"))
+                    }
+                    _ => {}
+                }
+                if prec == Precision::F32 {
+                    // Reported, not held: the CPU is within 1e-4 of transformers and CUDA within
+                    // 1e-4 of the CPU, so the sum of the two may pass 1e-4.
+                    let hf_rel = compare(&hf, &got, vocab).max_rel_logit_err;
+                    println!("{name:<12} f32   {i:>6} {chunk:>6} vs transformers {hf_rel:.3e}");
+                }
+            }
+            if prec == Precision::F32 && !same {
+                failures.push(format!("{name} prompt {i}: greedy {cont:?}, transformers {expected:?}"));
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU; run scripts/gpu_quantized.sh"]
 fn quantized_fixtures_on_cuda_match_the_cpu_and_transformers() {
@@ -262,42 +324,8 @@ fn quantized_fixtures_on_cuda_match_the_cpu_and_transformers() {
                 failures.push(format!("{name} {prec:?}: {held} weight bytes on the device, expected {want_bytes}"));
             }
             let mut ours = Runner::new(backend);
-            for i in 0..2 {
-                let ids = ints(&st, &format!("ids_{i}"));
-                let want = reference.score(&ids, 7).unwrap();
-                let hf = floats(&st, &format!("logits_{i}"));
-                let expected = ints(&st, &format!("greedy_{i}"));
-                let opts = common::greedy_options(expected.len(), 16);
-                let cont = ours.generate(&ids, &opts, |_| true).unwrap().ids();
-                let same = cont == expected;
-                for chunk in [1, 5, 32] {
-                    let got = ours.score(&ids, chunk).unwrap();
-                    let rel = compare(&want, &got, vocab).max_rel_logit_err;
-                    let l2 = max_rel_l2_err(&want, &got, vocab);
-                    println!(
-                        "{name:<12} {:<5} {i:>6} {chunk:>6} {rel:>12.3e} {l2:>12.3e} {same:>7} {held:>10}",
-                        prec.suffix()
-                    );
-                    match prec {
-                        Precision::F32 if rel >= 1e-4 || rel.is_nan() => {
-                            failures.push(format!("{name} f32 prompt {i} chunk {chunk}: max rel err {rel:.3e}"))
-                        }
-                        Precision::Bf16 if l2 >= BF16_L2 || l2.is_nan() => {
-                            failures.push(format!("{name} bf16 prompt {i} chunk {chunk}: rel L2 {l2:.3e}"))
-                        }
-                        _ => {}
-                    }
-                    if prec == Precision::F32 {
-                        // Reported, not held: the CPU is within 1e-4 of transformers and CUDA
-                        // within 1e-4 of the CPU, so the sum of the two may pass 1e-4.
-                        let hf_rel = compare(&hf, &got, vocab).max_rel_logit_err;
-                        println!("{name:<12} f32   {i:>6} {chunk:>6} vs transformers {hf_rel:.3e}");
-                    }
-                }
-                if prec == Precision::F32 && !same {
-                    failures.push(format!("{name} prompt {i}: greedy {cont:?}, transformers {expected:?}"));
-                }
-            }
+            let fixture = Fixture { name, golden: &st, vocab, bf16_bound: BF16_L2, columns: format!("{held:>10}") };
+            fixture.check(&mut reference, &mut ours, prec, &mut failures);
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
@@ -338,40 +366,9 @@ fn quantized_glm5_fixtures_on_cuda_match_the_cpu_and_transformers() {
                 failures.push(format!("{name}: {held} weight bytes on the device, dense f32 is {dense_f32}"));
             }
             let mut ours = Runner::new(backend);
-            for i in 0..2 {
-                let ids = ints(&st, &format!("ids_{i}"));
-                let want = reference.score(&ids, 7).unwrap();
-                let hf = floats(&st, &format!("logits_{i}"));
-                let expected = ints(&st, &format!("greedy_{i}"));
-                let opts = common::greedy_options(expected.len(), 16);
-                let cont = ours.generate(&ids, &opts, |_| true).unwrap().ids();
-                let same = cont == expected;
-                for chunk in [1, 5, 32] {
-                    let got = ours.score(&ids, chunk).unwrap();
-                    let rel = compare(&want, &got, vocab).max_rel_logit_err;
-                    let l2 = max_rel_l2_err(&want, &got, vocab);
-                    println!(
-                        "{name:<12} {:<5} {i:>6} {chunk:>6} {rel:>12.3e} {l2:>12.3e} {same:>7} {held:>10} {dense_f32:>10}",
-                        prec.suffix()
-                    );
-                    match prec {
-                        Precision::F32 if rel >= 1e-4 || rel.is_nan() => {
-                            failures.push(format!("{name} f32 prompt {i} chunk {chunk}: max rel err {rel:.3e}"))
-                        }
-                        Precision::Bf16 if l2 >= GLM5_BF16_L2 || l2.is_nan() => {
-                            failures.push(format!("{name} bf16 prompt {i} chunk {chunk}: rel L2 {l2:.3e}"))
-                        }
-                        _ => {}
-                    }
-                    if prec == Precision::F32 {
-                        let hf_rel = compare(&hf, &got, vocab).max_rel_logit_err;
-                        println!("{name:<12} f32   {i:>6} {chunk:>6} vs transformers {hf_rel:.3e}");
-                    }
-                }
-                if prec == Precision::F32 && !same {
-                    failures.push(format!("{name} prompt {i}: greedy {cont:?}, transformers {expected:?}"));
-                }
-            }
+            let columns = format!("{held:>10} {dense_f32:>10}");
+            let fixture = Fixture { name, golden: &st, vocab, bf16_bound: GLM5_BF16_L2, columns };
+            fixture.check(&mut reference, &mut ours, prec, &mut failures);
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
