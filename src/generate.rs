@@ -394,14 +394,7 @@ pub fn rank_backend_makers(
     }
     // The plan is checked before anything is loaded, so a bad size fails at once with its number.
     let rank0 = crate::parallel::TpRank::new(0, world).map_err(|e| refuse(e.to_string()))?;
-    crate::parallel::LlamaShard::new(
-        rank0,
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.intermediate_size,
-        cfg.vocab_size,
-    )
-    .map_err(|e| refuse(e.to_string()))?;
+    crate::parallel::LlamaShard::of_model(rank0, cfg).map_err(|e| refuse(e.to_string()))?;
     let mut makers: Vec<BackendMaker> = Vec::with_capacity(world);
     match sel.kind {
         ResolvedKind::Cuda => {

@@ -286,14 +286,7 @@ pub async fn head_rank0(
         return Err(format!("--enable-expert-parallel needs a mixture-of-experts model, not `{}`", cfg.model_type));
     } else {
         let rank0 = crate::parallel::TpRank::new(0, world).map_err(|e| e.to_string())?;
-        crate::parallel::LlamaShard::new(
-            rank0,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.intermediate_size,
-            cfg.vocab_size,
-        )
-        .map_err(|e| e.to_string())?;
+        crate::parallel::LlamaShard::of_model(rank0, cfg).map_err(|e| e.to_string())?;
     }
     let join_wait = opts.join_wait;
     let (setup, comm) =

@@ -91,6 +91,11 @@ pub struct LlamaShard {
 }
 
 impl LlamaShard {
+    /// Rank `tp`'s slice of a model of `cfg`'s widths (see [`LlamaShard::new`]).
+    pub fn of_model(tp: TpRank, cfg: &crate::config::LlamaConfig) -> Result<Self, PlanError> {
+        Self::new(tp, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size)
+    }
+
     /// The plan for `heads` query heads, `kv_heads` key/value heads, an MLP of `intermediate`
     /// rows and `vocab` tokens. Query heads stay with the kv head they share (GQA): with at least
     /// as many kv heads as ranks they are split evenly; with fewer (a group size that is a

@@ -323,14 +323,7 @@ impl CpuBackend {
                 )));
             }
         }
-        let plan = LlamaShard::new(
-            rank,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.intermediate_size,
-            cfg.vocab_size,
-        )
-        .map_err(|e| config_error(e.to_string()))?;
+        let plan = LlamaShard::of_model(rank, cfg).map_err(|e| config_error(e.to_string()))?;
         let spec = LlamaSpec::new(cfg);
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let heads = |r: &Range<usize>| r.start * hd..r.end * hd;

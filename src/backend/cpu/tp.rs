@@ -35,14 +35,8 @@ impl TpCpuBackend {
             return Err(config_error("tensor parallel size must be at least 1".into()));
         }
         // Check the plan once up front so an indivisible size fails before any weight is read.
-        LlamaShard::new(
-            TpRank::new(0, world).map_err(|e| config_error(e.to_string()))?,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.intermediate_size,
-            cfg.vocab_size,
-        )
-        .map_err(|e| config_error(e.to_string()))?;
+        LlamaShard::of_model(TpRank::new(0, world).map_err(|e| config_error(e.to_string()))?, cfg)
+            .map_err(|e| config_error(e.to_string()))?;
         let total =
             if opts.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { opts.threads };
         let rank_opts = CpuOptions { threads: (total / world).max(1), ..opts };

@@ -85,14 +85,8 @@ pub struct RankSlices {
 
 impl RankSlices {
     pub fn new(cfg: &LlamaConfig, tp: TpRank) -> Result<Self, BackendError> {
-        let plan = LlamaShard::new(
-            tp,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.intermediate_size,
-            cfg.vocab_size,
-        )
-        .map_err(|e| BackendError::Unavailable { device: "cuda".into(), reason: e.to_string() })?;
+        let plan = LlamaShard::of_model(tp, cfg)
+            .map_err(|e| BackendError::Unavailable { device: "cuda".into(), reason: e.to_string() })?;
         let hd = cfg.head_dim;
         Ok(RankSlices {
             tp,
