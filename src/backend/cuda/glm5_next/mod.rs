@@ -81,6 +81,8 @@ pub struct Glm5CudaBackend {
     /// bf16 steps with at least this many rows run the MLA attention on the tensor cores (`mla.rs`;
     /// 0: never), from `SHELFSERVE_GLM5_MLA_MMA_MIN_ROWS`.
     mla_mma_min_rows: usize,
+    /// Largest step whose packed experts run grouped on the device (`moe.rs`).
+    packed_moe_max_rows: usize,
 }
 
 /// What profiled steps measured, summed over the steps since `start_profile`: each layer's
@@ -187,6 +189,7 @@ impl Glm5CudaBackend {
             device_sampling: std::env::var("SHELFSERVE_CUDA_SAMPLING").map_or(true, |v| v != "0"),
             sampler: super::sample::DeviceSampler::default(),
             mla_mma_min_rows: mla::mma_min_rows_from_env()?,
+            packed_moe_max_rows: moe::packed_moe_max_rows_from_env()?,
         })
     }
 
