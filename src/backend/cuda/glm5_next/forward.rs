@@ -138,14 +138,10 @@ impl Glm5CudaBackend {
         i32::try_from(v).map_err(|_| BackendError::InvalidStep(format!("{v} does not fit the kernels' 32-bit indices")))
     }
 
-    /// The scratch a packed matrix is dequantized into for prefill-sized steps (`quant::matmul`),
-    /// sized for the largest one so it never grows mid-step; 0 when no weight is packed.
-    pub(super) fn dequant_scratch(&mut self) -> Result<u64, BackendError> {
-        let elems = self.dequant_elems;
-        if elems == 0 {
-            return Ok(0);
-        }
-        self.scratch.get(&self.gpu, "dequant", elems * self.prec.bytes())
+    /// Where a packed matrix is dequantized for prefill-sized products (`quant::matmul`); 0 when
+    /// no weight is packed.
+    pub(super) fn dequant_ptr(&self) -> u64 {
+        self.dequant.as_ref().map_or(0, |b| b.ptr())
     }
 
     /// `y[rows, l.rows] = x[rows, l.cols] · lᵀ`, `x` f32 (cast to the weight's precision first
@@ -162,7 +158,7 @@ impl Glm5CudaBackend {
                 xb
             }
         };
-        let dequant = self.dequant_scratch()?;
+        let dequant = self.dequant_ptr();
         let io = MatmulIo { x: input, y, ldy: l.rows, dequant };
         quant::matmul(&mut self.gpu, l.prec, &l.w, rows, l.cols, io, false)
     }
@@ -687,7 +683,7 @@ impl Glm5CudaBackend {
             &c.swiglu_limit
         )?;
         let y = self.scratch.get(&self.gpu, out, 4 * n * c.hidden_size)?;
-        let dequant = self.dequant_scratch()?;
+        let dequant = self.dequant_ptr();
         let io = MatmulIo { x: act, y, ldy: w.down.rows, dequant };
         quant::matmul(&mut self.gpu, w.down.prec, &w.down.w, n, w.down.cols, io, false)?;
         Ok(y)
@@ -719,7 +715,7 @@ impl Glm5CudaBackend {
             &c.rms_norm_eps
         )?;
         let logits = self.scratch.get(&self.gpu, "logits", 4 * r * c.vocab_size)?;
-        let dequant = self.dequant_scratch()?;
+        let dequant = self.dequant_ptr();
         let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed);
         let io = MatmulIo { x: h, y: logits, ldy: head.rows, dequant };
         quant::matmul(&mut self.gpu, head.prec, &head.w, r, head.cols, io, false)?;

@@ -53,9 +53,9 @@ pub struct Glm5CudaBackend {
     gpu: Gpu,
     prec: Precision,
     weights: weights::Glm5DeviceWeights,
-    /// Elements of the largest packed matrix (the dequantize scratch's size; 0 when nothing is
-    /// packed), fixed at load: a step takes the layers out of `weights` while it runs.
-    dequant_elems: usize,
+    /// What a packed matrix is dequantized into for prefill-sized products (`quant::matmul`):
+    /// the largest one's size, allocated at load; `None` when nothing is packed.
+    dequant: Option<super::gpu::DevBuf>,
     /// The vision tower, when the checkpoint has one (`vision.rs`).
     vision: Option<vision::DeviceTower>,
     layout: CacheLayout,
@@ -119,9 +119,6 @@ impl Glm5CudaBackend {
         let mut gpu = Gpu::open(ordinal)?;
         gpu.load_glm5()?;
         let weights = weights::load(&gpu, &cfg, w, prec)?;
-        if weights.max_packed_elems() > 0 {
-            gpu.load_quant()?;
-        }
         let tower = vision::load(&mut gpu, cfg.hidden_size, w, prec)?;
         Self::assemble(cfg, gpu, weights, tower, kv, prec)
     }
@@ -149,12 +146,19 @@ impl Glm5CudaBackend {
 
     fn assemble(
         cfg: Glm5Config,
-        gpu: Gpu,
+        mut gpu: Gpu,
         weights: weights::Glm5DeviceWeights,
         tower: Option<vision::DeviceTower>,
         kv: KvGeometry,
         prec: Precision,
     ) -> Result<Self, BackendError> {
+        let dequant_elems = weights.max_packed_elems();
+        let dequant = if dequant_elems > 0 {
+            gpu.load_quant()?;
+            Some(gpu.alloc(dequant_elems * prec.bytes())?)
+        } else {
+            None
+        };
         let layout = CacheLayout::new(&cfg);
         let kv_buf = gpu.alloc(4 * kv.num_blocks * kv.block_size * layout.token_stride)?;
         gpu.zero(kv_buf.ptr(), kv_buf.bytes())?;
@@ -173,7 +177,7 @@ impl Glm5CudaBackend {
             cfg,
             gpu,
             prec,
-            dequant_elems: weights.max_packed_elems(),
+            dequant,
             weights,
             vision: tower,
             layout,

@@ -43,6 +43,16 @@ enum Projection {
     Down,
 }
 
+impl Projection {
+    /// This projection's member of a (gate/up, down) pair.
+    fn pick<T>(self, (gate_up, down): (T, T)) -> T {
+        match self {
+            Projection::GateUp => gate_up,
+            Projection::Down => down,
+        }
+    }
+}
+
 /// A step's (token, slot) pairs grouped by expert on the device (`moe_sort`).
 #[derive(Clone, Copy)]
 struct SortedPairs {
@@ -154,25 +164,46 @@ impl Glm5CudaBackend {
         let SortedPairs { order, groups, n_used, .. } = *sorted;
         match experts {
             Experts::Stacked { gate_up, down } => {
-                let w = match which {
-                    Projection::GateUp => gate_up.ptr(),
-                    Projection::Down => down.ptr(),
-                };
+                let w = which.pick((gate_up, down)).ptr();
                 let stride = (n_out * k_in) as i64;
                 let f = self.gpu.func("glm5", &format!("moe_gemv_grouped_{}", self.prec.suffix()))?;
                 launch!(self.gpu, f, grid, &x, &x_div, &order, &groups, &n_used, &w, &stride, &y, &no, &ki)
             }
             Experts::PerExpert { grouped: Some(g), .. } => {
-                let table = match which {
-                    Projection::GateUp => g.gate_up.ptr(),
-                    Projection::Down => g.down.ptr(),
-                };
+                let table = which.pick((&g.gate_up, &g.down)).ptr();
                 let group = g.format.group() as i32;
                 let f = self.gpu.func("quant", &format!("quant_moe_grouped_{}", quant::format_tag(g.format)))?;
                 launch!(self.gpu, f, grid, &x, &x_div, &order, &groups, &n_used, &table, &group, &y, &no, &ki)
             }
             Experts::PerExpert { grouped: None, .. } => {
                 Err(BackendError::Device("packed experts of mixed formats take the per-expert path".into()))
+            }
+        }
+    }
+
+    /// `y[m, n_out] = x[m, k_in] · W_exᵀ` for one projection of expert `ex` (`x` in the storage
+    /// precision): the stacked dense matrix through cuBLAS, a packed one as `quant::matmul`
+    /// dispatches it (dequantizing into `dequant` for larger `m`).
+    #[allow(clippy::too_many_arguments)]
+    fn expert_matmul(
+        &mut self,
+        experts: &Experts,
+        which: Projection,
+        ex: usize,
+        m: usize,
+        (x, y): (u64, u64),
+        (n_out, k_in): (usize, usize),
+        dequant: u64,
+    ) -> Result<(), BackendError> {
+        match experts {
+            Experts::Stacked { gate_up, down } => {
+                let w = which.pick((gate_up, down)).at(ex * n_out * k_in * self.prec.bytes());
+                self.gpu.gemm(self.prec, m, n_out, k_in, x, w, y, false)
+            }
+            Experts::PerExpert { pairs, .. } => {
+                let (gate_up, down) = &pairs[ex];
+                let io = MatmulIo { x, y, ldy: n_out, dequant };
+                quant::matmul(&mut self.gpu, self.prec, which.pick((gate_up, down)), m, k_in, io, false)
             }
         }
     }
@@ -211,7 +242,7 @@ impl Glm5CudaBackend {
         let gu = self.scratch.get(&self.gpu, "moe_gu_g", 4 * pairs * 2 * inter)?;
         let act = self.scratch.get(&self.gpu, "moe_act_g", eb * pairs * inter)?;
         let out = self.scratch.get(&self.gpu, "moe_out_g", 4 * pairs * d)?;
-        let dequant = self.dequant_scratch()?;
+        let dequant = self.dequant_ptr();
         let gather = self.gpu.func("glm5", &format!("gather_rows_{}", self.prec.suffix()))?;
         let di = d as i32;
         launch!(self.gpu, gather, cfg((pairs as u32, 1), BLOCK, 0), &u, &token_p, &xg, &di)?;
@@ -224,16 +255,7 @@ impl Glm5CudaBackend {
             let gu_r = gu + (4 * row * 2 * inter) as u64;
             let act_r = act + (eb * row * inter) as u64;
             let (x_r, out_r) = (xg + (eb * row * d) as u64, out + (4 * row * d) as u64);
-            match &w.experts {
-                Experts::Stacked { gate_up, .. } => {
-                    let wgu = gate_up.at(ex * 2 * inter * d * eb);
-                    self.gpu.gemm(self.prec, m, 2 * inter, d, x_r, wgu, gu_r, false)?;
-                }
-                Experts::PerExpert { pairs, .. } => {
-                    let io = MatmulIo { x: x_r, y: gu_r, ldy: 2 * inter, dequant };
-                    quant::matmul(&mut self.gpu, self.prec, &pairs[ex].0, m, d, io, false)?;
-                }
-            }
+            self.expert_matmul(&w.experts, Projection::GateUp, ex, m, (x_r, gu_r), (2 * inter, d), dequant)?;
             let sw = self.gpu.func("glm5", &format!("swiglu_clamped_{}", self.prec.suffix()))?;
             let (ii, mi) = (inter as i32, m as i32);
             launch!(
@@ -246,16 +268,7 @@ impl Glm5CudaBackend {
                 &mi,
                 &c.swiglu_limit
             )?;
-            match &w.experts {
-                Experts::Stacked { down, .. } => {
-                    let wd = down.at(ex * d * inter * eb);
-                    self.gpu.gemm(self.prec, m, d, inter, act_r, wd, out_r, false)?;
-                }
-                Experts::PerExpert { pairs, .. } => {
-                    let io = MatmulIo { x: act_r, y: out_r, ldy: d, dequant };
-                    quant::matmul(&mut self.gpu, self.prec, &pairs[ex].1, m, inter, io, false)?;
-                }
-            }
+            self.expert_matmul(&w.experts, Projection::Down, ex, m, (act_r, out_r), (d, inter), dequant)?;
             row += m;
         }
         let scatter = self.gpu.func("glm5", "scatter_rows")?;

@@ -271,28 +271,6 @@ impl GroupedPacked {
     }
 }
 
-impl Experts {
-    pub fn bytes(&self) -> usize {
-        match self {
-            Experts::Stacked { gate_up, down } => gate_up.bytes() + down.bytes(),
-            Experts::PerExpert { pairs, grouped } => {
-                let tables = grouped.as_ref().map_or(0, |g| g.gate_up.bytes() + g.down.bytes());
-                pairs.iter().map(|(gu, d)| gu.bytes() + d.bytes()).sum::<usize>() + tables
-            }
-        }
-    }
-
-    /// Elements of the largest packed expert matrix (the dequantize scratch's size), 0 if none.
-    pub fn max_packed_elems(&self) -> usize {
-        match self {
-            Experts::Stacked { .. } => 0,
-            Experts::PerExpert { pairs, .. } => {
-                pairs.iter().map(|(gu, d)| gu.max_packed_elems().max(d.max_packed_elems())).max().unwrap_or(0)
-            }
-        }
-    }
-}
-
 pub struct Moe {
     /// `[E, D]`, f32.
     pub router: DevLinear,
@@ -433,52 +411,50 @@ pub fn load(
 }
 
 impl Glm5DeviceWeights {
-    /// Elements of the largest packed matrix (the dequantize scratch's size), 0 if none.
-    pub fn max_packed_elems(&self) -> usize {
-        let l = |x: &DevLinear| x.w.max_packed_elems();
-        let mut most = self.lm_head.as_ref().map_or(0, l);
+    /// Every matrix the text model multiplies that is held as a device weight (projections, mHC
+    /// maps, router, embedding, head, packed experts), and the bytes of those held as plain
+    /// buffers beside them (MLA's absorbed `kv_b`, stacked experts, the grouped-expert pointer
+    /// tables): the one walk the byte count and the dequantize scratch's size are read from.
+    fn matrices(&self) -> (Vec<&DevWeight>, usize) {
+        let mut all: Vec<&DevWeight> = vec![&self.embed.w];
+        all.extend(self.lm_head.as_ref().map(|h| &h.w));
+        let mut plain = 0;
         for layer in &self.layers {
-            let mixer = match &layer.mixer {
+            all.extend([&layer.attn_hc.proj.w, &layer.ffn_hc.proj.w]);
+            match &layer.mixer {
                 Mixer::Kda(k) => {
-                    [&k.qkv, &k.f_a, &k.f_b, &k.b_proj, &k.g_a, &k.g_b, &k.o_proj].map(l).into_iter().max()
+                    all.extend([&k.qkv, &k.f_a, &k.f_b, &k.b_proj, &k.g_a, &k.g_b, &k.o_proj].map(|l| &l.w))
                 }
                 Mixer::Dsa(m) => {
-                    let ix = m.indexer.as_ref().map_or(0, |i| l(&i.wq_b).max(l(&i.k_gate_w)));
-                    [&m.q_a, &m.q_b, &m.kv_a, &m.o_proj].map(l).into_iter().max().map(|x| x.max(ix))
+                    all.extend([&m.q_a, &m.q_b, &m.kv_a, &m.o_proj].map(|l| &l.w));
+                    all.extend(m.indexer.iter().flat_map(|i| [&i.wq_b.w, &i.k_gate_w.w]));
+                    plain += m.kv_b.bytes();
                 }
-            };
-            let ffn = match &layer.ffn {
-                Ffn::Dense(m) => l(&m.gate_up).max(l(&m.down)),
-                Ffn::Moe(m) => m.experts.max_packed_elems().max(l(&m.shared.gate_up)).max(l(&m.shared.down)),
-            };
-            most = most.max(mixer.unwrap_or(0)).max(ffn);
+            }
+            match &layer.ffn {
+                Ffn::Dense(m) => all.extend([&m.gate_up.w, &m.down.w]),
+                Ffn::Moe(m) => {
+                    all.extend([&m.router.w, &m.shared.gate_up.w, &m.shared.down.w]);
+                    match &m.experts {
+                        Experts::Stacked { gate_up, down } => plain += gate_up.bytes() + down.bytes(),
+                        Experts::PerExpert { pairs, grouped } => {
+                            all.extend(pairs.iter().flat_map(|(gu, d)| [gu, d]));
+                            plain += grouped.as_ref().map_or(0, |g| g.gate_up.bytes() + g.down.bytes());
+                        }
+                    }
+                }
+            }
         }
-        most
+        (all, plain)
+    }
+
+    /// Elements of the largest packed matrix (the dequantize scratch's size), 0 if none.
+    pub fn max_packed_elems(&self) -> usize {
+        self.matrices().0.into_iter().map(DevWeight::max_packed_elems).max().unwrap_or(0)
     }
 
     fn linear_bytes(&self) -> usize {
-        let l = DevLinear::bytes;
-        let mut total = l(&self.embed) + self.lm_head.as_ref().map_or(0, l);
-        for layer in &self.layers {
-            total += l(&layer.attn_hc.proj) + l(&layer.ffn_hc.proj);
-            total += match &layer.mixer {
-                Mixer::Kda(k) => {
-                    l(&k.qkv) + l(&k.f_a) + l(&k.f_b) + l(&k.b_proj) + l(&k.g_a) + l(&k.g_b) + l(&k.o_proj)
-                }
-                Mixer::Dsa(m) => {
-                    l(&m.q_a)
-                        + l(&m.q_b)
-                        + l(&m.kv_a)
-                        + m.kv_b.bytes()
-                        + l(&m.o_proj)
-                        + m.indexer.as_ref().map_or(0, |i| l(&i.wq_b) + l(&i.k_gate_w))
-                }
-            };
-            total += match &layer.ffn {
-                Ffn::Dense(m) => l(&m.gate_up) + l(&m.down),
-                Ffn::Moe(m) => l(&m.router) + m.experts.bytes() + l(&m.shared.gate_up) + l(&m.shared.down),
-            };
-        }
-        total
+        let (matrices, plain) = self.matrices();
+        matrices.into_iter().map(DevWeight::bytes).sum::<usize>() + plain
     }
 }
