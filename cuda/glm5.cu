@@ -234,32 +234,52 @@ struct KdaSeq {
     i64 checkpoints;
 };
 
-// Grid (channel blocks, sequences). Each thread owns one of the 3Q channels: the causal conv over
-// the slot's window of K−1 raw projections plus the token's own, SiLU, then the window shifts;
-// the window goes to the slot images `ckpt_map` names.
-extern "C" __global__ void kda_conv(const float* raw, float* conv, float* state, float* ckpt, const int* ckpt_map,
-                                   const KdaSeq* seqs, const float* taps, int q3, int kw, i64 slot_stride,
-                                   i64 conv_off) {
+// Tokens per block of `kda_conv` (grid z).
+#define KDA_CONV_TOKENS 32
+
+// Grid (channel blocks, sequences, token chunks). Each thread owns one of the 3Q channels for up
+// to KDA_CONV_TOKENS tokens: the causal conv over the K−1 inputs before the token and its own,
+// then SiLU. Inputs before the step come from the slot's window, which this kernel only reads
+// (`kda_conv_window` shifts it afterwards), so every token is computed in parallel with the sums
+// in the order of a token-by-token pass. The window after a token goes to the slot image
+// `ckpt_map` names for it.
+extern "C" __global__ void kda_conv(const float* raw, float* conv, const float* state, float* ckpt,
+                                   const int* ckpt_map, const KdaSeq* seqs, const float* taps, int q3, int kw,
+                                   i64 slot_stride, i64 conv_off) {
+    const KdaSeq s = seqs[blockIdx.y];
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    const int t0 = blockIdx.z * KDA_CONV_TOKENS;
+    if (ch >= q3 || t0 >= s.n) return;
+    const float* window = state + (i64)s.slot * slot_stride + conv_off;
+    const float* tp = taps + (i64)ch * kw;
+    // The input at step-relative position tau: this step's raw projection, or the window's.
+    auto input = [&](int tau) {
+        return tau >= 0 ? raw[(i64)(s.row0 + tau) * q3 + ch] : window[(i64)(kw - 1 + tau) * q3 + ch];
+    };
+    const int t1 = min(t0 + KDA_CONV_TOKENS, s.n);
+    for (int t = t0; t < t1; ++t) {
+        float acc = 0.f;
+        for (int j = 0; j < kw; ++j) acc += tp[j] * input(t - (kw - 1) + j);
+        conv[(i64)(s.row0 + t) * q3 + ch] = siluf_(acc);
+        const int image = s.checkpoints >= 0 ? ckpt_map[s.row0 + t] : -1;
+        if (image >= 0) {
+            float* img = ckpt + s.checkpoints + (i64)image * slot_stride + conv_off;
+            for (int j = 0; j < kw - 1; ++j) img[(i64)j * q3 + ch] = input(t + 1 - (kw - 1) + j);
+        }
+    }
+}
+
+// Grid (channel blocks, sequences), after `kda_conv`: the slot's window becomes the last K−1
+// inputs (in place, ascending: entry j reads entry j + n ≥ j, not yet written).
+extern "C" __global__ void kda_conv_window(const float* raw, float* state, const KdaSeq* seqs, int q3, int kw,
+                                          i64 slot_stride, i64 conv_off) {
     const KdaSeq s = seqs[blockIdx.y];
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= q3) return;
     float* window = state + (i64)s.slot * slot_stride + conv_off;
-    const float* tp = taps + (i64)ch * kw;
-    for (int t = 0; t < s.n; ++t) {
-        const float r = raw[(i64)(s.row0 + t) * q3 + ch];
-        float acc = 0.f;
-        for (int j = 0; j < kw - 1; ++j) acc += tp[j] * window[(i64)j * q3 + ch];
-        acc += tp[kw - 1] * r;
-        conv[(i64)(s.row0 + t) * q3 + ch] = siluf_(acc);
-        if (kw > 1) {
-            for (int j = 0; j + 1 < kw - 1; ++j) window[(i64)j * q3 + ch] = window[(i64)(j + 1) * q3 + ch];
-            window[(i64)(kw - 2) * q3 + ch] = r;
-        }
-        const int image = s.checkpoints >= 0 ? ckpt_map[s.row0 + t] : -1;
-        if (image >= 0) {
-            float* img = ckpt + s.checkpoints + (i64)image * slot_stride + conv_off;
-            for (int j = 0; j < kw - 1; ++j) img[(i64)j * q3 + ch] = window[(i64)j * q3 + ch];
-        }
+    for (int j = 0; j < kw - 1; ++j) {
+        const int tau = s.n - (kw - 1) + j;
+        window[(i64)j * q3 + ch] = tau >= 0 ? raw[(i64)(s.row0 + tau) * q3 + ch] : window[(i64)(kw - 1 + tau) * q3 + ch];
     }
 }
 
@@ -331,81 +351,155 @@ extern "C" __global__ void kda_recurrent(const float* conv, const float* f, cons
     }
 }
 
-// kda_recurrent with the head dim fixed at compile time: thread j keeps column j of the state in
-// registers for all of the sequence's tokens (one read and one write of the state per step, not
-// four passes per token), and the decays e^g are taken once per token. Same formula and op order
-// as kda_recurrent, so the same results. blockDim = HD rounded up to a multiple of 32.
+// The KDA recurrence for head dims 16, 32, 64 and 128 in three kernels, so that the token-serial
+// part does nothing a token's neighbours could do in parallel:
+//   kda_prep      grid (rows, heads): from the conv outputs, l2-normalised q (scaled by d^-1/2)
+//                 and k and the decays e^g, written over the raw projections (dead after
+//                 `kda_conv_window`), and β per token;
+//   kda_scan      grid (heads · HD/32 column groups, sequences): the delta rule token by token;
+//   kda_out_norm  grid (rows, heads): the gated output RMSNorm with σ(z).
+// The state's columns (value channels) evolve independently, so a head's columns are split over
+// blocks of 32 columns, and each column over KDA_R lanes of one warp holding HD/KDA_R state rows
+// in registers (rows r, r + R, …: the lanes of a column read distinct banks); a column's dot
+// products are the lanes' partial sums added by a butterfly, which leaves every lane the same
+// value. Every step (decode, prefill, verification) runs these kernels, so a token's result does
+// not depend on how its sequence was cut into steps or batched with others.
+#define KDA_R 4
+// Tokens staged in shared memory per round of `kda_scan` (double-buffered with cp.async).
+#define KDA_TT 8
+
 template <int HD>
-__device__ void kda_recurrent_reg(const float* conv, const float* f, const float* b, const float* z,
-                                  const float* dt_bias, const float* a_log, const float* o_norm, float* state,
-                                  float* ckpt, const int* ckpt_map, const KdaSeq* seqs, float* core, int q, int heads,
-                                  i64 slot_stride, i64 state_off, int has_lb, float lb, float eps) {
-    __shared__ float sq[HD], sk[HD], sdec[HD];
-    const int h = blockIdx.x, j = threadIdx.x;
+__device__ void kda_prep_impl(const float* conv, float* qkd, const float* f, float* beta, const float* b,
+                              const float* dt_bias, const float* a_log, int q, int heads, int has_lb, float lb) {
+    const int row = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
     const bool live = j < HD;
-    const KdaSeq s = seqs[blockIdx.y];
-    float* S = state + (i64)s.slot * slot_stride + state_off + (i64)h * HD * HD;
-    const float scale = 1.0f / sqrtf((float)HD);
-    const int q3 = 3 * q;
-    float col[HD];
-#pragma unroll
-    for (int i = 0; i < HD; ++i) col[i] = live ? S[(i64)i * HD + j] : 0.f;
-    for (int t = 0; t < s.n; ++t) {
-        const i64 row = s.row0 + t;
-        const float* cv = conv + row * q3;
-        const int ch = h * HD + j;
-        const float qv = live ? cv[ch] : 0.f, kv = live ? cv[q + ch] : 0.f, vv = live ? cv[2 * q + ch] : 0.f;
-        const float qn = 1.0f / sqrtf(block_sum(qv * qv) + 1e-6f);
-        const float kn = 1.0f / sqrtf(block_sum(kv * kv) + 1e-6f);
-        if (live) {
-            sq[j] = qv * qn * scale;
-            sk[j] = kv * kn;
-            sdec[j] = expf(kda_forget(f[row * q + ch] + dt_bias[ch], a_log[h], has_lb, lb));
-        }
-        const float beta = sigmoidf_(b[row * heads + h]);
-        __syncthreads();
-        float err = vv;
-        float o = 0.f;
-        if (live) {
-#pragma unroll
-            for (int i = 0; i < HD; ++i) col[i] = col[i] * sdec[i];
-#pragma unroll
-            for (int i = 0; i < HD; ++i) err -= col[i] * sk[i];
-            err *= beta;
-#pragma unroll
-            for (int i = 0; i < HD; ++i) col[i] = col[i] + sk[i] * err;
-#pragma unroll
-            for (int i = 0; i < HD; ++i) o += col[i] * sq[i];
-        }
-        const float r = 1.0f / sqrtf(block_sum(o * o) / (float)HD + eps);
-        if (live) core[row * q + ch] = o_norm[j] * (o * r) * sigmoidf_(z[row * q + ch]);
-        const int image = s.checkpoints >= 0 ? ckpt_map[row] : -1;
-        if (live && image >= 0) {
-            float* img = ckpt + s.checkpoints + (i64)image * slot_stride + state_off + (i64)h * HD * HD;
-#pragma unroll
-            for (int i = 0; i < HD; ++i) img[(i64)i * HD + j] = col[i];
-        }
-        __syncthreads();
-    }
+    const float* cv = conv + (i64)row * 3 * q;
+    float* out = qkd + (i64)row * 3 * q;
+    const int ch = h * HD + j;
+    const float qv = live ? cv[ch] : 0.f, kv = live ? cv[q + ch] : 0.f;
+    const float qn = 1.0f / sqrtf(block_sum(qv * qv) + 1e-6f);
+    const float kn = 1.0f / sqrtf(block_sum(kv * kv) + 1e-6f);
     if (live) {
-#pragma unroll
-        for (int i = 0; i < HD; ++i) S[(i64)i * HD + j] = col[i];
+        out[ch] = qv * qn * (1.0f / sqrtf((float)HD));
+        out[q + ch] = kv * kn;
+        out[2 * q + ch] = expf(kda_forget(f[(i64)row * q + ch] + dt_bias[ch], a_log[h], has_lb, lb));
     }
+    if (j == 0) beta[(i64)row * heads + h] = sigmoidf_(b[(i64)row * heads + h]);
 }
 
-#define KDA_REG(HD)                                                                                          \
-    extern "C" __global__ void kda_recurrent_r##HD(                                                          \
-        const float* conv, const float* f, const float* b, const float* z, const float* dt_bias,             \
-        const float* a_log, const float* o_norm, float* state, float* ckpt, const int* ckpt_map,             \
-        const KdaSeq* seqs, float* core, int q, int heads, i64 slot_stride, i64 state_off, int has_lb,       \
-        float lb, float eps, int hd) {                                                                       \
-        kda_recurrent_reg<HD>(conv, f, b, z, dt_bias, a_log, o_norm, state, ckpt, ckpt_map, seqs, core, q,   \
-                              heads, slot_stride, state_off, has_lb, lb, eps);                               \
+// Block: 32 columns (HD if smaller) × KDA_R lanes. Per token: S ← Diag(e^g) S; e = β (v − Sᵀk);
+// S ← S + k eᵀ; o = Sᵀq (raw, normalised by kda_out_norm).
+template <int HD>
+__device__ void kda_scan_impl(const float* conv, const float* qkd, const float* beta, float* state, float* ckpt,
+                              const int* ckpt_map, const KdaSeq* seqs, float* core, int q, int heads,
+                              i64 slot_stride, i64 state_off) {
+    constexpr int CB = HD < 32 ? HD : 32, R = KDA_R, M = HD / R, GROUPS = HD / CB;
+    __shared__ __align__(16) float s_qkd[2][KDA_TT][3][HD];
+    __shared__ __align__(16) float s_v[2][KDA_TT][CB];
+    __shared__ float s_beta[2][KDA_TT];
+    __shared__ int s_image[2][KDA_TT];
+    const int h = blockIdx.x / GROUPS, c0 = (blockIdx.x % GROUPS) * CB;
+    const int c = threadIdx.x / R, r = threadIdx.x % R, j = c0 + c;
+    const KdaSeq s = seqs[blockIdx.y];
+    float* S = state + (i64)s.slot * slot_stride + state_off + (i64)h * HD * HD;
+    const int q3 = 3 * q;
+    float col[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) col[m] = S[(i64)(r + R * m) * HD + j];
+    // Stage tokens [t0, t0 + KDA_TT) into buffer `buf` (zeros past the sequence's end).
+    auto stage = [&](int buf, int t0) {
+        constexpr int ROW_PIECES = 3 * HD / 4, V_PIECES = CB / 4;
+        for (int i = threadIdx.x; i < KDA_TT * (ROW_PIECES + V_PIECES); i += CB * R) {
+            const int tt = i / (ROW_PIECES + V_PIECES), p = i % (ROW_PIECES + V_PIECES);
+            const bool ok = t0 + tt < s.n;
+            const i64 row = s.row0 + (ok ? t0 + tt : 0);
+            if (p < ROW_PIECES) {
+                const int part = p / (HD / 4), e = 4 * (p % (HD / 4));
+                cp_async16(&s_qkd[buf][tt][part][e], qkd + row * q3 + (i64)part * q + h * HD + e, ok);
+            } else {
+                const int e = 4 * (p - ROW_PIECES);
+                cp_async16(&s_v[buf][tt][e], conv + row * q3 + 2 * q + h * HD + c0 + e, ok);
+            }
+        }
+        if (threadIdx.x < KDA_TT) {
+            const int t = t0 + threadIdx.x;
+            s_beta[buf][threadIdx.x] = t < s.n ? beta[(i64)(s.row0 + t) * heads + h] : 0.f;
+            s_image[buf][threadIdx.x] = t < s.n && s.checkpoints >= 0 ? ckpt_map[s.row0 + t] : -1;
+        }
+        cp_async_commit();
+    };
+    stage(0, 0);
+    for (int t0 = 0, buf = 0; t0 < s.n; t0 += KDA_TT, buf ^= 1) {
+        if (t0 + KDA_TT < s.n) {
+            stage(buf ^ 1, t0 + KDA_TT);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const int tn = min(KDA_TT, s.n - t0);
+        for (int tt = 0; tt < tn; ++tt) {
+            const float* sq = s_qkd[buf][tt][0];
+            const float* sk = s_qkd[buf][tt][1];
+            const float* sd = s_qkd[buf][tt][2];
+            float dot = 0.f;
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                col[m] *= sd[r + R * m];
+                dot += col[m] * sk[r + R * m];
+            }
+#pragma unroll
+            for (int off = 1; off < R; off <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+            const float err = s_beta[buf][tt] * (s_v[buf][tt][c] - dot);
+            float o = 0.f;
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                col[m] += sk[r + R * m] * err;
+                o += col[m] * sq[r + R * m];
+            }
+#pragma unroll
+            for (int off = 1; off < R; off <<= 1) o += __shfl_xor_sync(0xffffffffu, o, off);
+            const i64 row = s.row0 + t0 + tt;
+            if (r == 0) core[row * q + h * HD + j] = o;
+            const int image = s_image[buf][tt];
+            if (image >= 0) {
+                float* img = ckpt + s.checkpoints + (i64)image * slot_stride + state_off + (i64)h * HD * HD;
+#pragma unroll
+                for (int m = 0; m < M; ++m) img[(i64)(r + R * m) * HD + j] = col[m];
+            }
+        }
+        __syncthreads();
     }
-KDA_REG(16)
-KDA_REG(32)
-KDA_REG(64)
-KDA_REG(128)
+#pragma unroll
+    for (int m = 0; m < M; ++m) S[(i64)(r + R * m) * HD + j] = col[m];
+}
+
+// Grid (rows, heads), blockDim = the head dim rounded up to 32: core ← o_norm ⊙ o / rms(o) ⊙ σ(z).
+extern "C" __global__ void kda_out_norm(float* core, const float* z, const float* o_norm, int q, int hd,
+                                       float eps) {
+    const int row = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+    const bool live = j < hd;
+    const i64 at = (i64)row * q + h * hd + j;
+    const float o = live ? core[at] : 0.f;
+    const float r = 1.0f / sqrtf(block_sum(o * o) / (float)hd + eps);
+    if (live) core[at] = o_norm[j] * (o * r) * sigmoidf_(z[at]);
+}
+
+#define KDA_SPLIT(HD)                                                                                         \
+    extern "C" __global__ void kda_prep_##HD(const float* conv, float* qkd, const float* f, float* beta,      \
+                                             const float* b, const float* dt_bias, const float* a_log, int q,  \
+                                             int heads, int has_lb, float lb) {                                \
+        kda_prep_impl<HD>(conv, qkd, f, beta, b, dt_bias, a_log, q, heads, has_lb, lb);                        \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__((HD < 32 ? HD : 32) * KDA_R) kda_scan_##HD(                   \
+        const float* conv, const float* qkd, const float* beta, float* state, float* ckpt, const int* ckpt_map, \
+        const KdaSeq* seqs, float* core, int q, int heads, i64 slot_stride, i64 state_off) {                   \
+        kda_scan_impl<HD>(conv, qkd, beta, state, ckpt, ckpt_map, seqs, core, q, heads, slot_stride, state_off); \
+    }
+KDA_SPLIT(16)
+KDA_SPLIT(32)
+KDA_SPLIT(64)
+KDA_SPLIT(128)
 
 // ---------------------------------------------------------------------------------------------
 // MLA + DSA

@@ -263,7 +263,10 @@ pub fn run_glm5_bench(args: &BenchArgs, cfg: Glm5Config) -> Result<(), CliError>
         }
     }
 
-    println!("{:<16} {:>6} {:>10} {:>10} {:>10} {:>8}", "prefill", "tokens", "ms", "tok/s", "TFLOP/s", "÷GEMM");
+    println!(
+        "{:<16} {:>6} {:>10} {:>10} {:>10} {:>8} | {:>8} {:>8} {:>8} {:>8} {:>7}",
+        "prefill", "tokens", "ms", "tok/s", "TFLOP/s", "÷GEMM", "kda ms", "dsa ms", "moe ms", "dense ms", "rest ms"
+    );
     for &n in &args.prefill {
         let blocks = n.div_ceil(BLOCK);
         if blocks > geom.num_blocks {
@@ -281,22 +284,34 @@ pub fn run_glm5_bench(args: &BenchArgs, cfg: Glm5Config) -> Result<(), CliError>
         }
         times.sort_by(f64::total_cmp);
         let secs = times[1];
+        // One more, profiled (synchronised after every part): where the prefill's time goes.
+        b.start_profile();
+        b.forward(&[SeqStep { tokens: &ids, start_pos: 0, block_table: &table, logits_rows: 1, state_slot: 0 }])
+            .map_err(device)?;
+        let parts = LayerTimes::from_profile(&cfg, &b.take_profile().unwrap_or_default());
         // Every token multiplies the active weights (the LM head only for the last) and attends
         // to the selection at its position; the middle position stands for the mean.
         let per_token = decode_cost(&cfg, n / 2, 2.0, 4);
         let head = 2 * (cfg.vocab_size * cfg.hidden_size) as u64;
         let flops = (per_token.total_flops() - head) as f64 * n as f64 + head as f64;
         println!(
-            "{:<16} {:>6} {:>10.1} {:>10.0} {:>10.1} {:>7.1}%",
+            "{:<16} {:>6} {:>10.1} {:>10.0} {:>10.1} {:>7.1}% | {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>7.2}",
             name,
             n,
             secs * 1e3,
             n as f64 / secs,
             flops / secs / 1e12,
-            100.0 * flops / secs / gemm_rate
+            100.0 * flops / secs / gemm_rate,
+            parts.kda * 1e3,
+            parts.dsa * 1e3,
+            parts.moe_ffn * 1e3,
+            parts.dense_ffn * 1e3,
+            parts.rest * 1e3
         );
         report.emit(serde_json::json!({"kind": "prefill", "tokens": n, "secs": secs, "tok_per_s": n as f64 / secs,
-            "flops_per_s": flops / secs, "of_gemm": flops / secs / gemm_rate}))?;
+            "flops_per_s": flops / secs, "of_gemm": flops / secs / gemm_rate,
+            "layer_secs": {"kda_mixer": parts.kda, "dsa_mixer": parts.dsa, "moe_ffn": parts.moe_ffn,
+                "dense_ffn": parts.dense_ffn, "rest": parts.rest}}))?;
     }
     Ok(())
 }

@@ -18,7 +18,7 @@
 
 use super::weights::{DevLinear, Ffn, HyperConnection, Kda, Mixer, Mla, Mlp};
 use super::{DeviceCheckpoints, DeviceSnapshots, Glm5CudaBackend};
-use crate::backend::cuda::gpu::{cfg, grid_for, Precision};
+use crate::backend::cuda::gpu::{cfg, cfg3, grid_for, Precision};
 use crate::backend::cuda::quant::{self, MatmulIo};
 use crate::backend::glm5_steps::{logits_rows, plan_rows, SeqRows};
 use crate::backend::{BackendError, EmbeddedRows, SeqStep, StepLogits};
@@ -128,6 +128,10 @@ pub(super) struct StepInputs {
 }
 
 pub(super) const BLOCK: u32 = 256;
+/// Tokens per block of `kda_conv` (`KDA_CONV_TOKENS` in cuda/glm5.cu).
+const KDA_CONV_TOKENS: usize = 32;
+/// Lanes per state column in `kda_scan_*` (`KDA_R` in cuda/glm5.cu).
+const KDA_LANES_PER_COLUMN: usize = 4;
 /// Columns per block of the row-chunked kernels (`HC_CHUNK` in cuda/glm5.cu).
 pub(super) const HC_CHUNK: usize = 256;
 /// Most mHC streams the kernels take (`HC_MAX` in cuda/glm5.cu).
@@ -478,13 +482,14 @@ impl Glm5CudaBackend {
         let conv = self.scratch.get(&self.gpu, "kda_conv", 4 * n * q3)?;
         let state = self.state.ptr();
         let (stride, conv_off, state_off) = (self.layout.slot_stride as i64, slots.conv as i64, slots.state as i64);
-        let f = self.gpu.func("glm5", "kda_conv")?;
         let (q3i, kwi, taps) = (q3 as i32, kw as i32, w.conv.ptr());
-        let grid = (q3.div_ceil(128) as u32, inp.n_seqs as u32);
+        let channel_blocks = q3.div_ceil(128) as u32;
+        let f = self.gpu.func("glm5", "kda_conv")?;
+        let token_chunks = n.div_ceil(KDA_CONV_TOKENS) as u32;
         launch!(
             self.gpu,
             f,
-            cfg(grid, 128, 0),
+            cfg3((channel_blocks, inp.n_seqs as u32, token_chunks), 128, 0),
             &raw,
             &conv,
             &state,
@@ -497,42 +502,77 @@ impl Glm5CudaBackend {
             &stride,
             &conv_off
         )?;
+        let f = self.gpu.func("glm5", "kda_conv_window")?;
+        let grid = cfg((channel_blocks, inp.n_seqs as u32), 128, 0);
+        launch!(self.gpu, f, grid, &raw, &state, &inp.kda_seqs, &q3i, &kwi, &stride, &conv_off)?;
         let core = self.scratch.get(&self.gpu, "kda_core", 4 * n * q)?;
-        // Head dims with a register-resident build keep the state in registers for the step.
-        let name =
-            if matches!(hd, 16 | 32 | 64 | 128) { format!("kda_recurrent_r{hd}") } else { "kda_recurrent".into() };
-        let f = self.gpu.func("glm5", &name)?;
         let (qi, hi, hd_i) = (q as i32, heads as i32, hd as i32);
         let (has_lb, lb) = match c.linear_lower_bound {
             Some(lb) => (1i32, lb),
             None => (0i32, 0f32),
         };
         let (dt, alog, onorm) = (w.dt_bias.ptr(), w.a_log.ptr(), w.o_norm.ptr());
-        launch!(
-            self.gpu,
-            f,
-            cfg((heads as u32, inp.n_seqs as u32), hd.next_multiple_of(32) as u32, (3 * hd * 4) as u32),
-            &conv,
-            &fg,
-            &b,
-            &z,
-            &dt,
-            &alog,
-            &onorm,
-            &state,
-            &inp.ckpt,
-            &inp.ckpt_map,
-            &inp.kda_seqs,
-            &core,
-            &qi,
-            &hi,
-            &stride,
-            &state_off,
-            &has_lb,
-            &lb,
-            &c.rms_norm_eps,
-            &hd_i
-        )?;
+        let threads = hd.next_multiple_of(32) as u32;
+        if matches!(hd, 16 | 32 | 64 | 128) {
+            // The raw projections are dead after the window update: their buffer takes the
+            // normalised q and k and the decays, in the same [q | k | decay] row layout.
+            let qkd = raw;
+            let beta = self.scratch.get(&self.gpu, "kda_beta", 4 * n * heads)?;
+            let f = self.gpu.func("glm5", &format!("kda_prep_{hd}"))?;
+            let grid = cfg((n as u32, heads as u32), threads, 0);
+            launch!(self.gpu, f, grid, &conv, &qkd, &fg, &beta, &b, &dt, &alog, &qi, &hi, &has_lb, &lb)?;
+            let f = self.gpu.func("glm5", &format!("kda_scan_{hd}"))?;
+            let columns = hd.min(32);
+            let grid =
+                cfg(((heads * hd / columns) as u32, inp.n_seqs as u32), (columns * KDA_LANES_PER_COLUMN) as u32, 0);
+            launch!(
+                self.gpu,
+                f,
+                grid,
+                &conv,
+                &qkd,
+                &beta,
+                &state,
+                &inp.ckpt,
+                &inp.ckpt_map,
+                &inp.kda_seqs,
+                &core,
+                &qi,
+                &hi,
+                &stride,
+                &state_off
+            )?;
+            let f = self.gpu.func("glm5", "kda_out_norm")?;
+            let grid = cfg((n as u32, heads as u32), threads, 0);
+            launch!(self.gpu, f, grid, &core, &z, &onorm, &qi, &hd_i, &c.rms_norm_eps)?;
+        } else {
+            let f = self.gpu.func("glm5", "kda_recurrent")?;
+            launch!(
+                self.gpu,
+                f,
+                cfg((heads as u32, inp.n_seqs as u32), threads, (3 * hd * 4) as u32),
+                &conv,
+                &fg,
+                &b,
+                &z,
+                &dt,
+                &alog,
+                &onorm,
+                &state,
+                &inp.ckpt,
+                &inp.ckpt_map,
+                &inp.kda_seqs,
+                &core,
+                &qi,
+                &hi,
+                &stride,
+                &state_off,
+                &has_lb,
+                &lb,
+                &c.rms_norm_eps,
+                &hd_i
+            )?;
+        }
         let y = self.scratch.get(&self.gpu, "mixer_out", 4 * n * c.hidden_size)?;
         self.linear(core, n, &w.o_proj, y)?;
         Ok(y)
