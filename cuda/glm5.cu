@@ -360,13 +360,20 @@ extern "C" __global__ void kda_recurrent(const float* conv, const float* f, cons
 //   kda_out_norm  grid (rows, heads): the gated output RMSNorm with σ(z).
 // The state's columns (value channels) evolve independently, so a head's columns are split over
 // blocks of 32 columns, and each column over KDA_R lanes of one warp holding HD/KDA_R state rows
-// in registers (rows r, r + R, …: the lanes of a column read distinct banks); a column's dot
+// in registers; a column's dot
 // products are the lanes' partial sums added by a butterfly, which leaves every lane the same
 // value. Every step (decode, prefill, verification) runs these kernels, so a token's result does
 // not depend on how its sequence was cut into steps or batched with others.
 #define KDA_R 4
-// Tokens staged in shared memory per round of `kda_scan` (double-buffered with cp.async).
+// Tokens staged in shared memory per round of `kda_scan`, and the rounds in flight (cp.async).
 #define KDA_TT 8
+#define KDA_STAGES 3
+
+// 4 bytes global → shared without waiting (zeros when `ok` is false).
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(ok ? 4 : 0)
+                 : "memory");
+}
 
 template <int HD>
 __device__ void kda_prep_impl(const float* conv, float* qkd, const float* f, float* beta, const float* b,
@@ -387,26 +394,31 @@ __device__ void kda_prep_impl(const float* conv, float* qkd, const float* f, flo
     if (j == 0) beta[(i64)row * heads + h] = sigmoidf_(b[(i64)row * heads + h]);
 }
 
-// Block: 32 columns (HD if smaller) × KDA_R lanes. Per token: S ← Diag(e^g) S; e = β (v − Sᵀk);
-// S ← S + k eᵀ; o = Sᵀq (raw, normalised by kda_out_norm).
+// Block: 32 columns (HD if smaller) × KDA_R lanes; lane r of a column holds state rows
+// [r·M, r·M + M). Per token: S ← Diag(e^g) S; e = β (v − Sᵀk); S ← S + k eᵀ; o = Sᵀq (raw,
+// normalised by kda_out_norm). A staged q, k or decay row keeps each lane's M values contiguous
+// with 4 floats of padding after them, so a lane reads them 16 bytes at a time and the lanes of a
+// warp hit distinct banks.
 template <int HD>
 __device__ void kda_scan_impl(const float* conv, const float* qkd, const float* beta, float* state, float* ckpt,
                               const int* ckpt_map, const KdaSeq* seqs, float* core, int q, int heads,
                               i64 slot_stride, i64 state_off) {
-    constexpr int CB = HD < 32 ? HD : 32, R = KDA_R, M = HD / R, GROUPS = HD / CB;
-    __shared__ __align__(16) float s_qkd[2][KDA_TT][3][HD];
-    __shared__ __align__(16) float s_v[2][KDA_TT][CB];
-    __shared__ float s_beta[2][KDA_TT];
-    __shared__ int s_image[2][KDA_TT];
+    constexpr int CB = HD < 32 ? HD : 32, R = KDA_R, M = HD / R, GROUPS = HD / CB, ROW = HD + 4 * R;
+    __shared__ __align__(16) float s_qkd[KDA_STAGES][KDA_TT][3][ROW];
+    __shared__ __align__(16) float s_v[KDA_STAGES][KDA_TT][CB];
+    __shared__ float s_beta[KDA_STAGES][KDA_TT];
+    __shared__ int s_image[KDA_STAGES][KDA_TT];
     const int h = blockIdx.x / GROUPS, c0 = (blockIdx.x % GROUPS) * CB;
     const int c = threadIdx.x / R, r = threadIdx.x % R, j = c0 + c;
     const KdaSeq s = seqs[blockIdx.y];
+    const bool images = s.checkpoints >= 0;
     float* S = state + (i64)s.slot * slot_stride + state_off + (i64)h * HD * HD;
     const int q3 = 3 * q;
     float col[M];
 #pragma unroll
-    for (int m = 0; m < M; ++m) col[m] = S[(i64)(r + R * m) * HD + j];
-    // Stage tokens [t0, t0 + KDA_TT) into buffer `buf` (zeros past the sequence's end).
+    for (int m = 0; m < M; ++m) col[m] = S[(i64)(r * M + m) * HD + j];
+    // Stage tokens [t0, t0 + KDA_TT) into buffer `buf` asynchronously (zeros past the sequence's
+    // end, never read) and commit them as one group.
     auto stage = [&](int buf, int t0) {
         constexpr int ROW_PIECES = 3 * HD / 4, V_PIECES = CB / 4;
         for (int i = threadIdx.x; i < KDA_TT * (ROW_PIECES + V_PIECES); i += CB * R) {
@@ -415,7 +427,7 @@ __device__ void kda_scan_impl(const float* conv, const float* qkd, const float* 
             const i64 row = s.row0 + (ok ? t0 + tt : 0);
             if (p < ROW_PIECES) {
                 const int part = p / (HD / 4), e = 4 * (p % (HD / 4));
-                cp_async16(&s_qkd[buf][tt][part][e], qkd + row * q3 + (i64)part * q + h * HD + e, ok);
+                cp_async16(&s_qkd[buf][tt][part][e + (e / M) * 4], qkd + row * q3 + (i64)part * q + h * HD + e, ok);
             } else {
                 const int e = 4 * (p - ROW_PIECES);
                 cp_async16(&s_v[buf][tt][e], conv + row * q3 + 2 * q + h * HD + c0 + e, ok);
@@ -423,55 +435,79 @@ __device__ void kda_scan_impl(const float* conv, const float* qkd, const float* 
         }
         if (threadIdx.x < KDA_TT) {
             const int t = t0 + threadIdx.x;
-            s_beta[buf][threadIdx.x] = t < s.n ? beta[(i64)(s.row0 + t) * heads + h] : 0.f;
-            s_image[buf][threadIdx.x] = t < s.n && s.checkpoints >= 0 ? ckpt_map[s.row0 + t] : -1;
+            const bool ok = t < s.n;
+            const i64 row = s.row0 + (ok ? t : 0);
+            cp_async4(&s_beta[buf][threadIdx.x], beta + row * heads + h, ok);
+            if (images) cp_async4(&s_image[buf][threadIdx.x], ckpt_map + row, ok);
         }
         cp_async_commit();
     };
-    stage(0, 0);
-    for (int t0 = 0, buf = 0; t0 < s.n; t0 += KDA_TT, buf ^= 1) {
-        if (t0 + KDA_TT < s.n) {
-            stage(buf ^ 1, t0 + KDA_TT);
-            cp_async_wait<1>();
+    // One token: separate partial sums per float4 lane shorten the dependent chains.
+    auto token = [&](int buf, int tt, i64 row) {
+        const float4* sq = reinterpret_cast<const float4*>(&s_qkd[buf][tt][0][r * (M + 4)]);
+        const float4* sk = reinterpret_cast<const float4*>(&s_qkd[buf][tt][1][r * (M + 4)]);
+        const float4* sd = reinterpret_cast<const float4*>(&s_qkd[buf][tt][2][r * (M + 4)]);
+        float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+#pragma unroll
+        for (int m4 = 0; m4 < M / 4; ++m4) {
+            const float4 d = sd[m4], k = sk[m4];
+            col[4 * m4] *= d.x;
+            col[4 * m4 + 1] *= d.y;
+            col[4 * m4 + 2] *= d.z;
+            col[4 * m4 + 3] *= d.w;
+            d0 += col[4 * m4] * k.x;
+            d1 += col[4 * m4 + 1] * k.y;
+            d2 += col[4 * m4 + 2] * k.z;
+            d3 += col[4 * m4 + 3] * k.w;
+        }
+        float dot = (d0 + d1) + (d2 + d3);
+#pragma unroll
+        for (int off = 1; off < R; off <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+        const float err = s_beta[buf][tt] * (s_v[buf][tt][c] - dot);
+        float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
+#pragma unroll
+        for (int m4 = 0; m4 < M / 4; ++m4) {
+            const float4 k = sk[m4], qq = sq[m4];
+            col[4 * m4] += k.x * err;
+            col[4 * m4 + 1] += k.y * err;
+            col[4 * m4 + 2] += k.z * err;
+            col[4 * m4 + 3] += k.w * err;
+            o0 += col[4 * m4] * qq.x;
+            o1 += col[4 * m4 + 1] * qq.y;
+            o2 += col[4 * m4 + 2] * qq.z;
+            o3 += col[4 * m4 + 3] * qq.w;
+        }
+        float o = (o0 + o1) + (o2 + o3);
+#pragma unroll
+        for (int off = 1; off < R; off <<= 1) o += __shfl_xor_sync(0xffffffffu, o, off);
+        if (r == 0) core[row * q + h * HD + j] = o;
+        const int image = images ? s_image[buf][tt] : -1;
+        if (image >= 0) {
+            float* img = ckpt + s.checkpoints + (i64)image * slot_stride + state_off + (i64)h * HD * HD;
+#pragma unroll
+            for (int m = 0; m < M; ++m) img[(i64)(r * M + m) * HD + j] = col[m];
+        }
+    };
+#pragma unroll
+    for (int k = 0; k + 1 < KDA_STAGES; ++k) stage(k, k * KDA_TT);
+    for (int k = 0, t0 = 0; t0 < s.n; ++k, t0 += KDA_TT) {
+        // Chunk k's group is complete once at most the KDA_STAGES − 2 later ones are pending;
+        // the barrier also ends every thread's reads of the buffer the next stage overwrites.
+        cp_async_wait<KDA_STAGES - 2>();
+        __syncthreads();
+        stage((k + KDA_STAGES - 1) % KDA_STAGES, t0 + (KDA_STAGES - 1) * KDA_TT);
+        const int buf = k % KDA_STAGES;
+        if (s.n - t0 >= KDA_TT) {
+            // Unrolled, so one token's output reduction overlaps the next token's update.
+#pragma unroll
+            for (int tt = 0; tt < KDA_TT; ++tt) token(buf, tt, s.row0 + t0 + tt);
         } else {
-            cp_async_wait<0>();
+            for (int tt = 0; tt < s.n - t0; ++tt) token(buf, tt, s.row0 + t0 + tt);
         }
-        __syncthreads();
-        const int tn = min(KDA_TT, s.n - t0);
-        for (int tt = 0; tt < tn; ++tt) {
-            const float* sq = s_qkd[buf][tt][0];
-            const float* sk = s_qkd[buf][tt][1];
-            const float* sd = s_qkd[buf][tt][2];
-            float dot = 0.f;
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                col[m] *= sd[r + R * m];
-                dot += col[m] * sk[r + R * m];
-            }
-#pragma unroll
-            for (int off = 1; off < R; off <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-            const float err = s_beta[buf][tt] * (s_v[buf][tt][c] - dot);
-            float o = 0.f;
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                col[m] += sk[r + R * m] * err;
-                o += col[m] * sq[r + R * m];
-            }
-#pragma unroll
-            for (int off = 1; off < R; off <<= 1) o += __shfl_xor_sync(0xffffffffu, o, off);
-            const i64 row = s.row0 + t0 + tt;
-            if (r == 0) core[row * q + h * HD + j] = o;
-            const int image = s_image[buf][tt];
-            if (image >= 0) {
-                float* img = ckpt + s.checkpoints + (i64)image * slot_stride + state_off + (i64)h * HD * HD;
-#pragma unroll
-                for (int m = 0; m < M; ++m) img[(i64)(r + R * m) * HD + j] = col[m];
-            }
-        }
-        __syncthreads();
     }
+    cp_async_wait<0>();  // the stages past the end (zero fills) land before the block exits
 #pragma unroll
-    for (int m = 0; m < M; ++m) S[(i64)(r + R * m) * HD + j] = col[m];
+    for (int m = 0; m < M; ++m) S[(i64)(r * M + m) * HD + j] = col[m];
 }
 
 // Grid (rows, heads), blockDim = the head dim rounded up to 32: core ← o_norm ⊙ o / rms(o) ⊙ σ(z).
@@ -551,58 +587,148 @@ extern "C" __global__ void dsa_pool(float* kv, const i64* pool_recs, const float
     }
 }
 
-// One block per batch row: the DSA selection. Scores of the complete pools (ReLU'd per indexer
-// head, weighted by the head weights scaled by H_I^-1/2), the best `budget` kept (ties to the
-// earlier pool, as the CPU's stable order), expanded to positions in ascending order plus the
-// raw tail of the query's own incomplete pool. `scores` has `2·max_pools` floats per row (scores,
-// then kept flags); `sel` has `max_sel` ints per row and `sel_count` the number used.
-extern "C" __global__ void dsa_select(const float* qi, const float* kgw, const float* kv, const DsaRow* rows,
-                                      const int* tables, float* scores, int* sel, int* sel_count, int block_size,
-                                      int token_stride, int ix_off, int hi, int di, int kgw_width, int pool,
-                                      int budget, int tail, int max_pools, int max_sel) {
+// The DSA selection in two kernels: `dsa_score` scores every complete pool of every row (many
+// blocks per row, so a batch-1 decode step at long context fills the GPU), then `dsa_select`
+// keeps the best `budget` pools of each row by a radix select and expands them to positions.
+#define DSA_SCORE_POOLS 128
+// Indexer heads whose dot products one thread carries at once.
+#define DSA_HEAD_GROUP 16
+
+// Grid (rows, pool chunks of DSA_SCORE_POOLS), DSA_SCORE_POOLS threads, one pool each; dynamic
+// shared memory: the row's indexer query, hi·di floats, transposed to [channel][head]. A pool's
+// score is Σ_h w_h H_I^-1/2 ReLU(q_h·k / sqrt(d_I)) over its pooled key, each dot summed over the
+// channels in order and the heads in order (the CPU's order). Only rows whose complete pools
+// outnumber the budget are scored: the others keep every pool.
+extern "C" __global__ void dsa_score(const float* qi, const float* kgw, const float* kv, const DsaRow* rows,
+                                     const int* tables, float* scores, int block_size, int token_stride, int ix_off,
+                                     int hi, int di, int kgw_width, int pool, int budget, int max_pools) {
+    extern __shared__ float q_t[];
     const DsaRow row = rows[blockIdx.x];
-    const int* table = tables + row.table;
     const int complete = (row.pos + 1) / pool;
-    float* sc = scores + (i64)blockIdx.x * 2 * max_pools;
-    float* kept = sc + max_pools;
-    int* out = sel + (i64)blockIdx.x * max_sel;
+    const int p0 = blockIdx.y * DSA_SCORE_POOLS;
+    if (complete <= budget || p0 >= complete) return;
     const float* q = qi + (i64)blockIdx.x * hi * di;
+    for (int i = threadIdx.x; i < hi * di; i += blockDim.x) q_t[(i % di) * hi + i / di] = q[i];
+    __syncthreads();
+    const int p = p0 + threadIdx.x;
+    if (p >= complete) return;
+    const float* key = kv + record_offset(tables + row.table, p * pool + pool - 1, block_size, token_stride) + ix_off + 2 * di;
     const float* wraw = kgw + (i64)blockIdx.x * kgw_width + 2 * di;
     const float wscale = 1.0f / sqrtf((float)hi), qscale = 1.0f / sqrtf((float)di);
-    const bool sparse = complete > budget;
-    // Threads work on pools in parallel (score, rank, placement); each pool's score is one
-    // thread's sequential sum, as before, so the ranking is the same.
-    int kept_pools = 0;
-    if (sparse) {
-        for (int p = threadIdx.x; p < complete; p += blockDim.x) {
-            const float* key =
-                kv + record_offset(table, p * pool + pool - 1, block_size, token_stride) + ix_off + 2 * di;
-            float total = 0.f;
-            for (int hh = 0; hh < hi; ++hh) {
-                float dot = 0.f;
-                for (int c = 0; c < di; ++c) dot += q[(i64)hh * di + c] * key[c];
-                total += wraw[hh] * wscale * fmaxf(dot * qscale, 0.f);
+    float total = 0.f;
+    for (int h0 = 0; h0 < hi; h0 += DSA_HEAD_GROUP) {
+        float dot[DSA_HEAD_GROUP];
+#pragma unroll
+        for (int u = 0; u < DSA_HEAD_GROUP; ++u) dot[u] = 0.f;
+        for (int c = 0; c < di; ++c) {
+            const float k = key[c];
+            const float* qc = q_t + c * hi + h0;
+#pragma unroll
+            for (int u = 0; u < DSA_HEAD_GROUP; ++u)
+                if (h0 + u < hi) dot[u] += qc[u] * k;
+        }
+#pragma unroll
+        for (int u = 0; u < DSA_HEAD_GROUP; ++u)
+            if (h0 + u < hi) total += wraw[h0 + u] * wscale * fmaxf(dot[u] * qscale, 0.f);
+    }
+    scores[(i64)blockIdx.x * max_pools + p] = total;
+}
+
+// A float's bits as an unsigned that orders like the float (−0 taken as +0, as `==` does).
+__device__ __forceinline__ unsigned dsa_order_key(float v) {
+    const unsigned b = v == 0.f ? 0u : __float_as_uint(v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Exclusive prefix sum of one int per thread over the block (blockDim a multiple of 32, ≤ 1024);
+// `total` gets the block's sum.
+__device__ int block_exclusive_scan(int v, int& total) {
+    __shared__ int warp_sums[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    int x = v;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, off);
+        if (lane >= off) x += y;
+    }
+    __syncthreads();
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < nwarps ? warp_sums[lane] : 0;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, w, off);
+            if (lane >= off) w += y;
+        }
+        if (lane < nwarps) warp_sums[lane] = w;
+    }
+    __syncthreads();
+    total = warp_sums[nwarps - 1];
+    const int before = (warp > 0 ? warp_sums[warp - 1] : 0) + x - v;
+    __syncthreads();
+    return before;
+}
+
+// One block per batch row: the best `budget` of the row's complete pools under (score
+// descending, index ascending — ties to the earlier pool, as the CPU's stable order), found by a
+// radix select over the scores' order keys (four 8-bit digits), expanded to positions in
+// ascending order, then the raw tail of the query's own incomplete pool. Each thread owns a
+// contiguous run of pools, so the order-dependent counts are prefix sums over the runs. `sel` has
+// `max_sel` ints per row and `sel_count` the number used.
+extern "C" __global__ void dsa_select(const float* scores, const DsaRow* rows, int* sel, int* sel_count, int pool,
+                                      int budget, int tail, int max_pools, int max_sel) {
+    __shared__ unsigned hist[256];
+    __shared__ unsigned s_digit, s_remaining;
+    const DsaRow row = rows[blockIdx.x];
+    const int complete = (row.pos + 1) / pool;
+    const float* sc = scores + (i64)blockIdx.x * max_pools;
+    int* out = sel + (i64)blockIdx.x * max_sel;
+    int kept_pools;
+    if (complete > budget) {
+        unsigned prefix = 0, mask = 0, remaining = budget;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+            __syncthreads();
+            for (int p = threadIdx.x; p < complete; p += blockDim.x) {
+                const unsigned k = dsa_order_key(sc[p]);
+                if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
             }
-            sc[p] = total;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                unsigned above = 0;
+                int b = 255;
+                for (; b > 0 && above + hist[b] < remaining; --b) above += hist[b];
+                s_digit = b;
+                s_remaining = remaining - above;
+            }
+            __syncthreads();
+            prefix |= s_digit << shift;
+            mask |= 255u << shift;
+            remaining = s_remaining;
+            __syncthreads();
         }
-        __syncthreads();
-        // Rank of each pool under (score descending, index ascending); keep ranks < budget.
-        float mine = 0.f;
-        for (int p = threadIdx.x; p < complete; p += blockDim.x) {
-            const float v = sc[p];
-            int rank = 0;
-            for (int o = 0; o < complete && rank < budget; ++o) rank += (sc[o] > v || (sc[o] == v && o < p));
-            kept[p] = rank < budget ? 1.f : 0.f;
-            mine += kept[p];
+        // `prefix` is the key of the budget-th pool; the first `remaining` pools with that key
+        // (by index) are kept with every pool above it.
+        const int run = (complete + blockDim.x - 1) / blockDim.x;
+        const int r0 = min((int)threadIdx.x * run, complete), r1 = min(r0 + run, complete);
+        int ties = 0;
+        for (int p = r0; p < r1; ++p) ties += dsa_order_key(sc[p]) == prefix;
+        int total;
+        int ties_before = block_exclusive_scan(ties, total);
+        int kept = 0;
+        for (int p = r0; p < r1; ++p) {
+            const unsigned k = dsa_order_key(sc[p]);
+            kept += k > prefix || (k == prefix && ties_before++ < (int)remaining);
         }
-        kept_pools = (int)block_sum(mine);
-        // Kept pools in ascending order: pool p's positions go after those of the kept pools
-        // before it.
-        for (int p = threadIdx.x; p < complete; p += blockDim.x) {
-            if (kept[p] == 0.f) continue;
-            int before = 0;
-            for (int o = 0; o < p; ++o) before += kept[o] != 0.f;
-            for (int x = 0; x < pool; ++x) out[before * pool + x] = p * pool + x;
+        int before = block_exclusive_scan(kept, kept_pools);
+        ties_before = block_exclusive_scan(ties, total);
+        for (int p = r0; p < r1; ++p) {
+            const unsigned k = dsa_order_key(sc[p]);
+            if (k > prefix || (k == prefix && ties_before++ < (int)remaining)) {
+                for (int x = 0; x < pool; ++x) out[before * pool + x] = p * pool + x;
+                ++before;
+            }
         }
     } else {
         kept_pools = complete;

@@ -39,6 +39,14 @@ pub fn check_shapes(c: &Glm5Config) -> Result<(), String> {
     if kda && (c.linear_head_dim == 0 || c.linear_head_dim > 1024) {
         return Err(bad(format!("the KDA head dim {} is outside the kernel's 1..=1024", c.linear_head_dim)));
     }
+    // `dsa_score` keeps a row's indexer query in shared memory (48 KiB without an opt-in).
+    let dsa = c.layer_types.contains(&MixerKind::Dsa);
+    if dsa && 4 * c.index_n_heads * c.index_head_dim > 48 * 1024 {
+        return Err(bad(format!(
+            "the indexer query ({} heads of {}) is larger than the selection kernel's 48 KiB",
+            c.index_n_heads, c.index_head_dim
+        )));
+    }
     if c.n_group == 0 || !c.n_routed_experts.is_multiple_of(c.n_group) {
         return Err(bad(format!("{} experts do not split into {} groups", c.n_routed_experts, c.n_group)));
     }
@@ -130,6 +138,8 @@ pub(super) struct StepInputs {
 pub(super) const BLOCK: u32 = 256;
 /// Tokens per block of `kda_conv` (`KDA_CONV_TOKENS` in cuda/glm5.cu).
 const KDA_CONV_TOKENS: usize = 32;
+/// Pools per block of `dsa_score` (`DSA_SCORE_POOLS` in cuda/glm5.cu).
+const DSA_SCORE_POOLS: usize = 128;
 /// Lanes per state column in `kda_scan_*` (`KDA_R` in cuda/glm5.cu).
 const KDA_LANES_PER_COLUMN: usize = 4;
 /// Columns per block of the row-chunked kernels (`HC_CHUNK` in cuda/glm5.cu).
@@ -647,29 +657,41 @@ impl Glm5CudaBackend {
         let sel = self.scratch.get(&self.gpu, "dsa_sel", 4 * n * max_sel)?;
         let sel_count = self.scratch.get(&self.gpu, "dsa_sel_count", 4 * n)?;
         if w.indexer.is_some() {
-            let scores = self.scratch.get(&self.gpu, "dsa_scores", 4 * n * 2 * inp.max_pools)?;
-            let f = self.gpu.func("glm5", "dsa_select")?;
+            let scores = self.scratch.get(&self.gpu, "dsa_scores", 4 * n * inp.max_pools)?;
             let (hii, pi, budget, tail) =
                 (hi as i32, pool as i32, c.pool_budget() as i32, c.index_kpool_always_select_tail as i32);
             let (mp, ms) = (inp.max_pools as i32, max_sel as i32);
+            let f = self.gpu.func("glm5", "dsa_score")?;
+            let chunks = inp.max_pools.div_ceil(DSA_SCORE_POOLS) as u32;
             launch!(
                 self.gpu,
                 f,
-                cfg((n as u32, 1), 1024, 0),
+                cfg((n as u32, chunks), DSA_SCORE_POOLS as u32, (4 * hi * di) as u32),
                 &qi_buf,
                 &kgw,
                 &kv,
                 &inp.dsa_rows,
                 &inp.tables,
                 &scores,
-                &sel,
-                &sel_count,
                 &bs,
                 &ts,
                 &ix_off,
                 &hii,
                 &dii,
                 &kgwi,
+                &pi,
+                &budget,
+                &mp
+            )?;
+            let f = self.gpu.func("glm5", "dsa_select")?;
+            launch!(
+                self.gpu,
+                f,
+                cfg((n as u32, 1), 1024, 0),
+                &scores,
+                &inp.dsa_rows,
+                &sel,
+                &sel_count,
                 &pi,
                 &budget,
                 &tail,

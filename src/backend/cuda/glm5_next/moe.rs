@@ -246,30 +246,29 @@ impl Glm5CudaBackend {
         let gather = self.gpu.func("glm5", &format!("gather_rows_{}", self.prec.suffix()))?;
         let di = d as i32;
         launch!(self.gpu, gather, cfg((pairs as u32, 1), BLOCK, 0), &u, &token_p, &xg, &di)?;
-        let mut row = 0usize;
-        for (ex, list) in by_expert.iter().enumerate() {
-            let m = list.len();
-            if m == 0 {
-                continue;
-            }
-            let gu_r = gu + (4 * row * 2 * inter) as u64;
-            let act_r = act + (eb * row * inter) as u64;
-            let (x_r, out_r) = (xg + (eb * row * d) as u64, out + (4 * row * d) as u64);
+        // Every used expert's gate/up product, one SwiGLU over all pairs (their rows are
+        // contiguous), then every down product.
+        let used: Vec<(usize, usize, usize)> = by_expert
+            .iter()
+            .enumerate()
+            .filter(|(_, list)| !list.is_empty())
+            .scan(0usize, |row, (ex, list)| {
+                let start = *row;
+                *row += list.len();
+                Some((ex, start, list.len()))
+            })
+            .collect();
+        for &(ex, row, m) in &used {
+            let (x_r, gu_r) = (xg + (eb * row * d) as u64, gu + (4 * row * 2 * inter) as u64);
             self.expert_matmul(&w.experts, Projection::GateUp, ex, m, (x_r, gu_r), (2 * inter, d), dequant)?;
-            let sw = self.gpu.func("glm5", &format!("swiglu_clamped_{}", self.prec.suffix()))?;
-            let (ii, mi) = (inter as i32, m as i32);
-            launch!(
-                self.gpu,
-                sw,
-                cfg((grid_for(inter, BLOCK).min(64), (m as u32).min(65_535)), BLOCK, 0),
-                &gu_r,
-                &act_r,
-                &ii,
-                &mi,
-                &c.swiglu_limit
-            )?;
+        }
+        let sw = self.gpu.func("glm5", &format!("swiglu_clamped_{}", self.prec.suffix()))?;
+        let (ii, pi) = (inter as i32, pairs as i32);
+        let grid = cfg((grid_for(inter, BLOCK).min(64), (pairs as u32).min(65_535)), BLOCK, 0);
+        launch!(self.gpu, sw, grid, &gu, &act, &ii, &pi, &c.swiglu_limit)?;
+        for &(ex, row, m) in &used {
+            let (act_r, out_r) = (act + (eb * row * inter) as u64, out + (4 * row * d) as u64);
             self.expert_matmul(&w.experts, Projection::Down, ex, m, (act_r, out_r), (d, inter), dequant)?;
-            row += m;
         }
         let scatter = self.gpu.func("glm5", "scatter_rows")?;
         launch!(self.gpu, scatter, cfg((pairs as u32, 1), BLOCK, 0), &out, &pair_p, &slot_out, &di)
