@@ -13,6 +13,7 @@
 #define MLA_TILE 64       // selected positions per tile
 #define MLA_MMA_THREADS 256
 #define MLA_MAX_NTILES 32  // r / 16 ≤ 32, i.e. r ≤ 512
+#define MLA_LOAD_BATCH 16  // latent loads each thread has in flight while a tile is read
 
 // `DsaRow` of glm5.cu: a batch row's absolute position and where its block table starts.
 struct MlaRow {
@@ -81,15 +82,27 @@ extern "C" __global__ void __launch_bounds__(MLA_MMA_THREADS)
         __syncthreads();
         // The tile's latents, f32 → bf16; rows past cnt are zero (P is zero there too).
         if (vec4) {
-            const int chunks = r / 4;
-            for (int i = tid; i < MLA_TILE * chunks; i += MLA_MMA_THREADS) {
-                const int p = i / chunks, c = (i % chunks) * 4;
-                float4 v = {0.f, 0.f, 0.f, 0.f};
-                if (p < cnt) v = *reinterpret_cast<const float4*>(kv + rec[p] + c);
-                uint2 u;
-                u.x = pack_bf16(v.x, v.y);
-                u.y = pack_bf16(v.z, v.w);
-                *reinterpret_cast<uint2*>(cs + p * RS + c) = u;
+            // MLA_LOAD_BATCH loads in flight per thread before any is converted: the tile is
+            // latency-bound otherwise (one 16-byte load waited for at a time).
+            const int chunks = r / 4, total = MLA_TILE * chunks;
+            for (int i0 = tid; i0 < total; i0 += MLA_MMA_THREADS * MLA_LOAD_BATCH) {
+                float4 v[MLA_LOAD_BATCH];
+#pragma unroll
+                for (int u = 0; u < MLA_LOAD_BATCH; ++u) {
+                    const int i = i0 + u * MLA_MMA_THREADS, p = i / chunks, c = (i % chunks) * 4;
+                    v[u] = i < total && p < cnt ? *reinterpret_cast<const float4*>(kv + rec[p] + c)
+                                                : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+#pragma unroll
+                for (int u = 0; u < MLA_LOAD_BATCH; ++u) {
+                    const int i = i0 + u * MLA_MMA_THREADS, p = i / chunks, c = (i % chunks) * 4;
+                    if (i < total) {
+                        uint2 packed;
+                        packed.x = pack_bf16(v[u].x, v[u].y);
+                        packed.y = pack_bf16(v[u].z, v[u].w);
+                        *reinterpret_cast<uint2*>(cs + p * RS + c) = packed;
+                    }
+                }
             }
         } else {
             for (int i = tid; i < MLA_TILE * r; i += MLA_MMA_THREADS) {
