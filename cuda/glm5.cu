@@ -57,14 +57,17 @@ __device__ void glm5_embed_impl(const int* ids, const T* table, float* x, int m,
 #define HC_CHUNK 256
 #define HC_MAX 8
 
-// Grid (tokens, chunks): partial[t·chunks + c] = Σ x² over chunk c of row t (`len` values).
-extern "C" __global__ void rms_partial(const float* x, float* partial, int len) {
-    const int t = blockIdx.x, c0 = blockIdx.y * HC_CHUNK, c1 = min(len, c0 + HC_CHUNK);
+// Grid (tokens, groups of blockDim/32 chunks), one warp per chunk: partial[t·chunks + c] = Σ x²
+// over chunk c of row t (`len` values; `chunks` = ⌈len / HC_CHUNK⌉).
+extern "C" __global__ void rms_partial(const float* x, float* partial, int len, int chunks) {
+    const int t = blockIdx.x, chunk = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (chunk >= chunks) return;
+    const int c0 = chunk * HC_CHUNK, c1 = min(len, c0 + HC_CHUNK);
     const float* xr = x + (i64)t * len;
     float ss = 0.f;
-    for (int i = c0 + threadIdx.x; i < c1; i += blockDim.x) ss += xr[i] * xr[i];
-    ss = block_sum(ss);
-    if (threadIdx.x == 0) partial[(i64)t * gridDim.y + blockIdx.y] = ss;
+    for (int i = c0 + lane; i < c1; i += 32) ss += xr[i] * xr[i];
+    ss = warp_sum(ss);
+    if (lane == 0) partial[(i64)t * chunks + chunk] = ss;
 }
 
 // Grid (tokens, chunks): out = (w ⊙) x / sqrt(Σ partials / len + eps); `w` may be null.
@@ -83,19 +86,26 @@ extern "C" __global__ void rms_apply(const float* x, const float* partial, const
 // weights (to `pre`, [M] per token), the post weights β and the Sinkhorn-normalised comb C (spec
 // §2.6, the CPU's op order: each row and column sum runs in index order) to `hcw` ([M + M·M] per
 // token). Thread i·M + j owns C_ij.
-extern "C" __global__ void hc_maps(const float* mix, const float* base, float s_pre, float s_post, float s_comb,
-                                   float* pre, float* hcw, int m, float hc_eps, int iters) {
+// `mix` is the projection of the raw streams; the RMS norm of the M·D stream values is a scalar
+// per token, applied here: 1/sqrt(Σ partials / (M·D) + eps) from `rms_partial`'s chunk sums,
+// added in chunk order.
+extern "C" __global__ void hc_maps(const float* mix, const float* partial, int chunks, float eps,
+                                   const float* base, float s_pre, float s_post, float s_comb, float* pre, float* hcw,
+                                   int m, int d, float hc_eps, int iters) {
     __shared__ float comb[HC_MAX * HC_MAX];
     const int t = blockIdx.x, n = (2 + m) * m, tid = threadIdx.x;
     const float* mx = mix + (i64)t * n;
     float* w = hcw + (i64)t * (m + m * m);
+    float ss = 0.f;
+    for (int c = 0; c < chunks; ++c) ss += partial[(i64)t * chunks + c];
+    const float rs = 1.0f / sqrtf(ss / (float)(m * d) + eps);
     if (tid < m) {
-        pre[(i64)t * m + tid] = sigmoidf_(mx[tid] * s_pre + base[tid]) + hc_eps;
-        w[tid] = 2.0f * sigmoidf_(mx[m + tid] * s_post + base[m + tid]);
+        pre[(i64)t * m + tid] = sigmoidf_(mx[tid] * rs * s_pre + base[tid]) + hc_eps;
+        w[tid] = 2.0f * sigmoidf_(mx[m + tid] * rs * s_post + base[m + tid]);
     }
     const bool own = tid < m * m;
     const int i = own ? tid / m : 0, j = own ? tid % m : 0;
-    if (own) comb[tid] = mx[2 * m + tid] * s_comb + base[2 * m + tid];
+    if (own) comb[tid] = mx[2 * m + tid] * rs * s_comb + base[2 * m + tid];
     __syncthreads();
     float v = 0.f, sum = 0.f;
     if (own) {
@@ -443,7 +453,7 @@ __device__ void kda_scan_impl(const float* conv, const float* qkd, const float* 
         cp_async_commit();
     };
     // One token: separate partial sums per float4 lane shorten the dependent chains.
-    auto token = [&](int buf, int tt, i64 row) {
+    auto token = [&](int buf, int tt, i64 row, bool with_images) {
         const float4* sq = reinterpret_cast<const float4*>(&s_qkd[buf][tt][0][r * (M + 4)]);
         const float4* sk = reinterpret_cast<const float4*>(&s_qkd[buf][tt][1][r * (M + 4)]);
         const float4* sd = reinterpret_cast<const float4*>(&s_qkd[buf][tt][2][r * (M + 4)]);
@@ -481,7 +491,7 @@ __device__ void kda_scan_impl(const float* conv, const float* qkd, const float* 
 #pragma unroll
         for (int off = 1; off < R; off <<= 1) o += __shfl_xor_sync(0xffffffffu, o, off);
         if (r == 0) core[row * q + h * HD + j] = o;
-        const int image = images ? s_image[buf][tt] : -1;
+        const int image = with_images ? s_image[buf][tt] : -1;
         if (image >= 0) {
             float* img = ckpt + s.checkpoints + (i64)image * slot_stride + state_off + (i64)h * HD * HD;
 #pragma unroll
@@ -497,12 +507,13 @@ __device__ void kda_scan_impl(const float* conv, const float* qkd, const float* 
         __syncthreads();
         stage((k + KDA_STAGES - 1) % KDA_STAGES, t0 + (KDA_STAGES - 1) * KDA_TT);
         const int buf = k % KDA_STAGES;
-        if (s.n - t0 >= KDA_TT) {
-            // Unrolled, so one token's output reduction overlaps the next token's update.
+        if (!images && s.n - t0 >= KDA_TT) {
+            // Unrolled and branch-free, so one token's output reduction and the next token's
+            // shared-memory reads overlap the update in between.
 #pragma unroll
-            for (int tt = 0; tt < KDA_TT; ++tt) token(buf, tt, s.row0 + t0 + tt);
+            for (int tt = 0; tt < KDA_TT; ++tt) token(buf, tt, s.row0 + t0 + tt, false);
         } else {
-            for (int tt = 0; tt < s.n - t0; ++tt) token(buf, tt, s.row0 + t0 + tt);
+            for (int tt = 0; tt < min(KDA_TT, s.n - t0); ++tt) token(buf, tt, s.row0 + t0 + tt, images);
         }
     }
     cp_async_wait<0>();  // the stages past the end (zero fills) land before the block exits

@@ -425,19 +425,28 @@ impl Glm5CudaBackend {
     ) -> Result<(u64, u64), BackendError> {
         let (m, d) = (c.hc_mult, c.hidden_size);
         let (md, di) = ((m * d) as i32, d as i32);
-        // RMS of the M·D stream values, chunk by chunk (`HC_CHUNK` in cuda/glm5.cu).
-        let (md_chunks, d_chunks) = ((m * d).div_ceil(HC_CHUNK) as u32, d.div_ceil(HC_CHUNK) as u32);
-        let partial = self.scratch.get(&self.gpu, "hc_partial", 4 * n * md_chunks as usize)?;
+        // RMS of the M·D stream values, chunk by chunk (`HC_CHUNK` in cuda/glm5.cu), one warp a
+        // chunk. The norm has no weight, so it is a scalar per token: `hc_maps` applies it to the
+        // projection of the raw streams instead of normalising all M·D values before it.
+        let (md_chunks, d_chunks) = ((m * d).div_ceil(HC_CHUNK), d.div_ceil(HC_CHUNK) as u32);
+        let partial = self.scratch.get(&self.gpu, "hc_partial", 4 * n * md_chunks)?;
         let f = self.gpu.func("glm5", "rms_partial")?;
-        launch!(self.gpu, f, cfg((n as u32, md_chunks), BLOCK, 0), &x, &partial, &md)?;
-        let xn = self.scratch.get(&self.gpu, "hc_xn", 4 * n * m * d)?;
+        let warps = (BLOCK / 32) as usize;
+        let chunks_i = md_chunks as i32;
+        launch!(
+            self.gpu,
+            f,
+            cfg((n as u32, md_chunks.div_ceil(warps) as u32), BLOCK, 0),
+            &x,
+            &partial,
+            &md,
+            &chunks_i
+        )?;
         let apply = self.gpu.func("glm5", "rms_apply")?;
-        let none = 0u64;
         let eps = c.rms_norm_eps;
-        launch!(self.gpu, apply.clone(), cfg((n as u32, md_chunks), BLOCK, 0), &x, &partial, &none, &xn, &md, &eps)?;
         let width = (2 + m) * m;
         let mix = self.scratch.get(&self.gpu, "hc_mix", 4 * n * width)?;
-        self.gpu.gemm(Precision::F32, n, width, m * d, xn, hc.proj.dense_ptr()?, mix, false)?;
+        self.gpu.gemm(Precision::F32, n, width, m * d, x, hc.proj.dense_ptr()?, mix, false)?;
         let pre = self.scratch.get(&self.gpu, "hc_pre", 4 * n * m)?;
         let hcw = self.scratch.get(&self.gpu, "hc_w", 4 * n * (m + m * m))?;
         let f = self.gpu.func("glm5", "hc_maps")?;
@@ -448,6 +457,9 @@ impl Glm5CudaBackend {
             f,
             cfg((n as u32, 1), (HC_MAX * HC_MAX) as u32, 0),
             &mix,
+            &partial,
+            &chunks_i,
+            &eps,
             &base,
             &s_pre,
             &s_post,
@@ -455,6 +467,7 @@ impl Glm5CudaBackend {
             &pre,
             &hcw,
             &mi,
+            &di,
             &c.hc_eps,
             &iters
         )?;
@@ -533,8 +546,8 @@ impl Glm5CudaBackend {
             launch!(self.gpu, f, grid, &conv, &qkd, &fg, &beta, &b, &dt, &alog, &qi, &hi, &has_lb, &lb)?;
             let f = self.gpu.func("glm5", &format!("kda_scan_{hd}"))?;
             let columns = hd.min(32);
-            let grid =
-                cfg(((heads * hd / columns) as u32, inp.n_seqs as u32), (columns * KDA_LANES_PER_COLUMN) as u32, 0);
+            let lanes = columns * KDA_LANES_PER_COLUMN;
+            let grid = cfg(((heads * hd / columns) as u32, inp.n_seqs as u32), lanes as u32, 0);
             launch!(
                 self.gpu,
                 f,
