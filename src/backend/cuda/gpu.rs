@@ -235,6 +235,10 @@ pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// Side streams with a cuBLAS handle each, made on first use (`ensure_side_lanes`): lane
+    /// `i + 1` of `gemm_on`. Work on them is ordered against `stream` by `fork_lanes` and
+    /// `join_lanes` only.
+    side: Vec<(Arc<CudaStream>, CudaBlas)>,
     modules: HashMap<&'static str, Arc<CudaModule>>,
     functions: HashMap<String, CudaFunction>,
     pub name: String,
@@ -258,8 +262,9 @@ impl Gpu {
             });
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| dev_err("creating the context", e))?;
-        // We order all work on one stream ourselves and pass raw pointers to kernels.
-        // SAFETY: nothing in this backend uses more than one stream.
+        // We order all work ourselves and pass raw pointers to kernels: one stream, plus side
+        // lanes whose work is fenced against it by explicit events (`fork_lanes`/`join_lanes`).
+        // SAFETY: no buffer is handed to cudarc's tracked types across streams.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(|e| dev_err("creating a stream", e))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| dev_err("creating the cuBLAS handle", e))?;
@@ -277,6 +282,7 @@ impl Gpu {
             ctx,
             stream,
             blas,
+            side: Vec::new(),
             modules: HashMap::new(),
             functions: HashMap::new(),
             name,
@@ -536,6 +542,65 @@ impl Gpu {
         ldy: usize,
         accumulate: bool,
     ) -> Result<(), BackendError> {
+        self.gemm_with(&self.blas, prec, (m, n, k), (x, w, y), ldy, accumulate)
+    }
+
+    /// Make `count` side lanes (streams with a cuBLAS handle each) if fewer exist.
+    pub fn ensure_side_lanes(&mut self, count: usize) -> Result<(), BackendError> {
+        while self.side.len() < count {
+            let stream = self.stream.fork().map_err(|e| dev_err("creating a side stream", e))?;
+            let blas = CudaBlas::new(stream.clone()).map_err(|e| dev_err("creating a side cuBLAS handle", e))?;
+            self.side.push((stream, blas));
+        }
+        Ok(())
+    }
+
+    /// The side lanes start after the work queued so far on the main stream.
+    pub fn fork_lanes(&self) -> Result<(), BackendError> {
+        for (side, _) in &self.side {
+            side.join(&self.stream).map_err(|e| dev_err("fencing a side stream", e))?;
+        }
+        Ok(())
+    }
+
+    /// The main stream continues after the work queued so far on every side lane.
+    pub fn join_lanes(&self) -> Result<(), BackendError> {
+        for (side, _) in &self.side {
+            self.stream.join(side).map_err(|e| dev_err("joining a side stream", e))?;
+        }
+        Ok(())
+    }
+
+    /// [`gemm`](Self::gemm) on lane `lane`: 0 is the main stream, `i + 1` side lane `i` (made by
+    /// `ensure_side_lanes`; between `fork_lanes` and `join_lanes`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_on(
+        &self,
+        lane: usize,
+        prec: Precision,
+        m: usize,
+        n: usize,
+        k: usize,
+        x: u64,
+        w: u64,
+        y: u64,
+    ) -> Result<(), BackendError> {
+        let blas = match lane {
+            0 => &self.blas,
+            i => &self.side.get(i - 1).ok_or_else(|| BackendError::Device(format!("no side lane {i}")))?.1,
+        };
+        self.gemm_with(blas, prec, (m, n, k), (x, w, y), n, false)
+    }
+
+    fn gemm_with(
+        &self,
+        blas: &CudaBlas,
+        prec: Precision,
+        (m, n, k): (usize, usize, usize),
+        (x, w, y): (u64, u64, u64),
+        ldy: usize,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -549,7 +614,7 @@ impl Gpu {
         // SAFETY: pointers are live device buffers of the stated shapes (callers size them).
         unsafe {
             cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
+                *blas.handle(),
                 cublas_sys::cublasOperation_t::CUBLAS_OP_T,
                 cublas_sys::cublasOperation_t::CUBLAS_OP_N,
                 n as i32,

@@ -83,6 +83,8 @@ pub struct Glm5CudaBackend {
     mla_mma_min_rows: usize,
     /// Largest step whose packed experts run grouped on the device (`moe.rs`).
     packed_moe_max_rows: usize,
+    /// Streams a large step's dense expert GEMMs are spread over, from `SHELFSERVE_GLM5_MOE_STREAMS`.
+    moe_lanes: usize,
 }
 
 /// What profiled steps measured, summed over the steps since `start_profile`: each layer's
@@ -194,6 +196,7 @@ impl Glm5CudaBackend {
             sampler: super::sample::DeviceSampler::default(),
             mla_mma_min_rows: mla::mma_min_rows_from_env()?,
             packed_moe_max_rows: moe::packed_moe_max_rows_from_env()?,
+            moe_lanes: moe::moe_lanes_from_env()?,
         })
     }
 

@@ -26,6 +26,22 @@ const MOE_GEMV_MAX_ROWS: usize = 64;
 /// 256 1,940 / 2,263.
 pub(super) const PACKED_MOE_GEMV_MAX_ROWS: usize = 128;
 
+/// Streams the dense experts' GEMMs of a large step are spread over (the main one included);
+/// `SHELFSERVE_GLM5_MOE_STREAMS` overrides it (1: the main stream only).
+pub(super) const MOE_LANES: usize = 4;
+
+pub(super) fn moe_lanes_from_env() -> Result<usize, BackendError> {
+    match std::env::var("SHELFSERVE_GLM5_MOE_STREAMS") {
+        Err(_) => Ok(MOE_LANES),
+        Ok(v) => {
+            v.trim().parse().ok().filter(|&n: &usize| (1..=16).contains(&n)).ok_or_else(|| BackendError::Unavailable {
+                device: "cuda".into(),
+                reason: format!("SHELFSERVE_GLM5_MOE_STREAMS={v:?} is not a stream count in 1..=16"),
+            })
+        }
+    }
+}
+
 pub(super) fn packed_moe_max_rows_from_env() -> Result<usize, BackendError> {
     match std::env::var("SHELFSERVE_GLM5_PACKED_MOE_MAX_ROWS") {
         Err(_) => Ok(PACKED_MOE_GEMV_MAX_ROWS),
@@ -189,7 +205,7 @@ impl Glm5CudaBackend {
         &mut self,
         experts: &Experts,
         which: Projection,
-        ex: usize,
+        (ex, lane): (usize, usize),
         m: usize,
         (x, y): (u64, u64),
         (n_out, k_in): (usize, usize),
@@ -198,7 +214,7 @@ impl Glm5CudaBackend {
         match experts {
             Experts::Stacked { gate_up, down } => {
                 let w = which.pick((gate_up, down)).at(ex * n_out * k_in * self.prec.bytes());
-                self.gpu.gemm(self.prec, m, n_out, k_in, x, w, y, false)
+                self.gpu.gemm_on(lane, self.prec, m, n_out, k_in, x, w, y)
             }
             Experts::PerExpert { pairs, .. } => {
                 let (gate_up, down) = &pairs[ex];
@@ -206,6 +222,21 @@ impl Glm5CudaBackend {
                 quant::matmul(&mut self.gpu, self.prec, which.pick((gate_up, down)), m, k_in, io, false)
             }
         }
+    }
+
+    /// Run `work(self, lane)` for lanes 0..`lanes` between a fork and a join of the side lanes;
+    /// the join happens on an error too, so no side work outlives the call unfenced.
+    fn on_lanes(
+        &mut self,
+        lanes: usize,
+        mut work: impl FnMut(&mut Self, usize) -> Result<(), BackendError>,
+    ) -> Result<(), BackendError> {
+        if lanes > 1 {
+            self.gpu.fork_lanes()?;
+        }
+        let done = (0..lanes).try_for_each(|lane| work(self, lane));
+        let joined = if lanes > 1 { self.gpu.join_lanes() } else { Ok(()) };
+        done.and(joined)
     }
 
     /// Routed experts for larger steps and for packed experts: pairs sorted by expert, one
@@ -258,18 +289,33 @@ impl Glm5CudaBackend {
                 Some((ex, start, list.len()))
             })
             .collect();
-        for &(ex, row, m) in &used {
-            let (x_r, gu_r) = (xg + (eb * row * d) as u64, gu + (4 * row * 2 * inter) as u64);
-            self.expert_matmul(&w.experts, Projection::GateUp, ex, m, (x_r, gu_r), (2 * inter, d), dequant)?;
-        }
+        // One expert's GEMM fills a fraction of the GPU at prefill sizes (~200 rows), so dense
+        // experts' GEMMs are spread over the side lanes and run side by side; each writes its
+        // own rows, so the results are those of one stream. Packed experts share the dequantize
+        // scratch and stay on the main stream.
+        let lanes = match w.experts {
+            Experts::Stacked { .. } => self.moe_lanes,
+            Experts::PerExpert { .. } => 1,
+        };
+        self.gpu.ensure_side_lanes(lanes - 1)?;
+        self.on_lanes(lanes, |b, lane| {
+            for &(ex, row, m) in used.iter().skip(lane).step_by(lanes) {
+                let (x_r, gu_r) = (xg + (eb * row * d) as u64, gu + (4 * row * 2 * inter) as u64);
+                b.expert_matmul(&w.experts, Projection::GateUp, (ex, lane), m, (x_r, gu_r), (2 * inter, d), dequant)?;
+            }
+            Ok(())
+        })?;
         let sw = self.gpu.func("glm5", &format!("swiglu_clamped_{}", self.prec.suffix()))?;
         let (ii, pi) = (inter as i32, pairs as i32);
         let grid = cfg((grid_for(inter, BLOCK).min(64), (pairs as u32).min(65_535)), BLOCK, 0);
         launch!(self.gpu, sw, grid, &gu, &act, &ii, &pi, &c.swiglu_limit)?;
-        for &(ex, row, m) in &used {
-            let (act_r, out_r) = (act + (eb * row * inter) as u64, out + (4 * row * d) as u64);
-            self.expert_matmul(&w.experts, Projection::Down, ex, m, (act_r, out_r), (d, inter), dequant)?;
-        }
+        self.on_lanes(lanes, |b, lane| {
+            for &(ex, row, m) in used.iter().skip(lane).step_by(lanes) {
+                let (act_r, out_r) = (act + (eb * row * inter) as u64, out + (4 * row * d) as u64);
+                b.expert_matmul(&w.experts, Projection::Down, (ex, lane), m, (act_r, out_r), (d, inter), dequant)?;
+            }
+            Ok(())
+        })?;
         let scatter = self.gpu.func("glm5", "scatter_rows")?;
         launch!(self.gpu, scatter, cfg((pairs as u32, 1), BLOCK, 0), &out, &pair_p, &slot_out, &di)
     }
