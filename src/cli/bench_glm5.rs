@@ -267,6 +267,9 @@ pub fn run_glm5_bench(args: &BenchArgs, cfg: Glm5Config) -> Result<(), CliError>
         "{:<16} {:>6} {:>10} {:>10} {:>10} {:>8} | {:>8} {:>8} {:>8} {:>8} {:>7}",
         "prefill", "tokens", "ms", "tok/s", "TFLOP/s", "÷GEMM", "kda ms", "dsa ms", "moe ms", "dense ms", "rest ms"
     );
+    // The decode points' buffers (split attention at long context, large batches) would stay
+    // beside the prefill's own.
+    b.release_scratch().map_err(device)?;
     for &n in &args.prefill {
         let blocks = n.div_ceil(BLOCK);
         if blocks > geom.num_blocks {

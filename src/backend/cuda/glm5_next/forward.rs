@@ -78,6 +78,13 @@ impl Scratch {
     }
 
     /// Upload `data` into the named buffer, in stream order.
+    /// Free every buffer, after the queued work that may use them.
+    pub(super) fn clear(&mut self, gpu: &crate::backend::cuda::gpu::Gpu) -> Result<(), BackendError> {
+        gpu.sync()?;
+        self.bufs.clear();
+        Ok(())
+    }
+
     pub(super) fn put<T: Copy>(
         &mut self,
         gpu: &crate::backend::cuda::gpu::Gpu,

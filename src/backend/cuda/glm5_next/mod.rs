@@ -222,6 +222,12 @@ impl Glm5CudaBackend {
         &self.gpu.name
     }
 
+    /// Give the step scratch back to the device (it grows again on demand): `bench` calls it
+    /// between its decode and prefill points, whose largest buffers differ.
+    pub fn release_scratch(&mut self) -> Result<(), BackendError> {
+        self.scratch.clear(&self.gpu)
+    }
+
     /// Profile the next steps (`take_profile` ends it and returns what they measured).
     pub fn start_profile(&mut self) {
         let l = self.cfg.num_hidden_layers;
