@@ -66,6 +66,12 @@ impl LayerTimes {
         }
     }
 
+    /// The report's `layer_secs` object.
+    fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({"kda_mixer": self.kda, "dsa_mixer": self.dsa, "moe_ffn": self.moe_ffn,
+            "dense_ffn": self.dense_ffn, "rest": self.rest})
+    }
+
     /// One step of `full` from these per-layer times.
     fn extrapolate(&self, full: &Glm5Config) -> f64 {
         let mut t = self.rest;
@@ -257,8 +263,7 @@ pub fn run_glm5_bench(args: &BenchArgs, cfg: Glm5Config) -> Result<(), CliError>
             report.emit(serde_json::json!({"kind": "decode", "batch": batch, "ctx": ctx, "secs_per_step": secs,
                 "tok_per_s": batch as f64 / secs, "bytes_per_step": bytes, "of_copy": bytes / secs / copy_bw,
                 "distinct_experts_per_moe_layer": distinct as f64 / moe_layers as f64,
-                "layer_secs": {"kda_mixer": times.kda, "dsa_mixer": times.dsa, "moe_ffn": times.moe_ffn,
-                    "dense_ffn": times.dense_ffn, "rest": times.rest},
+                "layer_secs": times.to_json(),
                 "full_model_secs_per_step": full_secs, "full_model_tok_per_s": batch as f64 / full_secs}))?;
         }
     }
@@ -313,8 +318,7 @@ pub fn run_glm5_bench(args: &BenchArgs, cfg: Glm5Config) -> Result<(), CliError>
         );
         report.emit(serde_json::json!({"kind": "prefill", "tokens": n, "secs": secs, "tok_per_s": n as f64 / secs,
             "flops_per_s": flops / secs, "of_gemm": flops / secs / gemm_rate,
-            "layer_secs": {"kda_mixer": parts.kda, "dsa_mixer": parts.dsa, "moe_ffn": parts.moe_ffn,
-                "dense_ffn": parts.dense_ffn, "rest": parts.rest}}))?;
+            "layer_secs": parts.to_json()}))?;
     }
     Ok(())
 }

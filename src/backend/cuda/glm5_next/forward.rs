@@ -77,7 +77,6 @@ impl Scratch {
         Ok(self.bufs[name].ptr())
     }
 
-    /// Upload `data` into the named buffer, in stream order.
     /// Free every buffer, after the queued work that may use them.
     pub(super) fn clear(&mut self, gpu: &crate::backend::cuda::gpu::Gpu) -> Result<(), BackendError> {
         gpu.sync()?;
@@ -85,6 +84,7 @@ impl Scratch {
         Ok(())
     }
 
+    /// Upload `data` into the named buffer, in stream order.
     pub(super) fn put<T: Copy>(
         &mut self,
         gpu: &crate::backend::cuda::gpu::Gpu,
