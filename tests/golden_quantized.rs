@@ -157,3 +157,22 @@ fn unserved_or_contradicting_quantization_is_refused_at_load() {
     let e = load_error(dir.path());
     assert!(e.contains("experts.2.up_proj") && e.contains("NVFP4"), "{e}");
 }
+
+#[test]
+fn empty_sparsity_and_transform_configs_mean_none() {
+    // compressed-tensors 0.19 writes both keys, empty, into every checkpoint it saves.
+    let dir = edited_fixture("llama-int4", |c| {
+        c["quantization_config"]["sparsity_config"] = serde_json::json!({});
+        c["quantization_config"]["transform_config"] = serde_json::json!({});
+    });
+    let bundle = open(dir.path()).unwrap();
+    let geom = KvGeometry { block_size: 4, num_blocks: 32, state_slots: 1 };
+    any_cpu_backend_tp(&bundle, 1, 1, geom).unwrap();
+    // A real sparsity scheme is still refused.
+    let dir = edited_fixture("llama-int4", |c| {
+        c["quantization_config"]["sparsity_config"] =
+            serde_json::json!({"format": "sparse-24-bitmask", "sparsity_structure": "2:4", "targets": ["Linear"]});
+    });
+    let e = load_error(dir.path());
+    assert!(e.contains("sparsity_config is not served"), "{e}");
+}

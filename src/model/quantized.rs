@@ -121,8 +121,11 @@ impl QuantScheme {
                 return Err(format!("quantization_status `{status}` (only compressed checkpoints are served)"));
             }
         }
+        // compressed-tensors writes `sparsity_config: {}` and `transform_config: {}` into every
+        // checkpoint it saves; an empty object means none, like null.
+        let empty = |v: &&Value| v.as_object().is_some_and(|o| o.is_empty());
         for k in ["kv_cache_scheme", "sparsity_config", "transform_config"] {
-            if field(k).is_some() {
+            if field(k).filter(|v| !empty(v)).is_some() {
                 return Err(format!("{k} is not served"));
             }
         }
