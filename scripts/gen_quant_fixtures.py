@@ -240,8 +240,9 @@ def quantize_ct(kind, state, fmt):
     return out, qc, quantized
 
 
-def decompress_all(state, fmt):
-    """Every quantized projection dequantized by the tool's own decompression, as f32."""
+def decompress_all(state, fmt, scheme=None):
+    """Every quantized projection dequantized by the tool's own decompression, as f32; int4 and
+    nvfp4 under `scheme` (default: the preset these fixtures are made with)."""
     out = {}
     if fmt == "fp8":
         cfg = FineGrainedFP8Config(weight_block_size=(128, 128))
@@ -253,7 +254,7 @@ def decompress_all(state, fmt):
             inv = state.get(name + "_scale_inv")
             out[name] = op._dequantize_one(t, inv, output_dtype=torch.float32) if inv is not None else t.float()
         return out
-    scheme = ct_scheme(fmt)
+    scheme = scheme or ct_scheme(fmt)
     params = ("weight_packed", "weight_scale", "weight_shape", "weight_global_scale")
     for name, t in state.items():
         module, _, param = name.rpartition(".")

@@ -41,7 +41,6 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -92,16 +91,12 @@ def fail(msg, code=3):
     sys.exit(code)
 
 
-def unpermute(w, n_head):
-    """Undo llama.cpp's convert-time permutation of q_proj / k_proj rows (rotary pairs)."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def reference(gguf_path, out):
     import gguf
     import numpy as np
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    from train_dflash import _unpermute as unpermute  # llama.cpp's q/k row order back to HF's
 
     gguf_path, out = Path(gguf_path), Path(out)
     tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -242,7 +237,6 @@ def prompts(ref, out):
 
 def decompress(qdir):
     """The quantized projections of `qdir` as its tool decompresses them, in f32."""
-    sys.path.insert(0, str(HERE))
     from safetensors.torch import load_file
 
     from gen_quant_fixtures import decompress_all
@@ -253,12 +247,10 @@ def decompress(qdir):
         return decompress_all(stored, "fp8")
     fmt = q["format"]
     if fmt in ("pack-quantized", "nvfp4-pack-quantized"):
-        # decompress_all's int4 path reads the group size from the scheme it is given.
-        import gen_quant_fixtures as g
+        # The checkpoint's own scheme: its group size is not always the preset's.
         from compressed_tensors.quantization import QuantizationScheme
         scheme = QuantizationScheme.model_validate(next(iter(q["config_groups"].values())))
-        g.ct_scheme = lambda _fmt: scheme
-        return decompress_all(stored, "int4" if fmt == "pack-quantized" else "nvfp4")
+        return decompress_all(stored, "int4" if fmt == "pack-quantized" else "nvfp4", scheme)
     if fmt == "float-quantized":
         from compressed_tensors.quantization import QuantizationArgs
         from compressed_tensors.quantization.lifecycle.forward import dequantize

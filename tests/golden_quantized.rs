@@ -29,6 +29,9 @@ use shelfserve::model::{ModelBundle, ModelError};
 const FIXTURES: [&str; 6] = ["llama-fp8", "llama-int4", "llama-nvfp4", "glm5-fp8", "glm5-int4", "glm5-nvfp4"];
 const MAX_REL_ERR: f32 = 1e-4;
 
+/// KV blocks of 4 so the prompts cross block boundaries.
+const GEOM: KvGeometry = KvGeometry { block_size: 4, num_blocks: 32, state_slots: 1 };
+
 fn open(dir: &std::path::Path) -> Result<ModelBundle, ModelError> {
     shelfserve::model::open(dir.to_str().unwrap(), &CacheDir::from_env())
 }
@@ -45,8 +48,7 @@ fn quantized_checkpoints_match_transformers() {
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let vocab = bundle.config.vocab_size;
         for tp in [1, 2] {
-            let geom = KvGeometry { block_size: 4, num_blocks: 32, state_slots: 1 };
-            let (backend, _) = any_cpu_backend_tp(&bundle, 2, tp, geom).unwrap();
+            let (backend, _) = any_cpu_backend_tp(&bundle, 2, tp, GEOM).unwrap();
             let mut runner = Runner::new(backend);
             for i in 0..2 {
                 let ids = ints(&st, &format!("ids_{i}"));
@@ -109,15 +111,16 @@ fn edited_fixture(name: &str, edit: impl Fn(&mut serde_json::Value)) -> tempfile
     dir
 }
 
+/// Opens `dir` and builds a CPU backend on it; the first error as text.
+fn load(dir: &std::path::Path) -> Result<(), String> {
+    let bundle = open(dir).map_err(|e| e.to_string())?;
+    any_cpu_backend_tp(&bundle, 1, 1, GEOM).map(drop).map_err(|e| e.to_string())
+}
+
 fn load_error(dir: &std::path::Path) -> String {
-    let bundle = match open(dir) {
-        Err(e) => return e.to_string(),
-        Ok(b) => b,
-    };
-    let geom = KvGeometry { block_size: 4, num_blocks: 32, state_slots: 1 };
-    match any_cpu_backend_tp(&bundle, 1, 1, geom) {
-        Err(e) => e.to_string(),
-        Ok(_) => panic!("{} loaded", dir.display()),
+    match load(dir) {
+        Err(e) => e,
+        Ok(()) => panic!("{} loaded", dir.display()),
     }
 }
 
@@ -165,9 +168,7 @@ fn empty_sparsity_and_transform_configs_mean_none() {
         c["quantization_config"]["sparsity_config"] = serde_json::json!({});
         c["quantization_config"]["transform_config"] = serde_json::json!({});
     });
-    let bundle = open(dir.path()).unwrap();
-    let geom = KvGeometry { block_size: 4, num_blocks: 32, state_slots: 1 };
-    any_cpu_backend_tp(&bundle, 1, 1, geom).unwrap();
+    load(dir.path()).unwrap();
     // A real sparsity scheme is still refused.
     let dir = edited_fixture("llama-int4", |c| {
         c["quantization_config"]["sparsity_config"] =
