@@ -158,3 +158,36 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_addr(p)));
 }
+
+// Packed weight codes (layouts: cuda/quant_gemv.cu's header), shared by the packed GEMVs and the
+// grouped expert GEMMs of cuda/glm5_moe.cu.
+#define FMT_FP8 0
+#define FMT_INT4 1
+#define FMT_NVFP4 2
+
+typedef unsigned char u8;
+
+// 2^e as a float (e in the normal range).
+__device__ __forceinline__ float qg_pow2(int e) { return __int_as_float((127 + e) << 23); }
+
+// An e4m3fn byte (no NaN codes: refused at load) with its bits in an f32's exponent/mantissa
+// place: 2⁻¹²⁰ × its value exactly (subnormals included: the f32 is then subnormal too, and the
+// GPU keeps subnormals without --ftz).
+__device__ __forceinline__ float e4m3_raw(unsigned b) {
+    return __int_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20));
+}
+__device__ __forceinline__ float e4m3_value(unsigned b) { return e4m3_raw(b) * qg_pow2(120); }
+
+// An E2M1 nibble the same way: 2⁻¹²⁶ × its value (0, ±0.5 … ±6).
+__device__ __forceinline__ float e2m1_raw(unsigned q) {
+    return __int_as_float(((q & 0x8u) << 28) | ((q & 0x7u) << 22));
+}
+
+// One expert's packed matrix (all experts of a checkpoint in one format and shape), found by
+// expert id through a table on the device.
+struct ExpertPacked {
+    const u8* codes;
+    const float* scales;
+    const u8* scale_codes;
+    const float* row_global;
+};

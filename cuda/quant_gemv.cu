@@ -77,12 +77,6 @@
 #define QG_BLOCKS_R1 5
 #endif
 
-#define FMT_FP8 0
-#define FMT_INT4 1
-#define FMT_NVFP4 2
-
-typedef unsigned char u8;
-
 // Matches `QuantArgs` in src/backend/cuda/quant.rs: pointers first, then 4-byte fields.
 struct QuantArgs {
     const void* x;            // gemv: T [m, k]
@@ -101,22 +95,6 @@ template <int FMT> struct Fmt;
 template <> struct Fmt<FMT_FP8> { static const int W = 16; static const int XS = 60; };
 template <> struct Fmt<FMT_INT4> { static const int W = 32; static const int XS = 0; };
 template <> struct Fmt<FMT_NVFP4> { static const int W = 32; static const int XS = 63; };
-
-// 2^e as a float (e in the normal range).
-__device__ __forceinline__ float qg_pow2(int e) { return __int_as_float((127 + e) << 23); }
-
-// An e4m3fn byte (no NaN codes: refused at load) with its bits in an f32's exponent/mantissa
-// place: 2⁻¹²⁰ × its value exactly (subnormals included: the f32 is then subnormal too, and the
-// GPU keeps subnormals without --ftz).
-__device__ __forceinline__ float e4m3_raw(unsigned b) {
-    return __int_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20));
-}
-__device__ __forceinline__ float e4m3_value(unsigned b) { return e4m3_raw(b) * qg_pow2(120); }
-
-// An E2M1 nibble the same way: 2⁻¹²⁶ × its value (0, ±0.5 … ±6).
-__device__ __forceinline__ float e2m1_raw(unsigned q) {
-    return __int_as_float(((q & 0x8u) << 28) | ((q & 0x7u) << 22));
-}
 
 __device__ __forceinline__ unsigned word_of(const uint4& u, int i) {
     return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
@@ -402,12 +380,6 @@ FOR_STORAGE_TYPES(QUANT_ALL_FORMATS)
 #ifndef QM_NR
 #define QM_NR 4
 #endif
-struct ExpertPacked {
-    const u8* codes;
-    const float* scales;
-    const u8* scale_codes;
-    const float* row_global;
-};
 
 template <int FMT>
 __device__ void quant_moe_grouped_impl(const float* x, int x_div, const int* order, const int3* groups,

@@ -34,6 +34,23 @@ fn open(dir: &str) -> ModelBundle {
     shelfserve::model::open(common::fixture(dir).to_str().unwrap(), &CacheDir::from_env()).unwrap()
 }
 
+/// Prefills `ids` from position 0 in chunks of `chunk` tokens (slot 0); the logits of each chunk's
+/// last `rows` rows, in order.
+fn chunked_prefill(b: &mut Glm5CudaBackend, ids: &[u32], table: &[u32], chunk: usize, rows: usize) -> Vec<f32> {
+    let mut logits = Vec::new();
+    for start in (0..ids.len()).step_by(chunk) {
+        let step = SeqStep {
+            tokens: &ids[start..start + chunk],
+            start_pos: start,
+            block_table: table,
+            logits_rows: rows,
+            state_slot: 0,
+        };
+        logits.extend(b.forward(&[step]).unwrap().data);
+    }
+    logits
+}
+
 fn cuda(bundle: &ModelBundle, geom: KvGeometry, p: Precision) -> Glm5CudaBackend {
     let cfg = read_config(bundle.weights.origin()).unwrap();
     Glm5CudaBackend::new(cfg, bundle.weights.as_ref(), 0, geom, p).unwrap()
@@ -388,18 +405,8 @@ fn glm5_mla_tensor_cores_match_the_split_kernel_at_full_width() {
     let ids: Vec<u32> = (0..prompt as u32).map(|i| (i * 7919 + 13) % vocab as u32).collect();
     let table: Vec<u32> = (0..geom.num_blocks as u32).collect();
     let run = |b: &mut Glm5CudaBackend, feed: Option<&[u32]>| -> (Vec<f32>, Vec<u32>, f64) {
-        let mut logits = Vec::new();
         let t0 = std::time::Instant::now();
-        for start in (0..prompt).step_by(chunk) {
-            let step = SeqStep {
-                tokens: &ids[start..start + chunk],
-                start_pos: start,
-                block_table: &table,
-                logits_rows: rows,
-                state_slot: 0,
-            };
-            logits.extend(b.forward(&[step]).unwrap().data);
-        }
+        let mut logits = chunked_prefill(b, &ids, &table, chunk, rows);
         let prefill_secs = t0.elapsed().as_secs_f64();
         let mut fed = Vec::new();
         for d in 0..decodes {
@@ -434,4 +441,68 @@ fn glm5_mla_tensor_cores_match_the_split_kernel_at_full_width() {
         split_secs / mma_secs
     );
     assert!(worst < 0.05, "the tensor-core MLA is {worst:.3e} from the split kernel");
+}
+
+/// The grouped tensor-core expert GEMMs (`glm5_moe.cu`: every used expert in one launch per
+/// projection, SwiGLU and scatter in the epilogues) against one cuBLAS GEMM pair per expert (after
+/// a dequantize for packed experts), at GLM-5.3-Flash widths (288 experts, top 8, hidden 4096,
+/// expert width 2048) in bf16 and with FP8, int4 and NVFP4 experts; random weights made on the
+/// device, 4 layers (the fourth MLA/DSA with a MoE FFN): a 2,000-token prompt in chunks of 1,000
+/// (8,000 pairs a step, so uneven row counts per expert and partial tiles), the last 8 rows'
+/// logits of each. Both read the same bf16 weights (the packed loader decodes exactly what the
+/// dequantize kernel writes) and differ only in summation order and where that flips a bf16
+/// rounding of an activation: held to a bound a wrong row, column, expert or scale crosses by far.
+#[test]
+#[ignore = "needs a CUDA device; run scripts/gpu_validate_glm5.sh"]
+fn glm5_grouped_expert_gemms_match_per_expert_cublas_at_full_width() {
+    use shelfserve::model::glm5_next::Glm5Config;
+    use shelfserve::model::quant::packed::PackedFormat;
+    let cfg = Glm5Config::from_hf_json(
+        r#"{"model_type": "glm5_next", "num_hidden_layers": 4}"#,
+        std::path::Path::new("<test>"),
+    )
+    .unwrap();
+    let (prompt, chunk, rows) = (2000usize, 1000usize, 8usize);
+    let geom = KvGeometry { block_size: 64, num_blocks: prompt.div_ceil(64) + 2, state_slots: 1 };
+    let vocab = cfg.vocab_size;
+    let ids: Vec<u32> = (0..prompt as u32).map(|i| (i * 104_729 + 7) % vocab as u32).collect();
+    let table: Vec<u32> = (0..geom.num_blocks as u32).collect();
+    let run = |b: &mut Glm5CudaBackend| -> (Vec<f32>, f64) {
+        let t0 = std::time::Instant::now();
+        let logits = chunked_prefill(b, &ids, &table, chunk, rows);
+        (logits, t0.elapsed().as_secs_f64())
+    };
+    let mut failures = Vec::new();
+    for format in
+        [None, Some(PackedFormat::Fp8Block), Some(PackedFormat::Int4 { group: 128 }), Some(PackedFormat::Nvfp4)]
+    {
+        let name = format.map_or_else(|| "bf16".to_string(), |f| f.name());
+        let mut b = Glm5CudaBackend::synthetic(cfg.clone(), 91, 0, geom, Precision::Bf16, format).unwrap();
+        b.set_moe_gemm_grouped(false);
+        let _ = run(&mut b); // warm-up: kernel modules, cuBLAS plans, scratch
+        let (per_expert, per_expert_secs) = run(&mut b);
+        b.set_moe_gemm_grouped(true);
+        let _ = run(&mut b);
+        let (grouped, grouped_secs) = run(&mut b);
+        assert_eq!(per_expert.len(), grouped.len());
+        assert!(per_expert.iter().chain(&grouped).all(|v| v.is_finite()), "{name}: non-finite logits");
+        let worst = worst_rel_l2(&per_expert, &grouped, vocab);
+        let agree = per_expert
+            .chunks(vocab)
+            .zip(grouped.chunks(vocab))
+            .filter(|(a, b)| common::argmax(a) == common::argmax(b))
+            .count();
+        let total = per_expert.len() / vocab;
+        println!(
+            "TABLE|glm5 grouped expert GEMMs vs per-expert cuBLAS, {name} experts ({prompt}-token prompt)|{}|worst row rel L2 {worst:.2e}, argmax {agree}/{total}; prefill {:.1} ms per-expert, {:.1} ms grouped ({:.2}x)",
+            if worst < 0.02 { "ok" } else { "FAIL" },
+            per_expert_secs * 1e3,
+            grouped_secs * 1e3,
+            per_expert_secs / grouped_secs
+        );
+        if worst >= 0.02 {
+            failures.push(format!("{name}: {worst:.3e}"));
+        }
+    }
+    assert!(failures.is_empty(), "the grouped expert GEMMs are off per-expert cuBLAS: {failures:?}");
 }

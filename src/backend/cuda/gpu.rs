@@ -27,6 +27,8 @@ pub const GEMV_SOURCE: &str = include_str!("../../../cuda/gemv.cu");
 pub const GLM5_SOURCE: &str = include_str!("../../../cuda/glm5.cu");
 /// `glm5_next`'s tensor-core MLA attention (bf16), compiled with [`GLM5_SOURCE`].
 pub const GLM5_MLA_SOURCE: &str = include_str!("../../../cuda/glm5_mla.cu");
+/// Grouped tensor-core expert GEMMs of large `glm5_next` steps.
+pub const GLM5_MOE_SOURCE: &str = include_str!("../../../cuda/glm5_moe.cu");
 /// `glm5_next`'s vision tower kernels: compiled only by backends of a model with a tower (or
 /// one given image embeddings) ([`Gpu::load_vision`]).
 pub const VISION_SOURCE: &str = include_str!("../../../cuda/vision.cu");
@@ -314,9 +316,13 @@ impl Gpu {
         }
     }
 
-    /// Compile `glm5_next`'s kernel modules (`cuda/glm5.cu`, `cuda/glm5_mla.cu`).
+    /// Compile `glm5_next`'s kernel modules (`cuda/glm5.cu`, `cuda/glm5_mla.cu`, `cuda/glm5_moe.cu`).
     pub fn load_glm5(&mut self) -> Result<(), BackendError> {
-        self.compile_all(&[("glm5", GLM5_SOURCE.to_string()), ("glm5_mla", GLM5_MLA_SOURCE.to_string())])
+        self.compile_all(&[
+            ("glm5", GLM5_SOURCE.to_string()),
+            ("glm5_mla", GLM5_MLA_SOURCE.to_string()),
+            ("glm5_moe", GLM5_MOE_SOURCE.to_string()),
+        ])
     }
 
     /// Compile the vision tower's kernel module (`cuda/vision.cu`) once.
@@ -763,6 +769,7 @@ mod tests {
                 &("gemv", GEMV_SOURCE),
                 &("glm5", GLM5_SOURCE),
                 &("glm5_mla", GLM5_MLA_SOURCE),
+                &("glm5_moe", GLM5_MOE_SOURCE),
                 &("vision", VISION_SOURCE),
                 &("quant", QUANT_SOURCE),
             ]) {

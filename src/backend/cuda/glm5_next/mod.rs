@@ -85,6 +85,8 @@ pub struct Glm5CudaBackend {
     packed_moe_max_rows: usize,
     /// Streams a large step's dense expert GEMMs are spread over, from `SHELFSERVE_GLM5_MOE_STREAMS`.
     moe_lanes: usize,
+    /// How a large step's dense bf16 experts run (`moe.rs`), from `SHELFSERVE_GLM5_MOE_GEMM`.
+    moe_gemm: moe::MoeGemm,
 }
 
 /// What profiled steps measured, summed over the steps since `start_profile`: each layer's
@@ -197,6 +199,7 @@ impl Glm5CudaBackend {
             mla_mma_min_rows: mla::mma_min_rows_from_env()?,
             packed_moe_max_rows: moe::packed_moe_max_rows_from_env()?,
             moe_lanes: moe::moe_lanes_from_env()?,
+            moe_gemm: moe::MoeGemm::from_env()?,
         })
     }
 

@@ -2,13 +2,16 @@
 //! device-grouped GEMVs (stacked dense experts, steps of at most `MOE_GEMV_MAX_ROWS` rows: pairs
 //! grouped by expert on the device, each used expert read once) or one projection pair per used
 //! expert (cuBLAS for dense experts; the packed kernels of `backend::cuda::quant` for a quantized
-//! checkpoint's, in their own format), the shared expert, and the weighted combine. Split from
-//! `forward.rs`, whose step calls `moe`.
+//! checkpoint's, in their own format), the shared expert, and the weighted combine. Larger steps
+//! with packed experts and few pairs an expert run every used expert in one grouped tensor-core
+//! launch per projection (`cuda/glm5_moe.cu`, `MoeGemm`). Split from `forward.rs`, whose step
+//! calls `moe`.
 
 use super::forward::{BLOCK, HC_CHUNK};
 use super::weights::{Experts, Moe};
 use super::Glm5CudaBackend;
-use crate::backend::cuda::gpu::{cfg, grid_for};
+use crate::backend::cuda::decode::allow_dynamic_smem;
+use crate::backend::cuda::gpu::{cfg, grid_for, Precision};
 use crate::backend::cuda::quant::{self, MatmulIo};
 use crate::backend::BackendError;
 use crate::launch;
@@ -29,6 +32,74 @@ pub(super) const PACKED_MOE_GEMV_MAX_ROWS: usize = 128;
 /// Streams the dense experts' GEMMs of a large step are spread over (the main one included);
 /// `SHELFSERVE_GLM5_MOE_STREAMS` overrides it (1: the main stream only).
 pub(super) const MOE_LANES: usize = 4;
+
+/// How the experts of a step over `MOE_GEMV_MAX_ROWS` rows run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum MoeGemm {
+    /// Grouped tiles where they measured faster (`grouped_tiles_pay`), per expert elsewhere.
+    Auto,
+    /// Every used expert's row tiles in one launch per projection (`cuda/glm5_moe.cu`), the
+    /// SwiGLU in the gate/up epilogue and the scatter in the down epilogue, wherever the shapes
+    /// allow and the tiles are at least a quarter full.
+    Grouped,
+    /// One GEMM pair per used expert (cuBLAS for dense experts, dequantize + cuBLAS for packed
+    /// ones) over the side lanes.
+    PerExpert,
+}
+
+impl MoeGemm {
+    /// `SHELFSERVE_GLM5_MOE_GEMM`: `auto` (the default), `grouped` or `cublas`.
+    pub(super) fn from_env() -> Result<Self, BackendError> {
+        match std::env::var("SHELFSERVE_GLM5_MOE_GEMM").as_deref() {
+            Err(_) | Ok("auto") => Ok(MoeGemm::Auto),
+            Ok("grouped") => Ok(MoeGemm::Grouped),
+            Ok("cublas") => Ok(MoeGemm::PerExpert),
+            Ok(v) => Err(BackendError::Unavailable {
+                device: "cuda".into(),
+                reason: format!("SHELFSERVE_GLM5_MOE_GEMM={v:?} is none of \"auto\", \"grouped\", \"cublas\""),
+            }),
+        }
+    }
+}
+
+/// Pairs per tile of the grouped kernels (cuda/glm5_moe.cu: MG_BM).
+const MOE_TILE_ROWS: usize = 128;
+
+/// Dynamic shared memory of the grouped kernels (cuda/glm5_moe.cu): MG_STAGES (4) slices of A,
+/// and of B 4 slices (dense) or 2 decoded ones (packed), each 128 rows of MG_LD (40) bf16.
+fn moe_gemm_smem(format: &str) -> u32 {
+    let b_slices = if format == "bf16" { 4 } else { 2 };
+    ((4 + b_slices) * 128 * 40 * 2) as u32
+}
+
+/// Whether the grouped kernels' 128-pair tiles run a step of `pairs` pairs over `used` experts.
+///
+/// Measured on an H100 at GLM-5.3-Flash widths (docs/benchmarks.md, session 21), MoE time per
+/// layer, per expert ÷ grouped: packed experts 1.34x (FP8) and 1.65x (int4) at a 2k-token prefill
+/// (~57 pairs an expert), 0.89x and 1.02x at 8k (~228), 0.71x and 0.77x at 16k; dense bf16 0.94x
+/// at 2k, 0.82x at 8k, 0.74x at 16k. So `Auto` takes them for packed experts up to one tile an expert on average, and
+/// never for dense ones (cuBLAS sizes its tiles to the rows and its mainloop is faster than
+/// ours once tiles are full). `Grouped` takes them from a quarter-full tile on average (at decode
+/// sizes, ~4 pairs an expert, the tiles would multiply the tensor work ~30-fold).
+fn grouped_tiles_pay(mode: MoeGemm, pairs: usize, used: usize, packed: bool) -> bool {
+    match mode {
+        MoeGemm::Auto => packed && pairs <= MOE_TILE_ROWS * used,
+        MoeGemm::Grouped => packed || pairs >= 32 * used,
+        MoeGemm::PerExpert => false,
+    }
+}
+
+/// The grouped kernels' tile list: `[expert, first sorted pair, pairs, 0]` per tile of at most
+/// `MOE_TILE_ROWS` pairs of one expert, from the used experts' `(expert, first row, rows)`.
+fn moe_tiles(used: &[(usize, usize, usize)]) -> Vec<i32> {
+    used.iter()
+        .flat_map(|&(ex, row, m)| {
+            (0..m)
+                .step_by(MOE_TILE_ROWS)
+                .flat_map(move |o| [ex as i32, (row + o) as i32, (m - o).min(MOE_TILE_ROWS) as i32, 0])
+        })
+        .collect()
+}
 
 pub(super) fn moe_lanes_from_env() -> Result<usize, BackendError> {
     match std::env::var("SHELFSERVE_GLM5_MOE_STREAMS") {
@@ -69,6 +140,60 @@ impl Projection {
     }
 }
 
+/// What the grouped tensor-core kernels read besides the weights: the step's f32 token rows
+/// `u` (`n` of them) and, per sorted pair, its token and its row of the slot outputs.
+struct GroupedInput {
+    u: u64,
+    n: usize,
+    token_of_pair: u64,
+    slot_of_pair: u64,
+}
+
+/// Where the grouped kernels read one projection's weights (`MoeWeights` in cuda/glm5_moe.cu):
+/// the stacked dense matrix, or the per-expert table of packed ones with their group size.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct MoeWeightsArg {
+    dense: u64,
+    packed: u64,
+    group: i32,
+    _pad: i32,
+}
+// SAFETY: plain `#[repr(C)]` data matching `MoeWeights` in cuda/glm5_moe.cu (two pointers and an
+// int, padded to 24 bytes).
+unsafe impl crate::backend::cuda::gpu::DeviceRepr for MoeWeightsArg {}
+
+/// The kernels' format suffix and the (gate/up, down) weights of `experts` for the grouped
+/// tensor-core kernels, or `None` where they do not apply: shapes off their tiles (hidden a
+/// multiple of 128, expert width of 64), packed experts of mixed formats, or more tiles than a
+/// grid's y axis takes.
+fn grouped_weights(
+    experts: &Experts,
+    d: usize,
+    inter: usize,
+    tiles: usize,
+) -> Option<(&'static str, MoeWeightsArg, MoeWeightsArg)> {
+    if !d.is_multiple_of(128) || !inter.is_multiple_of(64) || tiles > 65_535 {
+        return None;
+    }
+    match experts {
+        Experts::Stacked { gate_up, down } => Some((
+            "bf16",
+            MoeWeightsArg { dense: gate_up.ptr(), ..Default::default() },
+            MoeWeightsArg { dense: down.ptr(), ..Default::default() },
+        )),
+        Experts::PerExpert { grouped: Some(g), .. } => {
+            let group = g.format.group() as i32;
+            Some((
+                quant::format_tag(g.format),
+                MoeWeightsArg { packed: g.gate_up.ptr(), group, ..Default::default() },
+                MoeWeightsArg { packed: g.down.ptr(), group, ..Default::default() },
+            ))
+        }
+        Experts::PerExpert { grouped: None, .. } => None,
+    }
+}
+
 /// A step's (token, slot) pairs grouped by expert on the device (`moe_sort`).
 #[derive(Clone, Copy)]
 struct SortedPairs {
@@ -80,6 +205,12 @@ struct SortedPairs {
 }
 
 impl Glm5CudaBackend {
+    /// Large steps run their experts through the grouped tensor-core kernels (`true`) or one GEMM
+    /// pair per used expert, whatever `SHELFSERVE_GLM5_MOE_GEMM` says. Tests compare the two.
+    pub fn set_moe_gemm_grouped(&mut self, grouped: bool) {
+        self.moe_gemm = if grouped { MoeGemm::Grouped } else { MoeGemm::PerExpert };
+    }
+
     pub(super) fn moe(&mut self, c: &Glm5Config, w: &Moe, u: u64, n: usize, l: usize) -> Result<u64, BackendError> {
         let (d, e, k, inter) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, w.inter);
         let logits = self.scratch.get(&self.gpu, "moe_logits", 4 * n * e)?;
@@ -269,16 +400,7 @@ impl Glm5CudaBackend {
         let token_p = self.scratch.put(&self.gpu, "moe_token_idx", &token_idx)?;
         let eb = self.prec.bytes();
         let pairs = pair_idx.len();
-        let xg = self.scratch.get(&self.gpu, "moe_xg", eb * pairs * d)?;
-        let gu = self.scratch.get(&self.gpu, "moe_gu_g", 4 * pairs * 2 * inter)?;
-        let act = self.scratch.get(&self.gpu, "moe_act_g", eb * pairs * inter)?;
-        let out = self.scratch.get(&self.gpu, "moe_out_g", 4 * pairs * d)?;
-        let dequant = self.dequant_ptr();
-        let gather = self.gpu.func("glm5", &format!("gather_rows_{}", self.prec.suffix()))?;
-        let di = d as i32;
-        launch!(self.gpu, gather, cfg((pairs as u32, 1), BLOCK, 0), &u, &token_p, &xg, &di)?;
-        // Every used expert's gate/up product, one SwiGLU over all pairs (their rows are
-        // contiguous), then every down product.
+        // (expert, first sorted pair, pairs) of every used expert.
         let used: Vec<(usize, usize, usize)> = by_expert
             .iter()
             .enumerate()
@@ -289,6 +411,24 @@ impl Glm5CudaBackend {
                 Some((ex, start, list.len()))
             })
             .collect();
+        let tiles = moe_tiles(&used);
+        let packed = matches!(w.experts, Experts::PerExpert { .. });
+        if self.prec == Precision::Bf16 && grouped_tiles_pay(self.moe_gemm, pairs, used.len(), packed) {
+            if let Some(weights) = grouped_weights(&w.experts, d, inter, tiles.len() / 4) {
+                let x = GroupedInput { u, n, token_of_pair: token_p, slot_of_pair: pair_p };
+                return self.moe_tensor_core(c, weights, inter, &x, &tiles, slot_out);
+            }
+        }
+        // Every used expert's gate/up product, one SwiGLU over all pairs (their rows are
+        // contiguous), then every down product.
+        let xg = self.scratch.get(&self.gpu, "moe_xg", eb * pairs * d)?;
+        let gu = self.scratch.get(&self.gpu, "moe_gu_g", 4 * pairs * 2 * inter)?;
+        let act = self.scratch.get(&self.gpu, "moe_act_g", eb * pairs * inter)?;
+        let out = self.scratch.get(&self.gpu, "moe_out_g", 4 * pairs * d)?;
+        let dequant = self.dequant_ptr();
+        let gather = self.gpu.func("glm5", &format!("gather_rows_{}", self.prec.suffix()))?;
+        let di = d as i32;
+        launch!(self.gpu, gather, cfg((pairs as u32, 1), BLOCK, 0), &u, &token_p, &xg, &di)?;
         // One expert's GEMM fills a fraction of the GPU at prefill sizes (~200 rows), so dense
         // experts' GEMMs are spread over the side lanes and run side by side; each writes its
         // own rows, so the results are those of one stream. Packed experts share the dequantize
@@ -318,5 +458,76 @@ impl Glm5CudaBackend {
         })?;
         let scatter = self.gpu.func("glm5", "scatter_rows")?;
         launch!(self.gpu, scatter, cfg((pairs as u32, 1), BLOCK, 0), &out, &pair_p, &slot_out, &di)
+    }
+
+    /// The routed experts of a large step in the grouped tensor-core kernels (dense bf16 or
+    /// packed experts): the token rows cast to bf16 once, then one launch per projection over
+    /// every tile of `tiles` (gate/up with the clamped SwiGLU in its epilogue, down writing each
+    /// pair's row of `slot_out`).
+    fn moe_tensor_core(
+        &mut self,
+        c: &Glm5Config,
+        (format, gate_up, down): (&'static str, MoeWeightsArg, MoeWeightsArg),
+        inter: usize,
+        x: &GroupedInput,
+        tiles: &[i32],
+        slot_out: u64,
+    ) -> Result<(), BackendError> {
+        let d = c.hidden_size;
+        let n_tiles = (tiles.len() / 4) as u32;
+        let pairs = tiles.chunks(4).map(|t| t[2] as usize).sum::<usize>();
+        let tiles_p = self.scratch.put(&self.gpu, "moe_tiles", tiles)?;
+        let xb = self.scratch.get(&self.gpu, "moe_xb", 2 * x.n * d)?;
+        let cast = self.gpu.func("glm5", "cast_bf16")?;
+        let len = (x.n * d) as i64;
+        launch!(self.gpu, cast, cfg((grid_for(x.n * d, BLOCK), 1), BLOCK, 0), &x.u, &xb, &len)?;
+        let act = self.scratch.get(&self.gpu, "moe_act_g", 2 * pairs * inter)?;
+        let (di, ii) = (d as i32, inter as i32);
+        let smem = moe_gemm_smem(format);
+        let f = self.gpu.func("glm5_moe", &format!("moe_gate_up_swiglu_{format}"))?;
+        allow_dynamic_smem(&f, smem)?;
+        let grid = cfg(((inter / 64) as u32, n_tiles), 256, smem);
+        launch!(self.gpu, f, grid, &xb, &x.token_of_pair, &gate_up, &tiles_p, &di, &ii, &act, &c.swiglu_limit)?;
+        let f = self.gpu.func("glm5_moe", &format!("moe_down_scatter_{format}"))?;
+        allow_dynamic_smem(&f, smem)?;
+        let grid = cfg(((d / 128) as u32, n_tiles), 256, smem);
+        launch!(self.gpu, f, grid, &act, &down, &tiles_p, &ii, &di, &slot_out, &x.slot_of_pair)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{grouped_tiles_pay, moe_tiles};
+
+    #[test]
+    fn auto_takes_the_tiles_for_packed_experts_up_to_one_tile_an_expert_forced_from_a_quarter_tile() {
+        use super::MoeGemm::{Auto, Grouped, PerExpert};
+        // 2k- and 8k-token prefills at top 8 over 288 experts (~57 and ~228 pairs each).
+        assert!(grouped_tiles_pay(Auto, 2048 * 8, 288, true));
+        assert!(!grouped_tiles_pay(Auto, 8192 * 8, 288, true));
+        assert!(!grouped_tiles_pay(Auto, 2048 * 8, 288, false), "dense experts stay on cuBLAS");
+        assert!(grouped_tiles_pay(Auto, 128 * 5, 5, true));
+        assert!(!grouped_tiles_pay(Auto, 128 * 5 + 1, 5, true));
+        // Forced: dense from 32 pairs an expert, packed always; per expert: never.
+        assert!(grouped_tiles_pay(Grouped, 8192 * 8, 288, false));
+        assert!(!grouped_tiles_pay(Grouped, 128 * 8, 288, false));
+        assert!(grouped_tiles_pay(Grouped, 128 * 8, 288, true));
+        assert!(grouped_tiles_pay(Grouped, 32 * 5, 5, false));
+        assert!(!grouped_tiles_pay(Grouped, 32 * 5 - 1, 5, false));
+        assert!(!grouped_tiles_pay(PerExpert, 2048 * 8, 288, true));
+    }
+
+    #[test]
+    fn tiles_cut_each_experts_pairs_into_runs_of_at_most_128() {
+        let used = [(3, 0, 300), (7, 300, 1), (9, 301, 128), (10, 429, 129)];
+        #[rustfmt::skip]
+        let expected = vec![
+            3, 0, 128, 0, 3, 128, 128, 0, 3, 256, 44, 0,
+            7, 300, 1, 0,
+            9, 301, 128, 0,
+            10, 429, 128, 0, 10, 557, 1, 0,
+        ];
+        assert_eq!(moe_tiles(&used), expected);
+        assert!(moe_tiles(&[]).is_empty());
     }
 }
