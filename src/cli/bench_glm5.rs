@@ -165,11 +165,12 @@ pub fn run_glm5_bench(args: &BenchArgs, cfg: Glm5Config) -> Result<(), CliError>
     );
     report.emit(serde_json::json!({"kind": "ceiling", "copy_bytes_per_s": copy_bw, "gemm_flops": gemm_rate, "gpu": gpu_name, "model": name}))?;
     println!(
-        "{:<16} {:>6} {:>6} {:>10} {:>9} {:>10} {:>9} {:>7} {:>9} | {:>8} {:>8} {:>8} {:>8} {:>7} {:>11} {:>10}",
+        "{:<16} {:>6} {:>6} {:>10} {:>9} {:>9} {:>10} {:>9} {:>7} {:>9} | {:>8} {:>8} {:>8} {:>8} {:>7} {:>11} {:>10}",
         "decode",
         "batch",
         "ctx",
         "ms/step",
+        "queue ms",
         "tok/s",
         "GB/step",
         "GB/s",
@@ -227,12 +228,15 @@ pub fn run_glm5_bench(args: &BenchArgs, cfg: Glm5Config) -> Result<(), CliError>
                 step(&mut b, pos).map_err(device)?;
                 pos += 1;
             }
+            b.take_enqueue_secs();
             let t0 = Instant::now();
             for _ in 0..args.steps {
                 step(&mut b, pos).map_err(device)?;
                 pos += 1;
             }
             let secs = t0.elapsed().as_secs_f64() / args.steps as f64;
+            // Host time queueing a step's launches: near `secs`, the GPU waits for the host.
+            let queue_secs = b.take_enqueue_secs() / args.steps as f64;
             b.start_profile();
             step(&mut b, pos).map_err(device)?;
             let profile = b.take_profile().unwrap_or_default();
@@ -242,11 +246,12 @@ pub fn run_glm5_bench(args: &BenchArgs, cfg: Glm5Config) -> Result<(), CliError>
             let full_secs = times.extrapolate(&full);
             let ms = |s: f64| s * 1e3;
             println!(
-                "{:<16} {:>6} {:>6} {:>10.2} {:>9.0} {:>10.2} {:>9.0} {:>6.0}% {:>9.1} | {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>7.3} {:>11.1} {:>10.0}",
+                "{:<16} {:>6} {:>6} {:>10.2} {:>9.2} {:>9.0} {:>10.2} {:>9.0} {:>6.0}% {:>9.1} | {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>7.3} {:>11.1} {:>10.0}",
                 name,
                 batch,
                 ctx,
                 ms(secs),
+                ms(queue_secs),
                 batch as f64 / secs,
                 bytes / 1e9,
                 bytes / secs / 1e9,
@@ -261,7 +266,7 @@ pub fn run_glm5_bench(args: &BenchArgs, cfg: Glm5Config) -> Result<(), CliError>
                 batch as f64 / full_secs
             );
             report.emit(serde_json::json!({"kind": "decode", "batch": batch, "ctx": ctx, "secs_per_step": secs,
-                "tok_per_s": batch as f64 / secs, "bytes_per_step": bytes, "of_copy": bytes / secs / copy_bw,
+                "queue_secs_per_step": queue_secs, "tok_per_s": batch as f64 / secs, "bytes_per_step": bytes, "of_copy": bytes / secs / copy_bw,
                 "distinct_experts_per_moe_layer": distinct as f64 / moe_layers as f64,
                 "layer_secs": times.to_json(),
                 "full_model_secs_per_step": full_secs, "full_model_tok_per_s": batch as f64 / full_secs}))?;

@@ -221,6 +221,18 @@ impl Glm5CudaBackend {
         verify: &[bool],
         embeds: &[Vec<EmbeddedRows<'_>>],
     ) -> Result<DeviceLogits, BackendError> {
+        let queued = std::time::Instant::now();
+        let out = self.queue_step(batch, verify, embeds);
+        self.enqueue_secs += queued.elapsed().as_secs_f64();
+        out
+    }
+
+    fn queue_step(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        verify: &[bool],
+        embeds: &[Vec<EmbeddedRows<'_>>],
+    ) -> Result<DeviceLogits, BackendError> {
         let seqs = plan_rows(batch, verify, &self.slot_pos, self.cfg.vocab_size)?;
         let inputs = self.prepare(batch, &seqs)?;
         let c = self.cfg.clone();

@@ -74,6 +74,10 @@ pub struct Glm5CudaBackend {
     scratch: forward::Scratch,
     /// Per-layer timings and expert counts of the steps run while profiling (`bench`).
     profile: Option<StepProfile>,
+    /// Host seconds spent queueing steps' launches (`step_device` up to its return, no waiting),
+    /// summed until `take_enqueue_secs`: next to a step's wall time it says whether decode is
+    /// bound by the launches or by the device.
+    enqueue_secs: f64,
     /// Sample on the device (`forward_sampled`) so only token ids cross to the host; off with
     /// `SHELFSERVE_CUDA_SAMPLING=0`, as for llama.
     device_sampling: bool,
@@ -194,6 +198,7 @@ impl Glm5CudaBackend {
             snapshots: (0..kv.state_slots).map(|_| None).collect(),
             scratch: forward::Scratch::default(),
             profile: None,
+            enqueue_secs: 0.0,
             device_sampling: std::env::var("SHELFSERVE_CUDA_SAMPLING").map_or(true, |v| v != "0"),
             sampler: super::sample::DeviceSampler::default(),
             mla_mma_min_rows: mla::mma_min_rows_from_env()?,
@@ -244,6 +249,11 @@ impl Glm5CudaBackend {
 
     pub fn take_profile(&mut self) -> Option<StepProfile> {
         self.profile.take()
+    }
+
+    /// Host seconds spent queueing step launches since the last call.
+    pub fn take_enqueue_secs(&mut self) -> f64 {
+        std::mem::take(&mut self.enqueue_secs)
     }
 
     /// Bytes of the routed experts' weights of one MoE layer, per expert.
