@@ -19,6 +19,7 @@ use crate::model::glm5_next::cache_layout::CacheLayout;
 use crate::model::glm5_next::config::{FfnKind, MixerKind};
 use crate::model::glm5_next::layout::text_tensors;
 use crate::model::glm5_next::Glm5Config;
+use crate::model::quant::packed::PackedFormat;
 
 /// glm5_next's family block size (tokens per KV block).
 const BLOCK: usize = 64;
@@ -29,14 +30,24 @@ fn device(e: BackendError) -> CliError {
     CliError::Usage(format!("bench: {e}"))
 }
 
-/// Weight bytes `c` takes on the device in bf16 (f32 for the router and mHC maps and every vector).
-fn weight_bytes(c: &Glm5Config) -> usize {
+/// Device bytes of the synthetic weights: bf16 (f32 for the router and mHC maps and every
+/// vector) or, with `format`, packed projections at their codes plus an f32 scale per
+/// group (an upper bound: FP8's scales are per 128×128 block), so that a packed model is not
+/// refused for a cache that only its bf16 twin would crowd out.
+fn budget_bytes(c: &Glm5Config, format: Option<PackedFormat>) -> usize {
     text_tensors(c)
         .iter()
         .map(|(name, shape, _)| {
             let n: usize = shape.iter().product();
             let f32_island = shape.len() < 2 || name.ends_with("mlp.gate.weight") || name.contains("hc_");
-            n * if f32_island { 4 } else { 2 }
+            let kept_dense = name.contains("embed_tokens") || name.contains("lm_head") || name.contains("kv_b_proj");
+            match format {
+                Some(f) if !f32_island && !kept_dense && shape.len() == 2 => {
+                    let (rows, cols) = (shape[0], shape[1]);
+                    rows * f.code_bytes(cols) + rows * cols.div_ceil(f.group()) * 4
+                }
+                _ => n * if f32_island { 4 } else { 2 },
+            }
         })
         .sum()
 }
@@ -108,13 +119,14 @@ pub fn run_glm5_bench(args: &BenchArgs, cfg: Glm5Config) -> Result<(), CliError>
     let full = Glm5Config::from_hf_json(r#"{"model_type": "glm5_next"}"#, std::path::Path::new("<defaults>"))?;
     let text = std::fs::read_to_string(&args.config)?;
     let format = super::bench::bench_quantization(&text).map_err(|e| device(BackendError::InvalidStep(e)))?;
-    // Budgeted at bf16 (a packed model takes less); the step's bytes count what was made.
-    let weights = weight_bytes(&cfg);
+    // The step's bytes count what was made; this is the budget before making it.
+    let weights = budget_bytes(&cfg, format);
     let layout = CacheLayout::new(&cfg);
     let (free, total) = device_memory(args.cuda_device).map_err(device)?;
     let max_batch = args.batches.iter().copied().max().unwrap_or(1);
     let slot_bytes = 4 * layout.slot_stride;
-    let block_bytes = 4 * layout.token_stride * BLOCK;
+    // A model without MLA layers keeps no per-token cache: one block stands for it.
+    let block_bytes = (4 * layout.token_stride * BLOCK).max(1);
     let kv_budget = free.saturating_sub(weights + SCRATCH + max_batch * slot_bytes);
     // No more cache than the largest point needs: the rest stays free for the steps' scratch.
     let needed = args
@@ -349,14 +361,28 @@ mod tests {
         assert_eq!(c.layer_types, full.layer_types[..c.num_hidden_layers]);
         assert_eq!(c.mlp_layer_types, full.mlp_layer_types[..c.num_hidden_layers]);
         // One H200 (141 GB) holds the weights with room for the cache and the step's scratch.
-        let gb = weight_bytes(&c) as f64 / 1e9;
+        let gb = budget_bytes(&c, None) as f64 / 1e9;
         assert!(gb < 120.0 && gb > 60.0, "{gb} GB");
+    }
+
+    #[test]
+    fn packed_budget_counts_codes_and_scales_and_layers_without_mla_keep_no_cache() {
+        let c = cfg(r#"{"model_type": "glm5_next", "num_hidden_layers": 8}"#);
+        let bf16 = budget_bytes(&c, None) as f64;
+        let int4 = budget_bytes(&c, Some(PackedFormat::Int4 { group: 128 })) as f64;
+        let fp8 = budget_bytes(&c, Some(PackedFormat::Fp8Block)) as f64;
+        // Projections at a quarter and a half of bf16 plus scales; embedding and LM head stay.
+        assert!(int4 < 0.35 * bf16 && int4 > 0.25 * bf16, "{int4} of {bf16}");
+        assert!(fp8 < 0.6 * bf16 && fp8 > int4, "{fp8} of {bf16}");
+        // The first two layers are KDA only: no per-token cache, which the bench must not divide by.
+        let two = cfg(r#"{"model_type": "glm5_next", "num_hidden_layers": 2}"#);
+        assert_eq!(CacheLayout::new(&two).token_stride, 0);
     }
 
     #[test]
     fn step_bytes_count_touched_experts_and_each_sequence_once() {
         let c = cfg(r#"{"model_type": "glm5_next", "num_hidden_layers": 4}"#);
-        let w = weight_bytes(&c);
+        let w = budget_bytes(&c, None);
         let e = 3 * c.hidden_size * c.moe_intermediate_size * 2;
         let one = step_bytes(&c, w, e, 8, 1, 1024);
         let more_experts = step_bytes(&c, w, e, 16, 1, 1024);
