@@ -99,6 +99,10 @@ struct Args {
     /// default is on; only with lane pacing).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     yield_lower_prefill: bool,
+    /// A decoding voice lane's steps alternate with agent prefill steps that can yield
+    /// (`true`/`false`; default: the device's).
+    #[arg(long, action = clap::ArgAction::Set)]
+    separate_lane_decodes: Option<bool>,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -236,6 +240,9 @@ fn start(args: &Args, pacing: bool) -> Result<Local, String> {
     cfg.scheduler.lane_pacing = pacing;
     cfg.scheduler.overlap_scheduling = args.overlap_scheduling;
     cfg.scheduler.yield_lower_prefill = args.yield_lower_prefill;
+    if let Some(on) = args.separate_lane_decodes {
+        cfg.scheduler.separate_lane_decodes = on;
+    }
     if let Some(ms) = args.voice_target_ttft_ms {
         cfg.lanes.iter_mut().filter(|l| l.name == "voice").for_each(|l| l.target_ttft_ms = Some(ms));
     }

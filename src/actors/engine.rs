@@ -394,6 +394,7 @@ pub async fn start_engine_with(
             pacing: lane_pacing(&config, device.kind),
             overlap: config.scheduler.overlap_scheduling,
             yield_lower_prefill: config.scheduler.yield_lower_prefill,
+            separate_lane_decodes: config.scheduler.separate_lane_decodes,
         },
     )
     .await

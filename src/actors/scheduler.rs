@@ -146,6 +146,9 @@ pub struct SchedulerArgs {
     /// Steps of lower-lane prefill stop at a layer boundary when a higher lane gets work
     /// (`sched::yielding`): with lane pacing and one rank only.
     pub yield_lower_prefill: bool,
+    /// With yielding: a decoding higher lane's steps alternate with lower lanes' prefill steps
+    /// (`sched::lane_split`).
+    pub separate_lane_decodes: bool,
 }
 
 struct LiveSeq {
@@ -948,6 +951,7 @@ impl Actor for SchedulerActor {
                 // is planned behind a yieldable step (`sched::yielding`).
                 let yielding = st.args.yield_lower_prefill && planner.pacing().is_some() && st.ranks.world() == 1;
                 planner.set_yielding(yielding);
+                planner.set_separate_lane_decodes(yielding && st.args.separate_lane_decodes);
                 let planner_cost = planner.pacing().map(|p| p.model().cost());
                 st.policy = Some(planner);
                 let executor = st.executor.clone().ok_or("no executor is attached")?;

@@ -72,6 +72,11 @@ pub struct ServeArgs {
     /// models, one rank].
     #[arg(long, env = "SHELFSERVE_YIELD_LOWER_PREFILL", value_name = "BOOL")]
     pub yield_lower_prefill: Option<bool>,
+    /// With yielding: while a lane with latency targets decodes and a lower lane prefills, the
+    /// lane's decodes run in steps of their own, so the lower prefill steps between them yield to
+    /// its next request (`true`/`false`) [default: true on the CPU, false on CUDA].
+    #[arg(long, env = "SHELFSERVE_SEPARATE_LANE_DECODES", value_name = "BOOL")]
+    pub separate_lane_decodes: Option<bool>,
     /// Speculative decoding for every lane: `none`, `ngram` (model-free suffix match), `mtp`
     /// (a glm5_next checkpoint's own MTP layer; CPU backend), `draft:PATH` or `dflash:DIR` (a
     /// DFlash block drafter reading the target's hidden states);
@@ -249,6 +254,7 @@ impl ServeArgs {
             lane_pacing: self.lane_pacing,
             overlap_scheduling: self.overlap_scheduling,
             yield_lower_prefill: self.yield_lower_prefill,
+            separate_lane_decodes: self.separate_lane_decodes,
         }
     }
 

@@ -112,6 +112,11 @@ pub struct SchedulerConfig {
     /// llama-family backends, one rank).
     #[serde(default = "default_yield_lower_prefill")]
     pub yield_lower_prefill: bool,
+    /// With yielding: while a lane with targets decodes and a lower lane prefills, the lane's
+    /// decodes run in steps of their own, so the lower steps between them can yield to its next
+    /// request (`sched::lane_split`; the CPU default).
+    #[serde(default)]
+    pub separate_lane_decodes: bool,
 }
 
 fn default_gpu_memory_utilization() -> f64 {

@@ -72,6 +72,7 @@ pub struct SchedulerKnobs {
     pub lane_pacing: Option<bool>,
     pub overlap_scheduling: Option<bool>,
     pub yield_lower_prefill: Option<bool>,
+    pub separate_lane_decodes: Option<bool>,
 }
 
 /// GPU scheduler defaults: a step wide enough to keep an H200 busy at 256 decoding streams
@@ -116,6 +117,9 @@ pub fn device_defaults(device: DeviceClass) -> SchedulerKnobs {
         // device, and a step there lasts far longer than the planning it would hide.
         overlap_scheduling: Some(device == DeviceClass::Cuda),
         yield_lower_prefill: Some(true),
+        // A step's fixed cost is small next to the CPU's ITL target, but on a GPU a decode step is
+        // mostly the weights' read, so a step of its own would cost lower lanes a whole pass.
+        separate_lane_decodes: Some(device == DeviceClass::Cpu),
     }
 }
 
@@ -204,6 +208,7 @@ impl EngineFile {
             lane_pacing: pick!(lane_pacing).unwrap_or(true),
             overlap_scheduling: pick!(overlap_scheduling).unwrap_or(true),
             yield_lower_prefill: pick!(yield_lower_prefill).unwrap_or(true),
+            separate_lane_decodes: pick!(separate_lane_decodes).unwrap_or(false),
         };
         let mut lanes = self.lanes.clone();
         for lane in lanes.iter_mut().filter(|l| l.max_queue == 0) {

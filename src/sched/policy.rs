@@ -9,7 +9,8 @@
 //! through messages. The only way a sequence leaves is `remove_seq`, which releases it in the
 //! pool, so a finished, aborted or preempted sequence can never leak blocks. Taking blocks,
 //! making room, preemption, release and draft blocks are in `room.rs`; lookahead and yielding steps
-//! in `lookahead.rs` and `yielding.rs`.
+//! in `lookahead.rs` and `yielding.rs`; a higher lane's decodes apart from lower prefill in
+//! `lane_split.rs`.
 //!
 //! # Prefix hits
 //! An admission is planned as if nothing were cached (a chunk from position 0); the pool looks
@@ -211,6 +212,9 @@ pub struct Planner {
     yielding: bool,
     /// The yieldable step in flight or suspended, and cancellations that wait for it.
     yield_state: yielding::YieldState,
+    /// Alternate a decoding higher lane's steps with lower lanes' prefill (`sched::lane_split`).
+    separate_decodes: bool,
+    split: lane_split::SplitState,
 }
 
 impl std::fmt::Debug for Planner {
@@ -244,6 +248,8 @@ impl Planner {
             pacing: None,
             yielding: false,
             yield_state: yielding::YieldState::default(),
+            separate_decodes: false,
+            split: lane_split::SplitState::default(),
         })
     }
 
@@ -410,12 +416,13 @@ impl Planner {
             preempted: Vec::new(),
         };
 
+        let turn = self.split_turn();
         // 1. Decodes.
         let decodes: Vec<SeqId> = self
             .running
             .iter()
+            .filter(|((p, _), id)| turn.admits(p.0) && self.seqs.get(id).is_some_and(Seq::is_plannable_decode))
             .map(|&(_, id)| id)
-            .filter(|id| self.seqs.get(id).is_some_and(Seq::is_plannable_decode))
             .collect();
         for id in decodes {
             if b.budget == 0 {
@@ -429,6 +436,7 @@ impl Planner {
         levels.extend(
             self.running.iter().filter(|(_, id)| self.seqs.get(id).is_some_and(|s| !s.is_decode())).map(|(k, _)| k.0),
         );
+        levels.retain(|l| turn.admits(l.0));
         // Priorities with work waiting or running: their lanes' targets bound lower prefill.
         let active: BTreeSet<i32> = match self.pacing {
             Some(_) => self.waiting.keys().chain(self.running.iter().map(|(k, _)| &k.0)).map(|r| r.0).collect(),
@@ -436,7 +444,7 @@ impl Planner {
         };
         let mut admitting = true;
         'levels: for level in levels {
-            let cap = self.pacing.as_ref().and_then(|p| p.step_cap(level.0, |prio| active.contains(&prio)));
+            let cap = turn.cap(self.pacing.as_ref().and_then(|p| p.step_cap(level.0, |prio| active.contains(&prio))));
             let mids: Vec<SeqId> = self
                 .running
                 .iter()
@@ -474,8 +482,14 @@ impl Planner {
         self.plan_drafts(&mut b, &active);
 
         if b.planned.is_empty() && b.preempted.is_empty() {
+            if matches!(turn, lane_split::SplitTurn::Below { .. }) {
+                // Nothing below fits: the higher lane's next decode must not wait for it.
+                self.forget_split();
+                return self.plan_step();
+            }
             return None;
         }
+        self.note_split(turn, &b);
         let mut ops = self.take_pending();
         for p in &b.planned {
             let new_tokens = p.n_base + p.draft.len();
@@ -791,6 +805,8 @@ impl Planner {
     }
 }
 
+#[path = "lane_split.rs"]
+mod lane_split;
 #[path = "lookahead.rs"]
 mod lookahead;
 #[path = "room.rs"]

@@ -110,6 +110,11 @@ impl Policy {
         self.planner.set_yielding(on);
     }
 
+    /// See `Planner::set_separate_lane_decodes` (`sched::lane_split`).
+    pub fn set_separate_lane_decodes(&mut self, on: bool) {
+        self.planner.set_separate_lane_decodes(on);
+    }
+
     /// See `Planner::on_step_suspended`.
     pub fn on_step_suspended(&mut self) -> Option<i32> {
         self.planner.on_step_suspended()
@@ -185,6 +190,9 @@ mod tests;
 #[path = "pacing_tests.rs"]
 mod pacing_tests;
 
+#[cfg(test)]
+#[path = "lane_split_tests.rs"]
+mod lane_split_tests;
 #[cfg(test)]
 #[path = "yielding_tests.rs"]
 mod yielding_tests;
