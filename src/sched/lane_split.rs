@@ -16,9 +16,10 @@
 //! and its arrivals wait for at most one short decode step and one layer. The price is one extra
 //! step's fixed cost per ITL period, small where a step's fixed cost is small next to the
 //! target (the CPU: ~10 ms of 150 ms) and large on a GPU, where a decode step is mostly the
-//! weights' read (the CUDA default is off; the CUDA backend does not yield anyway). Never while
-//! a yieldable step is in flight or suspended: a second one could not yield, so the higher lane
-//! would only wait longer.
+//! weights' read (the CUDA default is off; the CUDA backend does not yield anyway). While a
+//! yieldable step is suspended there is no *below* step (a second one could not yield): the
+//! lane's steps carry only the lanes at or above it, and the lanes below go on in the suspended
+//! step's resumed slices.
 
 use super::{Planner, Seq, StepBuild};
 use crate::sched::StepCap;
@@ -70,7 +71,7 @@ impl Planner {
 
     /// The turn of the step about to be planned.
     pub(super) fn split_turn(&self) -> SplitTurn {
-        if !self.separate_decodes || !self.yielding || self.cfg.recurrent_state || self.has_yieldable_step() {
+        if !self.separate_decodes || !self.yielding || self.cfg.recurrent_state {
             return SplitTurn::Whole;
         }
         let Some(pacing) = self.pacing.as_ref() else { return SplitTurn::Whole };
@@ -91,6 +92,12 @@ impl Planner {
         };
         if !prefill_where(&|p| p < level) {
             return SplitTurn::Whole;
+        }
+        if self.has_yieldable_step() {
+            // A second yieldable step could not yield, so lower prefill beside the lane's decodes
+            // would hold its next arrival for a whole step: the lanes below go on in the
+            // suspended step's slices only (`sched::yielding`).
+            return SplitTurn::Above { level };
         }
         match self.split.last_above {
             // A request of the lane (or above) waiting or prefilling goes first, with its decodes.

@@ -106,8 +106,12 @@ fn a_voice_arrival_goes_in_the_next_voice_step_and_a_yielded_agent_step_resumes_
     assert_eq!(p.on_step_suspended(), Some(AGENT));
     let s = step(&mut p);
     assert_eq!(ids(&s), vec![9, 10], "voice's decode and the new turn's prefill");
-    // While the agent's step is suspended, nothing splits: it resumes in slices between voice's
-    // decodes (`sched::yielding`).
+    // While the agent's step is suspended, it resumes in slices between voice's decodes
+    // (`sched::yielding`), and voice's steps carry no other agent's prefill: nothing else below
+    // could yield to the next voice turn.
+    add(&mut p, 2, AGENT, 1500, 4);
+    let s = step(&mut p);
+    assert_eq!(ids(&s), vec![9, 10], "voice's decodes alone while the agent's step is suspended");
     assert!(p.planner().may_resume());
     assert!(p.resume_suspended());
     done(&mut p, &below);

@@ -165,6 +165,9 @@ impl Planner {
         match self.yield_state.suspended.take() {
             Some(step) => {
                 self.in_flight.push_back(step);
+                // The resumed slice is the lower lanes' turn (`sched::lane_split`): the higher
+                // lane's step comes next.
+                self.forget_split();
                 true
             }
             None => false,
