@@ -586,6 +586,7 @@ extern "C" __global__ void dsa_store(const float* latent, const float* kgw, cons
 // stored after the pool's last token's key and gate.
 extern "C" __global__ void dsa_pool(float* kv, const i64* pool_recs, const float* ape, int ix_off, int di, int p) {
     const i64* recs = pool_recs + (i64)blockIdx.x * p;
+    if (recs[0] < 0) return;  // a graph step's sequence that completes no pool
     for (int c = threadIdx.x; c < di; c += blockDim.x) {
         float mx = -INFINITY;
         for (int j = 0; j < p; ++j) mx = fmaxf(mx, kv[recs[j] + ix_off + di + c] + ape[(i64)j * di + c]);

@@ -16,11 +16,13 @@ MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -
 LO=2; HI=8; HI_BF16=5; [ "${MEM:-0}" -gt 100000 ] && HI_BF16=8
 echo "device memory ${MEM} MiB: layers ${LO} vs ${HI} (bf16 ${HI_BF16})"
 cfg() { python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['num_hidden_layers']=int(sys.argv[3]); json.dump(c, open(sys.argv[2],'w'))" "$HERE/configs/glm5-next-flash$1.json" "$R/g$2$1.json" "$2"; }
+# SLOPES=0: only the kernel times (the 5-layer configs are still made).
 for q in "" -fp8 -int4; do
   hi=$HI; [ -z "$q" ] && hi=$HI_BF16
   for L in $LO $hi 5; do
     cfg "$q" "$L"
   done
+  [ "${SLOPES:-1}" = 0 ] && continue
   for L in $LO $hi; do
     timeout 120 "$HERE/shelfserve" bench --config "$R/g$L$q.json" --batches 1,8,32 --contexts 1024 \
       --prefill 16 --steps 30 --json "$R/slope$q-L$L.jsonl" > "$R/slope$q-L$L.txt" 2> "$R/slope$q-L$L.log" \

@@ -506,3 +506,57 @@ fn glm5_grouped_expert_gemms_match_per_expert_cublas_at_full_width() {
     }
     assert!(failures.is_empty(), "the grouped expert GEMMs are off per-expert cuBLAS: {failures:?}");
 }
+
+/// Decode steps replayed from captured CUDA graphs give the logits of the same steps launched one
+/// by one, bitwise: three sequences at different positions decode 40 steps each (crossing pool
+/// completions, the selection budget and new blocks), in f32 and bf16, with graphs on and off.
+#[test]
+#[ignore = "needs a CUDA device; run scripts/gpu_validate_glm5.sh"]
+fn glm5_decode_graphs_replay_bitwise_as_plain_launches() {
+    let bundle = open(FIXTURES[0].0);
+    let vocab = bundle.config.vocab_size;
+    let geom = KvGeometry { block_size: 4, num_blocks: 64, state_slots: 3 };
+    for prec in [Precision::F32, Precision::Bf16] {
+        let mut on = cuda(&bundle, geom, prec);
+        let mut off = cuda(&bundle, geom, prec);
+        on.set_cuda_graphs(true);
+        off.set_cuda_graphs(false);
+        let tables: Vec<Vec<u32>> = (0..3u32).map(|s| (s * 20..(s + 1) * 20).collect()).collect();
+        let prompts: Vec<Vec<u32>> = [5usize, 9, 14]
+            .iter()
+            .enumerate()
+            .map(|(s, &n)| (0..n as u32).map(|t| (t * 37 + s as u32 * 11 + 3) % vocab as u32).collect())
+            .collect();
+        let mut next = Vec::new();
+        for (s, p) in prompts.iter().enumerate() {
+            let step =
+                SeqStep { tokens: p, start_pos: 0, block_table: &tables[s], logits_rows: 1, state_slot: s as u32 };
+            let a = on.forward(&[step]).unwrap().data;
+            let b = off.forward(&[step]).unwrap().data;
+            assert!(bits_equal(&a, &b), "{prec:?} prefill of sequence {s}");
+            next.push(common::argmax(&b));
+        }
+        let mut pos: Vec<usize> = prompts.iter().map(Vec::len).collect();
+        for step_no in 0..40 {
+            let ids = next.clone();
+            let steps: Vec<SeqStep<'_>> = (0..3)
+                .map(|s| SeqStep {
+                    tokens: std::slice::from_ref(&ids[s]),
+                    start_pos: pos[s],
+                    block_table: &tables[s],
+                    logits_rows: 1,
+                    state_slot: s as u32,
+                })
+                .collect();
+            let a = on.forward(&steps).unwrap().data;
+            let b = off.forward(&steps).unwrap().data;
+            assert!(bits_equal(&a, &b), "{prec:?} decode step {step_no}: graph replay differs from plain launches");
+            next = b.chunks(vocab).map(common::argmax).collect();
+            pos.iter_mut().for_each(|p| *p += 1);
+        }
+        println!("{prec:?}: {} of 40 decode steps replayed from a graph", on.graph_replays());
+        assert_eq!(off.graph_replays(), 0);
+        // The first sightings of a shape launch plainly and capture; the rest replay.
+        assert!(on.graph_replays() >= 30, "{prec:?}: only {} steps replayed", on.graph_replays());
+    }
+}

@@ -57,6 +57,8 @@ pub fn check_shapes(c: &Glm5Config) -> Result<(), String> {
 #[derive(Default)]
 pub struct Scratch {
     bufs: HashMap<&'static str, crate::backend::cuda::gpu::DevBuf>,
+    /// Bumped whenever a buffer is (re)allocated or freed: captured graphs hold the old addresses.
+    pub(super) generation: u64,
 }
 
 impl Scratch {
@@ -71,6 +73,7 @@ impl Scratch {
         let bytes = bytes.max(4);
         if self.bufs.get(name).is_none_or(|b| b.bytes() < bytes) {
             gpu.sync()?;
+            self.generation += 1;
             self.bufs.remove(name);
             self.bufs.insert(name, gpu.alloc(bytes.next_power_of_two())?);
         }
@@ -80,6 +83,7 @@ impl Scratch {
     /// Free every buffer, after the queued work that may use them.
     pub(super) fn clear(&mut self, gpu: &crate::backend::cuda::gpu::Gpu) -> Result<(), BackendError> {
         gpu.sync()?;
+        self.generation += 1;
         self.bufs.clear();
         Ok(())
     }
@@ -133,7 +137,8 @@ pub(super) struct StepInputs {
     pub(super) dsa_rows: u64,
     pub(super) tables: u64,
     /// Record offsets (f32 elements) of the tokens of every pool this step completes, `pool` per
-    /// pool in position order.
+    /// pool in position order (a graph step: one pool per sequence, those it does not complete
+    /// marked by a first offset of -1).
     pool_recs: Option<(u64, usize)>,
     max_pools: usize,
     max_sel: usize,
@@ -234,12 +239,43 @@ impl Glm5CudaBackend {
         embeds: &[Vec<EmbeddedRows<'_>>],
     ) -> Result<DeviceLogits, BackendError> {
         let seqs = plan_rows(batch, verify, &self.slot_pos, self.cfg.vocab_size)?;
-        let inputs = self.prepare(batch, &seqs)?;
-        let c = self.cfg.clone();
-        let (m, d, n) = (c.hc_mult, c.hidden_size, inputs.n_rows);
-        let mut lap = std::time::Instant::now();
+        let graphable = self.graphable(&seqs, embeds);
+        let inputs = self.prepare(batch, &seqs, graphable)?;
+        let lap = std::time::Instant::now();
+        // Every upload before the launches: a captured graph replays launches, not host copies.
         let ids: Vec<i32> = batch.iter().flat_map(|s| s.tokens.iter().map(|&t| t as i32)).collect();
         let ids = self.scratch.put(&self.gpu, "ids", &ids)?;
+        let (rows, offsets) = logits_rows(batch, &seqs);
+        let rows_i: Vec<i32> = rows.iter().map(|&x| x as i32).collect();
+        let rows_p = if rows.is_empty() { 0 } else { self.scratch.put(&self.gpu, "logit_rows", &rows_i)? };
+        let rows_n = rows.len();
+        let key = graphable.then_some(super::graph::GraphKey {
+            rows: inputs.n_rows,
+            max_pools: inputs.max_pools,
+            max_sel: inputs.max_sel,
+            generation: self.scratch.generation,
+        });
+        let run = |b: &mut Self| b.launch_step(&seqs, embeds, &inputs, ids, (rows_p, rows_n), lap);
+        let (ptr, lap) = match key.map(|k| (k, self.graphs.action(&k))) {
+            None | Some((_, super::graph::GraphAction::Launch)) => run(self)?,
+            Some((k, super::graph::GraphAction::Replay)) => (self.graphs.launch(&k)?, lap),
+            Some((k, super::graph::GraphAction::Capture)) => self.capture_step(k, run)?,
+        };
+        Ok(DeviceLogits { ptr: if rows_n == 0 { 0 } else { ptr }, rows: rows_n, offsets, lap })
+    }
+
+    /// Queue the step's launches; returns the logits' address and the profiling lap.
+    fn launch_step(
+        &mut self,
+        seqs: &[SeqRows<'_>],
+        embeds: &[Vec<EmbeddedRows<'_>>],
+        inputs: &StepInputs,
+        ids: u64,
+        (rows_p, rows_n): (u64, usize),
+        mut lap: std::time::Instant,
+    ) -> Result<(u64, std::time::Instant), BackendError> {
+        let c = self.cfg.clone();
+        let (m, d, n) = (c.hc_mult, c.hidden_size, inputs.n_rows);
         let mut x = self.scratch.get(&self.gpu, "x", 4 * n * m * d)?;
         let mut x_alt = self.scratch.get(&self.gpu, "x_alt", 4 * n * m * d)?;
         let (mi, di) = (m as i32, d as i32);
@@ -247,7 +283,7 @@ impl Glm5CudaBackend {
         let table = self.weights.embed.dense_ptr()?;
         launch!(self.gpu, f, cfg((n as u32, 1), BLOCK, 0), &ids, &table, &x, &mi, &di)?;
         if embeds.iter().any(|e| !e.is_empty()) {
-            self.place_embedded(&seqs, embeds, x)?;
+            self.place_embedded(seqs, embeds, x)?;
         }
         let dt = self.profile_lap(&mut lap)?;
         if let Some(p) = self.profile.as_mut() {
@@ -261,7 +297,7 @@ impl Glm5CudaBackend {
                 let y = match &layer.mixer {
                     Mixer::Kda(w) => {
                         have_selection = false;
-                        self.kda(&c, w, l, u, &inputs)?
+                        self.kda(&c, w, l, u, inputs)?
                     }
                     Mixer::Dsa(w) => {
                         let shared = c.layer_types[l] == MixerKind::Dsa && c.indexer_types[l] == IndexerKind::Shared;
@@ -270,7 +306,7 @@ impl Glm5CudaBackend {
                                 "shared DSA layer without a preceding full-indexer layer".into(),
                             ));
                         }
-                        let y = self.mla(&c, w, l, u, &inputs)?;
+                        let y = self.mla(&c, w, l, u, inputs)?;
                         have_selection = have_selection || w.indexer.is_some();
                         y
                     }
@@ -297,9 +333,8 @@ impl Glm5CudaBackend {
         })();
         self.weights.layers = layers;
         out?;
-        let (rows, offsets) = logits_rows(batch, &seqs);
-        let ptr = self.logits(&c, x, &rows)?;
-        Ok(DeviceLogits { ptr, rows: rows.len(), offsets, lap })
+        let ptr = self.logits(&c, x, rows_p, rows_n)?;
+        Ok((ptr, lap))
     }
 
     /// While profiling: wait for the queued work and return the seconds since `lap` (then reset
@@ -324,7 +359,12 @@ impl Glm5CudaBackend {
 
     /// Upload the step's per-sequence and per-row tables, reset slots starting at position 0,
     /// advance the slots' positions and allocate the verification checkpoints.
-    fn prepare(&mut self, batch: &[SeqStep<'_>], seqs: &[SeqRows<'_>]) -> Result<StepInputs, BackendError> {
+    fn prepare(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        seqs: &[SeqRows<'_>],
+        graphable: bool,
+    ) -> Result<StepInputs, BackendError> {
         let c = &self.cfg;
         let stride = self.layout.slot_stride;
         // Page-end snapshots marked for this step (`mark_state_snapshots`), each inside its step.
@@ -395,6 +435,7 @@ impl Glm5CudaBackend {
             });
             let t0 = Self::i32_of(tables.len())?;
             tables.extend(step.block_table.iter().map(|&b| b as i32));
+            let recs_before = pool_recs.len();
             for pos in s.start_pos..s.start_pos + s.n {
                 rows.push(DsaRow { pos: Self::i32_of(pos)?, table: t0 });
                 if (pos + 1) % pool == 0 {
@@ -403,6 +444,10 @@ impl Glm5CudaBackend {
                         pool_recs.push(rec as i64);
                     }
                 }
+            }
+            if graphable && pool_recs.len() == recs_before {
+                // The graph's `dsa_pool` launch has one block per sequence: this one has nothing to do.
+                pool_recs.extend(std::iter::repeat_n(-1i64, pool));
             }
             max_pos = max_pos.max(s.start_pos + s.n);
         }
@@ -419,6 +464,14 @@ impl Glm5CudaBackend {
         };
         let budget = c.pool_budget();
         let ckpt_ptr = ckpt.ptr();
+        let sel_cap = budget * pool + pool;
+        // A graph step takes sizes that stay fixed while the context grows (the kernels read each
+        // row's own counts; the sizes are strides and grid bounds only).
+        let (max_pools, max_sel) = if graphable {
+            ((max_pos / pool).max(1).next_multiple_of(DSA_SCORE_POOLS), sel_cap)
+        } else {
+            ((max_pos / pool).max(1), sel_cap.min(max_pos.max(1)).max(1))
+        };
         Ok(StepInputs {
             n_rows,
             kda_seqs: kda_seqs_p,
@@ -426,8 +479,8 @@ impl Glm5CudaBackend {
             dsa_rows,
             tables: tables_p,
             pool_recs,
-            max_pools: (max_pos / pool).max(1),
-            max_sel: (budget * pool + pool).min(max_pos.max(1)).max(1),
+            max_pools,
+            max_sel,
             ckpt: ckpt_ptr,
             ckpt_map,
         })
@@ -783,16 +836,13 @@ impl Glm5CudaBackend {
         Ok(y)
     }
 
-    /// Final stream mean + norm and the LM head over `rows`, into a device buffer ([rows, vocab]
+    /// Final stream mean + norm and the LM head over the `r` rows listed at `rows_p`, into a device buffer ([rows, vocab]
     /// f32; 0 when there are no rows).
-    fn logits(&mut self, c: &Glm5Config, x: u64, rows: &[usize]) -> Result<u64, BackendError> {
-        let r = rows.len();
+    fn logits(&mut self, c: &Glm5Config, x: u64, rows_p: u64, r: usize) -> Result<u64, BackendError> {
         if r == 0 {
             return Ok(0);
         }
         let d = c.hidden_size;
-        let rows_i: Vec<i32> = rows.iter().map(|&x| x as i32).collect();
-        let rows_p = self.scratch.put(&self.gpu, "logit_rows", &rows_i)?;
         let h = self.scratch.get(&self.gpu, "final_h", self.prec.bytes() * r * d)?;
         let f = self.gpu.func("glm5", &format!("glm5_final_norm_{}", self.prec.suffix()))?;
         let (norm, mi, di) = (self.weights.norm.ptr(), c.hc_mult as i32, d as i32);

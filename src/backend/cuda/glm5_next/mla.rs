@@ -94,6 +94,8 @@ impl Glm5CudaBackend {
     /// tests compare the two forms with it.
     pub fn set_mla_mma_min_rows(&mut self, rows: usize) {
         self.mla_mma_min_rows = rows;
+        // Captured steps hold the other form's launches.
+        self.graphs.forget();
     }
 
     pub(super) fn mla_attend_split(

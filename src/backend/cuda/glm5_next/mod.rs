@@ -13,6 +13,7 @@
 //! the accepted one back on the device.
 
 mod forward;
+mod graph;
 mod mla;
 mod moe;
 mod synthetic;
@@ -91,6 +92,8 @@ pub struct Glm5CudaBackend {
     moe_lanes: usize,
     /// How a large step's dense bf16 experts run (`moe.rs`), from `SHELFSERVE_GLM5_MOE_GEMM`.
     moe_gemm: moe::MoeGemm,
+    /// Decode steps captured as CUDA graphs (`graph.rs`).
+    graphs: graph::GraphCache,
 }
 
 /// What profiled steps measured, summed over the steps since `start_profile`: each layer's
@@ -205,6 +208,7 @@ impl Glm5CudaBackend {
             packed_moe_max_rows: moe::packed_moe_max_rows_from_env()?,
             moe_lanes: moe::moe_lanes_from_env()?,
             moe_gemm: moe::MoeGemm::from_env()?,
+            graphs: graph::GraphCache::from_env(),
         })
     }
 
@@ -232,6 +236,16 @@ impl Glm5CudaBackend {
 
     /// Give the step scratch back to the device (it grows again on demand): `bench` calls it
     /// between its decode and prefill points, whose largest buffers differ.
+    /// Replay decode steps from captured CUDA graphs (on unless `SHELFSERVE_CUDA_GRAPHS=0`).
+    pub fn set_cuda_graphs(&mut self, on: bool) {
+        self.graphs.set_enabled(on);
+    }
+
+    /// Steps replayed from a CUDA graph so far.
+    pub fn graph_replays(&self) -> u64 {
+        self.graphs.replays()
+    }
+
     pub fn release_scratch(&mut self) -> Result<(), BackendError> {
         self.scratch.clear(&self.gpu)
     }

@@ -211,6 +211,15 @@ impl Glm5CudaBackend {
         self.moe_gemm = if grouped { MoeGemm::Grouped } else { MoeGemm::PerExpert };
     }
 
+    /// Whether a step of `n` rows groups its pairs by expert on the device (no routes read back).
+    pub(super) fn moe_on_device(&self, w: &Moe, n: usize) -> bool {
+        match &w.experts {
+            Experts::Stacked { .. } => n <= MOE_GEMV_MAX_ROWS,
+            Experts::PerExpert { grouped: Some(_), .. } => n <= self.packed_moe_max_rows,
+            Experts::PerExpert { grouped: None, .. } => false,
+        }
+    }
+
     pub(super) fn moe(&mut self, c: &Glm5Config, w: &Moe, u: u64, n: usize, l: usize) -> Result<u64, BackendError> {
         let (d, e, k, inter) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, w.inter);
         let logits = self.scratch.get(&self.gpu, "moe_logits", 4 * n * e)?;
@@ -243,12 +252,7 @@ impl Glm5CudaBackend {
         )?;
         let pairs = n * k;
         let slot_out = self.scratch.get(&self.gpu, "moe_slot_out", 4 * pairs * d)?;
-        let device_grouped = match &w.experts {
-            Experts::Stacked { .. } => n <= MOE_GEMV_MAX_ROWS,
-            Experts::PerExpert { grouped: Some(_), .. } => n <= self.packed_moe_max_rows,
-            Experts::PerExpert { grouped: None, .. } => false,
-        };
-        if device_grouped {
+        if self.moe_on_device(w, n) {
             if self.profile.is_some() {
                 let mut routes = vec![0i32; n * k];
                 self.gpu.copy_dtoh(&mut routes, experts)?;
