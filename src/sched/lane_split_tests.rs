@@ -3,53 +3,19 @@
 //! leaves, that the lane's arrivals and decodes never wait for a lower step that cannot run, and
 //! when steps stay whole.
 
+use super::lane_test_support::{add, done, ids, small_cfg, step, AGENT, COST, VOICE};
 use super::*;
-use crate::sched::{LaneTarget, Pacing, PolicyConfig, SeqId, StepCost, StepCostModel, StepPlanOut};
+use crate::sched::{LaneTarget, Pacing, StepCostModel, StepPlanOut};
 
-const VOICE: i32 = 10;
-const AGENT: i32 = 0;
-const COST: StepCost =
-    StepCost { fixed: 0.010, per_prefill_token: 0.001, per_decode_seq: 0.002, per_million_attended: 0.0 };
 const ITL: f64 = 0.050;
 
 fn policy(itl: f64, separate: bool) -> Policy {
-    let cfg = PolicyConfig {
-        max_num_batched_tokens: 512,
-        max_num_seqs: 8,
-        block_size: 16,
-        num_blocks: 1024,
-        page_tokens: 0,
-        recurrent_state: false,
-        page_aligned_chunks: false,
-    };
-    let mut p = Policy::new(cfg).expect("valid config");
+    let mut p = Policy::new(small_cfg(1024)).expect("valid config");
     let voice = LaneTarget { priority: VOICE, ttft: 0.200, itl };
     p.set_pacing(Some(Pacing::new(vec![voice], StepCostModel::new(COST, 0.9), 16)));
     p.set_yielding(true);
     p.set_separate_lane_decodes(separate);
     p
-}
-
-fn add(p: &mut Policy, id: SeqId, priority: i32, prompt_len: usize, max_tokens: usize) {
-    let prompt = (0..prompt_len).map(|i| (id as u32) * 1000 + i as u32 % 500).collect();
-    p.add(NewSeq { id, priority, prompt, max_tokens }).expect("add");
-}
-
-fn done(p: &mut Policy, plan: &StepPlanOut) {
-    let sampled: Vec<(SeqId, Vec<u32>)> =
-        plan.seqs.iter().filter(|s| s.wants_logits).map(|s| (s.id, vec![7])).collect();
-    p.on_step_done(&sampled, &[]);
-    p.assert_accounting();
-}
-
-fn step(p: &mut Policy) -> StepPlanOut {
-    let plan = p.plan_step().expect("something to plan");
-    done(p, &plan);
-    plan
-}
-
-fn ids(plan: &StepPlanOut) -> Vec<SeqId> {
-    plan.seqs.iter().map(|s| s.id).collect()
 }
 
 fn predicted(p: &Policy, plan: &StepPlanOut) -> f64 {

@@ -2,47 +2,19 @@
 //! shrinking to the voice lane's budget, pausing at a chunk boundary with the KV kept, and
 //! resumption at full size once voice is idle.
 
+use super::lane_test_support::{add, small_cfg, step, AGENT, COST, VOICE};
 use super::*;
-use crate::sched::{LaneTarget, Pacing, PolicyConfig, SeqId, StepCost, StepCostModel, StepPlanOut, StepShape};
+use crate::sched::{LaneTarget, Pacing, SeqId, StepCost, StepCostModel, StepPlanOut, StepShape};
 
-const VOICE: i32 = 10;
-const AGENT: i32 = 0;
-/// 10 ms a step, 1 ms a prefill token, 2 ms a decode; attention free (simple arithmetic).
-const COST: StepCost =
-    StepCost { fixed: 0.010, per_prefill_token: 0.001, per_decode_seq: 0.002, per_million_attended: 0.0 };
 const TARGET: LaneTarget = LaneTarget { priority: VOICE, ttft: 0.200, itl: 0.050 };
 
 fn policy(paced: bool) -> Policy {
-    let cfg = PolicyConfig {
-        max_num_batched_tokens: 512,
-        max_num_seqs: 8,
-        block_size: 16,
-        num_blocks: 1024,
-        page_tokens: 0,
-        recurrent_state: false,
-        page_aligned_chunks: false,
-    };
-    let mut p = Policy::new(cfg).expect("valid config");
+    let mut p = Policy::new(small_cfg(1024)).expect("valid config");
     if paced {
         let targets = vec![TARGET, LaneTarget { priority: AGENT, ttft: 10.0, itl: 1.0 }];
         p.set_pacing(Some(Pacing::new(targets, StepCostModel::new(COST, 0.9), 16)));
     }
     p
-}
-
-fn add(p: &mut Policy, id: SeqId, priority: i32, prompt_len: usize, max_tokens: usize) {
-    let prompt = (0..prompt_len).map(|i| (id as u32) * 1000 + i as u32 % 500).collect();
-    p.add(NewSeq { id, priority, prompt, max_tokens }).expect("add");
-}
-
-/// Plans and completes one step (every sequence that wants logits samples token 7).
-fn step(p: &mut Policy) -> StepPlanOut {
-    let plan = p.plan_step().expect("something to plan");
-    let sampled: Vec<(SeqId, Vec<u32>)> =
-        plan.seqs.iter().filter(|s| s.wants_logits).map(|s| (s.id, vec![7])).collect();
-    p.on_step_done(&sampled, &[]);
-    p.assert_accounting();
-    plan
 }
 
 fn tokens_of(plan: &StepPlanOut, id: SeqId) -> usize {

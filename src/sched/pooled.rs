@@ -187,6 +187,9 @@ impl Policy {
 mod tests;
 
 #[cfg(test)]
+#[path = "lane_test_support.rs"]
+mod lane_test_support;
+#[cfg(test)]
 #[path = "pacing_tests.rs"]
 mod pacing_tests;
 

@@ -3,25 +3,9 @@
 //! of other steps and are never preempted, the resume order, and cancellation of a suspended
 //! sequence, with the pool's accounting checked after every move.
 
+use super::lane_test_support::{add, done, ids, small_cfg as cfg, step, AGENT, COST, VOICE};
 use super::*;
-use crate::sched::{LaneTarget, Pacing, PolicyConfig, SeqId, StepCost, StepCostModel, StepPlanOut};
-
-const VOICE: i32 = 10;
-const AGENT: i32 = 0;
-const COST: StepCost =
-    StepCost { fixed: 0.010, per_prefill_token: 0.001, per_decode_seq: 0.002, per_million_attended: 0.0 };
-
-fn cfg(num_blocks: usize) -> PolicyConfig {
-    PolicyConfig {
-        max_num_batched_tokens: 512,
-        max_num_seqs: 8,
-        block_size: 16,
-        num_blocks,
-        page_tokens: 0,
-        recurrent_state: false,
-        page_aligned_chunks: false,
-    }
-}
+use crate::sched::{LaneTarget, Pacing, PolicyConfig, StepCostModel};
 
 fn policy_with(cfg: PolicyConfig, paced: bool, yielding: bool) -> Policy {
     let mut p = Policy::new(cfg).expect("valid config");
@@ -35,29 +19,6 @@ fn policy_with(cfg: PolicyConfig, paced: bool, yielding: bool) -> Policy {
 
 fn policy() -> Policy {
     policy_with(cfg(1024), true, true)
-}
-
-fn add(p: &mut Policy, id: SeqId, priority: i32, prompt_len: usize, max_tokens: usize) {
-    let prompt = (0..prompt_len).map(|i| (id as u32) * 1000 + i as u32 % 500).collect();
-    p.add(NewSeq { id, priority, prompt, max_tokens }).expect("add");
-}
-
-/// Completes the step in flight (every chunk that wants logits samples token 7).
-fn done(p: &mut Policy, plan: &StepPlanOut) {
-    let sampled: Vec<(SeqId, Vec<u32>)> =
-        plan.seqs.iter().filter(|s| s.wants_logits).map(|s| (s.id, vec![7])).collect();
-    p.on_step_done(&sampled, &[]);
-    p.assert_accounting();
-}
-
-fn step(p: &mut Policy) -> StepPlanOut {
-    let plan = p.plan_step().expect("something to plan");
-    done(p, &plan);
-    plan
-}
-
-fn ids(plan: &StepPlanOut) -> Vec<SeqId> {
-    plan.seqs.iter().map(|s| s.id).collect()
 }
 
 #[test]
