@@ -238,7 +238,7 @@ impl Glm5CudaBackend {
         launch!(
             self.gpu,
             f,
-            cfg((n as u32, 1), BLOCK, (4 * e * 4) as u32),
+            cfg((n as u32, 1), BLOCK, (3 * e * 4) as u32),
             &logits,
             &bias,
             &experts,
