@@ -13,3 +13,11 @@ link_fixtures() {
   built=$(cat "$HERE/manifest_dir")
   if [ ! -e "$built/tests/fixtures" ]; then mkdir -p "$(dirname "$built")" && ln -sfn "$PWD" "$built"; fi
 }
+
+# Payload scripts that carry an xz-compressed build beside them: unpack it to $HERE/shelfserve;
+# results go to $O ($OUT on the device machine, else /tmp), scratch files to a fresh $R.
+unpack_payload() {
+  xz -d -k -f "$HERE/shelfserve.xz" && chmod +x "$HERE/shelfserve"
+  O=${OUT:-/tmp}
+  R=$(mktemp -d)
+}

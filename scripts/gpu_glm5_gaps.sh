@@ -10,8 +10,7 @@ set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 cd "$HERE/../.."
 . "$HERE/gpu_env.sh"
-xz -d -k -f "$HERE/shelfserve.xz"; chmod +x "$HERE/shelfserve"
-O=${OUT:-/tmp}; R=$(mktemp -d)
+unpack_payload
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 LO=2; HI=8; HI_BF16=5; [ "${MEM:-0}" -gt 100000 ] && HI_BF16=8
 echo "device memory ${MEM} MiB: layers ${LO} vs ${HI} (bf16 ${HI_BF16})"

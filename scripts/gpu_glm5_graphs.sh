@@ -8,8 +8,7 @@ set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 cd "$HERE/../.."
 . "$HERE/gpu_env.sh"
-xz -d -k -f "$HERE/shelfserve.xz"; chmod +x "$HERE/shelfserve"
-O=${OUT:-/tmp}; R=$(mktemp -d)
+unpack_payload
 OUT=$O timeout 240 bash "$HERE/glm5/gpu_validate_glm5.sh" > "$R/validate.log" 2>&1; echo "validate rc=$?"
 grep -E "^test |replayed|test result" "$R/validate.log" | tail -14
 L=${LAYERS:-5}

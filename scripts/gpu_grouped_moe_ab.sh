@@ -8,8 +8,7 @@ set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 cd "$HERE/../.."
 . "$HERE/gpu_env.sh"
-xz -d -k -f "$HERE/shelfserve.xz"; chmod +x "$HERE/shelfserve"
-O=${OUT:-/tmp}; R=$(mktemp -d)
+unpack_payload
 for q in "" -fp8 -int4; do
   python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['num_hidden_layers']=5; json.dump(c, open(sys.argv[2],'w'))" \
     "$HERE/configs/glm5-next-flash$q.json" "$R/g5L$q.json"
