@@ -21,3 +21,10 @@ unpack_payload() {
   O=${OUT:-/tmp}
   R=$(mktemp -d)
 }
+
+# The payload's glm5 bench config `configs/glm5-next-flash$1.json` ($1: "", -fp8, -int4) cut to $2
+# layers, written to $R/g$2$1.json.
+layered_config() {
+  python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['num_hidden_layers']=int(sys.argv[3]); json.dump(c, open(sys.argv[2],'w'))" \
+    "$HERE/configs/glm5-next-flash$1.json" "$R/g$2$1.json" "$2"
+}

@@ -14,12 +14,11 @@ unpack_payload
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 LO=2; HI=8; HI_BF16=5; [ "${MEM:-0}" -gt 100000 ] && HI_BF16=8
 echo "device memory ${MEM} MiB: layers ${LO} vs ${HI} (bf16 ${HI_BF16})"
-cfg() { python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['num_hidden_layers']=int(sys.argv[3]); json.dump(c, open(sys.argv[2],'w'))" "$HERE/configs/glm5-next-flash$1.json" "$R/g$2$1.json" "$2"; }
 # SLOPES=0: only the kernel times (the 5-layer configs are still made).
 for q in "" -fp8 -int4; do
   hi=$HI; [ -z "$q" ] && hi=$HI_BF16
   for L in $LO $hi 5; do
-    cfg "$q" "$L"
+    layered_config "$q" "$L"
   done
   [ "${SLOPES:-1}" = 0 ] && continue
   for L in $LO $hi; do

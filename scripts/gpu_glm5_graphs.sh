@@ -13,10 +13,9 @@ OUT=$O timeout 240 bash "$HERE/glm5/gpu_validate_glm5.sh" > "$R/validate.log" 2>
 grep -E "^test |replayed|test result" "$R/validate.log" | tail -14
 L=${LAYERS:-5}
 for q in "" -fp8 -int4; do
-  python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['num_hidden_layers']=int(sys.argv[3]); json.dump(c, open(sys.argv[2],'w'))" \
-    "$HERE/configs/glm5-next-flash$q.json" "$R/g$q.json" "$L"
+  layered_config "$q" "$L"
   for g in 1 0; do
-    SHELFSERVE_CUDA_GRAPHS=$g timeout 100 "$HERE/shelfserve" bench --config "$R/g$q.json" --batches 1,8,32 \
+    SHELFSERVE_CUDA_GRAPHS=$g timeout 100 "$HERE/shelfserve" bench --config "$R/g$L$q.json" --batches 1,8,32 \
       --contexts 1024,8192 --prefill 16 --steps 30 --json "$R/b$q-g$g.jsonl" > "$R/b$q-g$g.txt" 2> "$R/b$q-g$g.log" \
       || { echo "FAIL bench$q graphs=$g"; tail -3 "$R/b$q-g$g.log"; }
   done

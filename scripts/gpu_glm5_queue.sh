@@ -3,9 +3,10 @@
 # per decode point, the step's wall time and the host time spent queueing its launches (queue ms):
 # a queue time near the step time means the GPU waits for the host. GLM-5.3-Flash widths, bf16,
 # FP8 and int4 experts; 10 layers on a card with more than 100 GB, else 5. On such a card the
-# grouped-vs-per-expert MoE A/B of scripts/gpu_grouped_moe_ab.sh runs too, at 10 layers.
-# Payload script: copy into .dev/<dir>/ beside gpu_env.sh, configs/ (configs/bench/glm5-next-flash*.json)
-# and an xz-compressed shelfserve build, then `run` it with that dir in carry.
+# grouped-vs-per-expert MoE A/B (scripts/gpu_grouped_moe_ab.sh, once, at 10 layers) runs after it.
+# Payload script: copy into .dev/<dir>/ beside gpu_env.sh, gpu_grouped_moe_ab.sh, configs/
+# (configs/bench/glm5-next-flash*.json) and an xz-compressed shelfserve build, then `run` it with
+# that dir in carry.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 cd "$HERE/../.."
@@ -15,23 +16,13 @@ MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -
 L=5; [ "${MEM:-0}" -gt 100000 ] && L=10
 echo "device memory ${MEM} MiB: ${L} layers"
 for q in "" -fp8 -int4; do
-  python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['num_hidden_layers']=int(sys.argv[3]); json.dump(c, open(sys.argv[2],'w'))" \
-    "$HERE/configs/glm5-next-flash$q.json" "$R/g$L$q.json" "$L"
+  layered_config "$q" "$L"
 done
 for q in "" -fp8 -int4; do
   timeout 150 "$HERE/shelfserve" bench --config "$R/g$L$q.json" --batches 1,8,32 --contexts 1024,8192 \
     --prefill 2048 --steps 20 --json "$R/decode$q.jsonl" > "$R/decode$q.txt" 2> "$R/decode$q.log" \
     || { echo "FAIL decode$q"; tail -3 "$R/decode$q.log"; }
 done
-if [ "$L" = 10 ]; then
-  for q in "" -fp8 -int4; do
-    for m in grouped cublas; do
-      SHELFSERVE_GLM5_MOE_GEMM=$m timeout 150 "$HERE/shelfserve" bench --config "$R/g$L$q.json" --batches 1 \
-        --contexts 1024 --prefill 2048,8192,16384 --steps 3 --json "$R/ab$q-$m.jsonl" > /dev/null \
-        2> "$R/ab$q-$m.log" || { echo "FAIL ab$q $m"; tail -3 "$R/ab$q-$m.log"; }
-    done
-  done
-fi
 cat "$R"/*.jsonl > "$O/all.jsonl"
 python3 - "$R" <<'PY'
 import glob, json, sys
@@ -49,3 +40,4 @@ for f in sorted(glob.glob(sys.argv[1] + '/*.jsonl')):
             print(name.ljust(14), 'prefill', r['tokens'], 'ms %.1f' % (r['secs'] * 1e3), 'tok/s %.0f' % r['tok_per_s'],
                   'gemm %.1f%%' % (r['of_gemm'] * 100), 'moe_layer_ms %.2f' % (r['layer_secs']['moe_ffn'] * 1e3))
 PY
+if [ "$L" = 10 ]; then LAYERS=10 REPS=1 bash "$HERE/gpu_grouped_moe_ab.sh"; fi
