@@ -261,7 +261,7 @@ impl Glm5CudaBackend {
             Some((k, super::graph::GraphAction::Replay)) => (self.graphs.launch(&k)?, lap),
             Some((k, super::graph::GraphAction::Capture)) => self.capture_step(k, run)?,
         };
-        Ok(DeviceLogits { ptr: if rows_n == 0 { 0 } else { ptr }, rows: rows_n, offsets, lap })
+        Ok(DeviceLogits { ptr, rows: rows_n, offsets, lap })
     }
 
     /// Queue the step's launches; returns the logits' address and the profiling lap.
@@ -836,8 +836,8 @@ impl Glm5CudaBackend {
         Ok(y)
     }
 
-    /// Final stream mean + norm and the LM head over the `r` rows listed at `rows_p`, into a device buffer ([rows, vocab]
-    /// f32; 0 when there are no rows).
+    /// Final stream mean + norm and the LM head over the `r` rows listed at `rows_p`, into a device
+    /// buffer ([r, vocab] f32; 0 when there are no rows).
     fn logits(&mut self, c: &Glm5Config, x: u64, rows_p: u64, r: usize) -> Result<u64, BackendError> {
         if r == 0 {
             return Ok(0);

@@ -234,8 +234,6 @@ impl Glm5CudaBackend {
         &self.gpu.name
     }
 
-    /// Give the step scratch back to the device (it grows again on demand): `bench` calls it
-    /// between its decode and prefill points, whose largest buffers differ.
     /// Replay decode steps from captured CUDA graphs (on unless `SHELFSERVE_CUDA_GRAPHS=0`).
     pub fn set_cuda_graphs(&mut self, on: bool) {
         self.graphs.set_enabled(on);
@@ -246,6 +244,8 @@ impl Glm5CudaBackend {
         self.graphs.replays()
     }
 
+    /// Give the step scratch back to the device (it grows again on demand): `bench` calls it
+    /// between its decode and prefill points, whose largest buffers differ.
     pub fn release_scratch(&mut self) -> Result<(), BackendError> {
         self.scratch.clear(&self.gpu)
     }
